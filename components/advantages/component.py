@@ -1,0 +1,29 @@
+from typing import NamedTuple
+
+from kfp import dsl
+
+from rlpipe.components import STEP_IMAGE
+
+
+@dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
+def advantages(
+    spec: dict,
+    scored: dsl.Input[dsl.Dataset],
+    batch: dsl.Output[dsl.Dataset],
+    metrics: dsl.Output[dsl.Metrics],
+) -> NamedTuple("Outputs", step_metrics=dict):
+    """GRPO group-normalized advantages per completion."""
+    import time
+
+    from rlpipe.timing import process_age_s
+
+    process_s, entered = process_age_s(), time.time()
+    from rlpipe.components.advantages.step import compute_advantages
+    from rlpipe.spec import parse_spec
+    from rlpipe.timing import component_overhead
+
+    values = component_overhead("advantages", process_s, entered)
+    values |= compute_advantages(parse_spec(spec), scored.path, batch.path)
+    for key, value in values.items():
+        metrics.log_metric(key, value)
+    return (values,)

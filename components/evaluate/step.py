@@ -1,0 +1,62 @@
+"""evaluate: greedy accuracy of a weights version on the fixed held-out set.
+
+`evaluation_pending` is torch-free so the component can skip cheaply; the rest imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow.parquet as pq
+
+from rlpipe.run_store import eval_metrics_uri, filesystem, join, read_state, write_json
+from rlpipe.spec import RunSpec
+from rlpipe.weight_store import WeightRef, as_ref, local_path
+
+
+def eval_due(spec: RunSpec, iteration: int) -> bool:
+    return iteration == 0 or iteration % spec.loop.eval_every == 0 or iteration == spec.loop.iterations
+
+
+def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
+    """Due for `iteration`, committed, and not yet recorded (so a rerun after a kill evaluates once)."""
+    state = read_state(run_root) or {}
+    if not eval_due(spec, iteration) or state.get("iteration", -1) < iteration:
+        return False
+    fs, path = filesystem(eval_metrics_uri(run_root, iteration))
+    return not fs.exists(path)
+
+
+def evaluate_policy(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str) -> dict[str, float]:
+    """Greedy-decode every eval prompt; accuracy = mean of the first reward function (a verifier)."""
+    from rlpipe.components.generate.torch_engine import sample_in_batches
+    from rlpipe.components.score.step import load_reward_function
+    from rlpipe.modeling import configure_torch, load_policy
+
+    configure_torch(spec.trainer.threads)
+    t0 = time.time()
+    weights = as_ref(weights)
+    model, tokenizer = load_policy(local_path(weights, cache_root))
+    model.eval()
+    loaded = time.time()
+    rows = pq.read_table(filesystem(join(run_root, "data", "eval.parquet"))[1]).to_pylist()
+    completions = sample_in_batches(
+        model,
+        [tokenizer(row["prompt"])["input_ids"] for row in rows],
+        batch_size=spec.rollout.batch_size,
+        max_new_tokens=spec.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        greedy=True,
+    )
+    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+    verifier = load_reward_function(spec.reward.functions[0])
+    scores = verifier([r["prompt"] for r in rows], texts, reference=[r["reference"] for r in rows])
+    metrics = {
+        "eval/accuracy_greedy": sum(scores) / len(scores),
+        "eval/weights_version": float(weights["version"]),
+        "overhead/evaluate_load_s": loaded - t0,
+        "time/evaluate_s": time.time() - loaded,
+    }
+    write_json(eval_metrics_uri(run_root, iteration), metrics)
+    return metrics

@@ -1,0 +1,35 @@
+from typing import NamedTuple
+
+from kfp import dsl
+
+from rlpipe.components import TRAINER_IMAGE
+
+
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def generate(
+    spec: dict,
+    run_root: str,
+    weights: dict,
+    iteration: int,
+    rollouts: dsl.Output[dsl.Dataset],
+    metrics: dsl.Output[dsl.Metrics],
+) -> NamedTuple("Outputs", step_metrics=dict):
+    """Sample G completions per prompt with the policy `weights`; rollouts as Parquet."""
+    import time
+
+    from rlpipe.timing import process_age_s
+
+    process_s, entered = process_age_s(), time.time()
+    from rlpipe.components.generate.step import generate_rollouts
+    from rlpipe.run_store import cache_root_for
+    from rlpipe.spec import parse_spec
+    from rlpipe.timing import component_overhead
+
+    run_spec = parse_spec(spec)
+    values = component_overhead("generate", process_s, entered)
+    cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
+    values |= generate_rollouts(run_spec, run_root, weights, iteration, rollouts.path, cache)
+    for key, value in values.items():
+        metrics.log_metric(key, value)
+    values["started_at"] = entered - process_s  # wall clock the iteration started (for sync)
+    return (values,)

@@ -1,0 +1,110 @@
+"""The torch generation engine: batched sampling with a KV cache, recording sampling log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+@dataclass
+class Completions:
+    token_ids: list[list[int]]  # through the first eos (inclusive) when one was sampled
+    logprobs: list[list[float]]  # log pi_sampler(token | prefix), one per completion token
+    finish_reasons: list[str]  # "stop" or "length"
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Completions:
+    """Sample one completion per prompt (repeat prompts for G samples).
+
+    Prompts are left-padded so every row's last prompt token sits at the same column.
+    The recorded log-prob is log softmax(logits / T) at the sampled token: the same
+    distribution the update step recomputes (top-k/top-p only restrict which tokens
+    can be drawn; with top_k=0, top_p=1 the two coincide exactly).
+    """
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1, :]
+    next_position = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool)
+    tokens: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        if greedy:
+            token = logp.argmax(-1)
+        else:
+            allowed = _filter_logits(logp, top_k, top_p)
+            token = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=generator).squeeze(-1)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        logprobs.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+        finished |= token == eos_id
+        if bool(finished.all()):
+            break
+        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+        out = model(
+            input_ids=token.unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        next_position = next_position + 1
+
+    token_matrix = torch.stack(tokens, dim=1).tolist()
+    logprob_matrix = torch.stack(logprobs, dim=1).tolist()
+    result = Completions([], [], [])
+    for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
+        stopped = eos_id in row_tokens
+        end = row_tokens.index(eos_id) + 1 if stopped else len(row_tokens)
+        result.token_ids.append(row_tokens[:end])
+        result.logprobs.append(row_logprobs[:end])
+        result.finish_reasons.append("stop" if stopped else "length")
+    return result
+
+
+def sample_in_batches(model: PreTrainedModel, prompts: list[list[int]], batch_size: int, **kwargs) -> Completions:
+    """`sample` over chunks of `batch_size` rows (bounds activation and KV-cache memory)."""
+    result = Completions([], [], [])
+    for start in range(0, len(prompts), batch_size):
+        part = sample(model, prompts[start : start + batch_size], **kwargs)
+        result.token_ids += part.token_ids
+        result.logprobs += part.logprobs
+        result.finish_reasons += part.finish_reasons
+    return result

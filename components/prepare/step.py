@@ -1,0 +1,28 @@
+"""prepare: generate the task's train prompts and fixed held-out eval set (seeded, no torch)."""
+
+from __future__ import annotations
+
+import random
+
+from rlpipe.run_store import filesystem, join
+from rlpipe.spec import RunSpec
+from rlpipe.tasks import TASKS
+
+
+def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
+    """Write data/train.parquet and data/eval.parquet with `datasets`; skip if present."""
+    from datasets import Dataset
+
+    train_uri, eval_uri = join(run_root, "data", "train.parquet"), join(run_root, "data", "eval.parquet")
+    fs, _ = filesystem(run_root)
+    if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):
+        make_rows = TASKS[spec.task.name]
+        options = spec.task.model_dump(exclude={"name", "train_size", "eval_size"})
+        rows = make_rows(random.Random(spec.seed), spec.task.train_size + spec.task.eval_size, **options)
+        fs.makedirs(filesystem(join(run_root, "data"))[1], exist_ok=True)
+        for uri, part in ((eval_uri, rows[: spec.task.eval_size]), (train_uri, rows[spec.task.eval_size :])):
+            tmp = f"{uri}.tmp"
+            with fs.open(filesystem(tmp)[1], "wb") as f:
+                Dataset.from_list(part).to_parquet(f)
+            fs.mv(filesystem(tmp)[1], filesystem(uri)[1])
+    return {"data/train_rows": spec.task.train_size, "data/eval_rows": spec.task.eval_size}

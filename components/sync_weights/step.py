@@ -1,0 +1,57 @@
+"""sync_weights: publish v(N+1) atomically, record the iteration's metrics, commit state.json.
+
+Commit order (a kill at any point leaves a resumable store):
+  1. verify + move staged weights to weights/v(N+1), then LATEST      (weight_store.publish)
+  2. write metrics/iter_(N+1).json
+  3. state.json: iteration = N+1                                       <- the commit point
+  4. prune old weight and optimizer versions
+A rerun after a kill before 3 redoes the iteration from v(N); after 3 it is a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rlpipe.run_store import commit_state, filesystem, iteration_metrics_uri, join, read_state, write_json
+from rlpipe.spec import RunSpec
+from rlpipe.weight_store import WeightRef, prune, publish, read_ref
+
+
+def sync_weights(
+    spec: RunSpec, run_root: str, staged: WeightRef, iteration: int, step_metrics: dict[str, float]
+) -> tuple[WeightRef, dict[str, float]]:
+    """Publish `staged` as the policy after `iteration`; returns the published ref and metrics."""
+    started = time.time()
+    state = read_state(run_root) or {}
+    committed = state.get("iteration", -1)
+    if committed >= iteration:  # a retried sync after its own commit: nothing to do
+        return read_ref(run_root, state["weights_version"]), {}
+    if committed != iteration - 1:
+        raise RuntimeError(
+            f"state.json is at iteration {committed}, cannot commit iteration {iteration}; "
+            "another run is writing to this run root? Rerun `rlpipe run` to continue from the state."
+        )
+    ref = publish(run_root, staged)
+    metrics = dict(step_metrics)
+    metrics["time/sync_weights_s"] = time.time() - started
+    if "started_at" in metrics:  # wall clock from the generate step's process start to here
+        wall = time.time() - metrics.pop("started_at")
+        compute = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s"))
+        metrics["time/iteration_wall_s"] = wall
+        metrics["overhead/iteration_s"] = max(0.0, wall - compute)
+    write_json(iteration_metrics_uri(run_root, iteration), metrics)
+    commit_state(
+        run_root,
+        iteration=iteration,
+        weights_version=ref["version"],
+        weights_sha256=ref["sha256"],
+        data_cursor=iteration * spec.rollout.prompts_per_iteration,
+    )
+    prune(run_root, spec.storage.keep_versions, ref["version"])
+    fs, opt_dir = filesystem(join(run_root, "optimizer"))
+    if fs.exists(opt_dir):
+        for path in fs.ls(opt_dir, detail=False):
+            name = path.rsplit("/", 1)[-1]
+            if name.startswith("v") and name.endswith(".pt") and int(name[1:7]) < ref["version"]:
+                fs.rm(path)
+    return ref, metrics

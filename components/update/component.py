@@ -1,0 +1,35 @@
+from typing import NamedTuple
+
+from kfp import dsl
+
+from rlpipe.components import TRAINER_IMAGE
+
+
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def update(
+    spec: dict,
+    run_root: str,
+    weights: dict,
+    iteration: int,
+    batch: dsl.Input[dsl.Dataset],
+    metrics: dsl.Output[dsl.Metrics],
+) -> NamedTuple("Outputs", staged=dict, step_metrics=dict):
+    """Clipped policy-gradient update from `weights`; stages v(N+1) in the weight store."""
+    import time
+
+    from rlpipe.timing import process_age_s
+
+    process_s, entered = process_age_s(), time.time()
+    from rlpipe.components.update.step import update_policy
+    from rlpipe.run_store import cache_root_for
+    from rlpipe.spec import parse_spec
+    from rlpipe.timing import component_overhead
+
+    run_spec = parse_spec(spec)
+    values = component_overhead("update", process_s, entered)
+    cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
+    staged, step_values = update_policy(run_spec, run_root, weights, batch.path, iteration, cache)
+    values |= step_values
+    for key, value in values.items():
+        metrics.log_metric(key, value)
+    return (staged, values)

@@ -1,0 +1,160 @@
+"""update: one iteration of policy-gradient training on the batch; stages weights v(N+1).
+
+Mini-batches (PPO style): the batch is shuffled and split into `trainer.mini_batches`
+optimizer steps per epoch. The sampler's log-probs are pi_old, so no extra forward pass
+is spent recomputing them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from rlpipe.modeling import configure_torch, load_policy
+from rlpipe.objectives import clipped_policy_loss, token_logprobs
+from rlpipe.rollouts import read_table
+from rlpipe.run_store import filesystem, join
+from rlpipe.spec import RunSpec
+from rlpipe.weight_store import WeightRef, as_ref, local_path, read_ref, seal, stage_pretrained
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient went NaN/inf; nothing was published."""
+
+
+def optimizer_uri(run_root: str, version: int) -> str:
+    return join(run_root, "optimizer", f"v{version:06d}.pt")
+
+
+def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion; tensors aligned to next-token targets (length L-1).
+
+    completion_mask[t] = 1 where target t is a completion token; old_logprobs and
+    advantages are laid out on those positions.
+    """
+    width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    completion_mask = torch.zeros((n, width - 1))
+    old_logprobs = torch.zeros((n, width - 1))
+    for i, row in enumerate(rows):
+        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
+        sequence = prompt + completion
+        input_ids[i, : len(sequence)] = torch.tensor(sequence)
+        attention[i, : len(sequence)] = 1
+        start = len(prompt) - 1  # target index of the first completion token
+        completion_mask[i, start : start + len(completion)] = 1
+        old_logprobs[i, start : start + len(completion)] = torch.tensor(row["logprobs"])
+    return {
+        "input_ids": input_ids,
+        "attention": attention,
+        "completion_mask": completion_mask,
+        "old_logprobs": old_logprobs,
+        "advantages": torch.tensor([row["advantage"] for row in rows], dtype=torch.float32),
+    }
+
+
+def update_policy(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train on the batch from weights v(N); stage v(N+1) and save the optimizer state."""
+    configure_torch(spec.trainer.threads)
+    t0 = time.time()
+    weights = as_ref(weights)
+    policy, tokenizer = load_policy(local_path(weights, cache_root))
+    policy.train()
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
+    )
+    fs, opt_path = filesystem(optimizer_uri(run_root, weights["version"]))
+    if fs.exists(opt_path):
+        with fs.open(opt_path, "rb") as f:
+            optimizer.load_state_dict(torch.load(f, weights_only=True))
+    reference = None
+    if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
+        reference, _ = load_policy(local_path(read_ref(run_root, 0), cache_root))
+        reference.eval().requires_grad_(False)
+    loaded = time.time()
+
+    rows = read_table(batch_path).to_pylist()
+    random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
+    temperature = spec.rollout.temperature
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
+    steps = 0
+    tokens = 0
+    size = math.ceil(len(rows) / spec.trainer.mini_batches)
+    steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
+    for _ in range(spec.trainer.epochs):
+        for start in range(0, len(rows), size):
+            # linear warmup: lr_s = lr * min(1, (s + 1) / warmup), s = optimizer steps so far in the run
+            global_step = (iteration - 1) * steps_per_iteration + steps
+            for group in optimizer.param_groups:
+                group["lr"] = spec.trainer.lr * min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
+            mb = pack(rows[start : start + size], tokenizer.pad_token_id)
+            targets = mb["input_ids"][:, 1:]
+            logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
+            logprobs = token_logprobs(logits, targets, temperature)
+            ref_logprobs = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
+                    ref_logprobs = token_logprobs(ref_logits, targets, temperature)
+            loss, stats = clipped_policy_loss(
+                logprobs,
+                mb["old_logprobs"],
+                mb["advantages"],
+                mb["completion_mask"],
+                clip_eps=spec.algorithm.clip_eps,
+                ref_logprobs=ref_logprobs,
+                kl_coef=spec.algorithm.kl_coef,
+                aggregation=spec.algorithm.loss_aggregation,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), spec.trainer.max_grad_norm)
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                raise NonFiniteLossError(
+                    f"iteration {iteration}: loss {loss.item()} / grad norm {grad_norm.item()} is not finite; "
+                    "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
+                    "functions for extreme values; then run again: the loop resumes from the last version."
+                )
+            optimizer.step()
+            with torch.no_grad():  # H = -sum_v p log p, averaged over completion tokens
+                logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+                mask = mb["completion_mask"]
+                totals["entropy"] += float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            totals["loss"] += loss.item()
+            totals["grad_norm"] += float(grad_norm)
+            for key in ("clip_fraction", "kl", "ratio"):
+                totals[key] += float(stats[key])
+            tokens += int(mb["attention"].sum())
+            steps += 1
+    trained = time.time()
+
+    new_version = weights["version"] + 1
+    staged = stage_pretrained(run_root, new_version, policy, tokenizer, cache_root)
+    ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    fs, final_opt = filesystem(optimizer_uri(run_root, new_version))
+    fs.makedirs(final_opt.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(final_opt + ".tmp", "wb") as f:
+        torch.save(optimizer.state_dict(), f)
+    fs.mv(final_opt + ".tmp", final_opt)
+
+    return ref, {
+        "policy/loss": totals["loss"] / steps,
+        "policy/clip_fraction": totals["clip_fraction"] / steps,
+        "policy/entropy": totals["entropy"] / steps,
+        "policy/grad_norm": totals["grad_norm"] / steps,
+        "policy/ratio_mean": totals["ratio"] / steps,
+        "kl/mean": totals["kl"] / steps,
+        "policy/optimizer_steps": float(steps),
+        "policy/lr": optimizer.param_groups[0]["lr"],
+        "throughput/update_tokens_per_s": tokens / max(trained - loaded, 1e-9),
+        "overhead/update_load_s": loaded - t0,
+        "time/update_s": time.time() - loaded,
+    }

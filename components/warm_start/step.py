@@ -1,0 +1,99 @@
+"""warm_start: the initial policy v0 — built or loaded, then a short SFT on task answers.
+
+The SFT result is cached under <storage.cache>/warm_start/<key> so a second run skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
+from rlpipe.run_store import filesystem, join
+from rlpipe.spec import RunSpec
+from rlpipe.weight_store import WeightRef, seal, staging_uri
+
+
+def cache_key(spec: RunSpec) -> str:
+    """Everything that determines the warm-started weights."""
+    parts = {"model": spec.model.model_dump(mode="json"), "task": spec.task.model_dump(mode="json"), "seed": spec.seed}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sft_batches(tokenizer, rows: list[dict[str, str]], batch_size: int, rng: random.Random):
+    """Endless batches of (input_ids, labels): prompt + answer + eos, loss on answer + eos only."""
+    encoded = []
+    for row in rows:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        answer = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        encoded.append((prompt + answer, [-100] * len(prompt) + answer))
+    while True:
+        chosen = rng.sample(encoded, batch_size)
+        width = max(len(ids) for ids, _ in chosen)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        attention = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (ids, lab) in enumerate(chosen):  # right-pad: positions start at 0
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(lab)] = torch.tensor(lab)
+            attention[row, : len(ids)] = 1
+        yield input_ids, labels, attention
+
+
+def supervised_warm_start(model, tokenizer, rows, steps: int, batch_size: int, lr: float, seed: int) -> float:
+    """Plain next-token cross-entropy on answers; returns the final loss (mean of last 50 steps)."""
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batches = sft_batches(tokenizer, rows, batch_size, random.Random(seed))
+    recent: list[float] = []
+    model.train()
+    for _ in range(steps):
+        input_ids, labels, attention = next(batches)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        recent = (recent + [loss.item()])[-50:]
+    model.eval()
+    return sum(recent) / max(len(recent), 1)
+
+
+def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef, dict[str, float]]:
+    """Stage v0 (to be published by sync_weights); reuse the cached warm start when present."""
+    configure_torch(spec.trainer.threads)
+    started = time.time()
+    metrics: dict[str, float] = {}
+    cached = Path(cache_root) / "warm_start" / cache_key(spec)
+    staged = staging_uri(run_root, 0)
+    fs, staged_path = filesystem(staged)
+    if (cached / "config.json").exists():
+        fs.put(str(cached) + "/", staged_path, recursive=True)
+        metrics["warm_start/cached"] = 1.0
+    else:
+        if spec.model.path:
+            model, tokenizer = load_policy(resolve_model_source(spec.model.path, cache_root))
+        else:
+            tokenizer = build_char_tokenizer()
+            model = build_tiny_model(spec.model.tiny, tokenizer, spec.seed)
+        ws = spec.model.warm_start
+        if ws.steps:
+            rows = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1]).to_pylist()
+            metrics["warm_start/final_loss"] = supervised_warm_start(
+                model, tokenizer, rows, ws.steps, ws.batch_size, ws.lr, spec.seed
+            )
+        tmp = cached.with_name(f"{cached.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(cached)
+        fs.put(str(cached) + "/", staged_path, recursive=True)
+        metrics["warm_start/cached"] = 0.0
+    metrics["time/warm_start_s"] = time.time() - started
+    return seal(staged, version=0, iteration=0, parent=None), metrics

@@ -1,0 +1,208 @@
+"""The local driver: run the pipeline on KFP's local runner, one pipeline run per chunk of
+iterations, until state.json says the loop is done. This is `rlpipe run`.
+
+Each pipeline run is a real KFP run (kfp.local.SubprocessRunner, every step its own
+process); the driver holds no training state, so killing it at any moment and running it
+again continues from the last committed iteration.
+"""
+
+import contextlib
+import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from rlpipe.run_store import join, list_metrics, read_json, read_state, run_root_for, write_json
+from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.tracking import run_url
+
+# Steps are separate processes: keep each to one thread and quiet library progress bars.
+STEP_ENVIRONMENT = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+class PipelineRunFailed(RuntimeError):
+    """A KFP task failed; the message names it and points at its log."""
+
+
+@dataclass
+class Progress:
+    """What the display shows, refreshed from the run root's metrics files."""
+
+    total: int
+    iteration: int = 0
+    task: str = "starting"
+    latest: dict[str, float] = field(default_factory=dict)
+    evals: dict[int, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def refresh(self, run_root: str, log_path: Path) -> None:
+        iterations = list_metrics(run_root, "iter")
+        state = read_state(run_root) or {}
+        self.iteration = state.get("iteration", 0)
+        if iterations:
+            self.latest = iterations[max(iterations)]
+        self.evals = {i: m["eval/accuracy_greedy"] for i, m in list_metrics(run_root, "eval").items()}
+        if log_path.exists():
+            with log_path.open("rb") as f:
+                f.seek(max(0, log_path.stat().st_size - 8192))
+                tasks = re.findall(rb"Executing task \x1b\[\d+m'([\w-]+)'", f.read())
+            if tasks:
+                self.task = tasks[-1].decode()
+
+    def render(self) -> Table:
+        table = Table.grid(padding=(0, 2))
+        done = self.iteration / max(self.total, 1)
+        bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
+        table.add_row("iteration", f"[{bar}] {self.iteration}/{self.total}   step: {self.task}")
+        m = self.latest
+        if m:
+            table.add_row(
+                "reward",
+                f"mean {m.get('reward/mean', 0):.3f}  std {m.get('reward/std', 0):.3f}  "
+                f"zero-variance groups {m.get('groups/zero_variance_fraction', 0):.2f}",
+            )
+            table.add_row(
+                "policy",
+                f"loss {m.get('policy/loss', 0):+.4f}  kl {m.get('kl/mean', 0):.4f}  "
+                f"entropy {m.get('policy/entropy', 0):.3f}  clip {m.get('policy/clip_fraction', 0):.3f}",
+            )
+            table.add_row(
+                "time",
+                f"iteration {m.get('time/iteration_wall_s', 0):.1f}s (orchestration "
+                f"{m.get('overhead/iteration_s', 0):.1f}s)  generate {m.get('throughput/generate_tokens_per_s', 0):.0f} tok/s",
+            )
+        if self.evals:
+            first, last = min(self.evals), max(self.evals)
+            table.add_row(
+                "eval",
+                f"greedy accuracy {self.evals[first]:.3f} (iteration {first}) -> {self.evals[last]:.3f} (iteration {last})",
+            )
+        table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
+        return table
+
+    def line(self) -> str:
+        m = self.latest
+        text = f"iteration {self.iteration}/{self.total}"
+        if m:
+            text += f"  reward {m.get('reward/mean', 0):.3f}  {m.get('time/iteration_wall_s', 0):.1f}s"
+        if self.evals:
+            text += f"  eval {self.evals[max(self.evals)]:.3f}"
+        return text
+
+
+def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
+    """A resumed run keeps its spec; only loop settings may change (e.g. more iterations)."""
+    saved = read_json(join(run_root, "spec.json"))
+    current = spec_to_dict(spec)
+    if saved is None:
+        write_json(join(run_root, "spec.json"), current)
+        return
+    changed = sorted(k for k in set(saved) | set(current) if k != "loop" and saved.get(k) != current.get(k))
+    if changed:
+        raise ValueError(
+            f"{run_root} was started with a different spec (sections {', '.join(changed)} differ); "
+            "use a new run name (name: or --run-dir) or restore the original settings"
+        )
+    write_json(join(run_root, "spec.json"), current)
+
+
+def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | None = None) -> dict:
+    """Drive the loop to `spec.loop.iterations`; returns the final state."""
+    from kfp import local
+
+    from rlpipe.pipelines.rl_pipeline import build_run_pipeline
+
+    console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
+    run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
+    Path(run_root).mkdir(parents=True, exist_ok=True)
+    check_spec_unchanged(spec, run_root)
+    os.environ.update(STEP_ENVIRONMENT)
+    log_path = Path(run_root) / "logs" / "kfp-local.log"
+    log_path.parent.mkdir(exist_ok=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
+    pipeline = build_run_pipeline(spec.loop.iterations_per_run)
+    progress = Progress(total=spec.loop.iterations)
+
+    def say(text: str) -> None:  # paths must not wrap or be read as markup
+        console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+    say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
+
+    stop = threading.Event()
+    interactive = console.is_terminal
+
+    def watch(live: Live | None) -> None:
+        printed = -1
+        while not stop.wait(1.0):
+            progress.refresh(run_root, log_path)
+            if live is not None:
+                live.update(progress.render())
+            elif progress.iteration != printed:
+                printed = progress.iteration
+                say(progress.line())
+
+    with contextlib.ExitStack() as stack:
+        live = stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
+        watcher = threading.Thread(target=watch, args=(live,), daemon=True)
+        watcher.start()
+        try:
+            while True:
+                offset = log_path.stat().st_size if log_path.exists() else 0
+                with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    try:
+                        pipeline(spec=spec_to_dict(spec), run_root=run_root)
+                    except RuntimeError as err:
+                        failure = err
+                    else:
+                        failure = None
+                if failure is not None:
+                    raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
+                state = read_state(run_root) or {}
+                if state.get("iteration", 0) >= spec.loop.iterations:
+                    break
+        finally:
+            stop.set()
+            watcher.join()
+            progress.refresh(run_root, log_path)
+            if live is not None:
+                live.update(progress.render())
+    state = read_state(run_root) or {}
+    if not interactive:
+        say(progress.line())
+    if state.get("mlflow_run_id"):
+        say(f"MLflow run: {run_url(spec, run_root, state['mlflow_run_id'])}")
+    summary = {"run_root": run_root, "state": state, "evals": progress.evals}
+    (Path(run_root) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return state
+
+
+def _failure_message(err: RuntimeError, log_path: Path, offset: int) -> str:
+    """The failed task and the exception it raised (from this pipeline run's log), colors stripped."""
+    text = re.sub(r"\x1b\[\d+m", "", str(err))
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        run_log = re.sub(r"\x1b\[\d+m", "", f.read().decode(errors="replace"))
+    reasons = re.findall(r"^\s*(\w+(?:Error|Exception): .*)$", run_log, flags=re.MULTILINE)
+    reasons = [r for r in reasons if not r.startswith("RuntimeError: Pipeline") and "Task" not in r[:30]]
+    reason = reasons[-1].strip() if reasons else "see the log"
+    return (
+        f"{text}\n  cause: {reason}\n  full log: {log_path}\n"
+        "Storage is consistent: fix the cause and run the same command again to resume."
+    )

@@ -1,0 +1,92 @@
+"""The DAGs: one RL iteration, and a pipeline run that unrolls K of them.
+
+    rl_iteration(weights v(N)):  generate -> score -> advantages -> update -> sync_weights -> evaluate
+    rl_run (K unrolled):          prepare -> warm_start -> publish_warm_start -> plan, iterations_todo
+                                  -> evaluate (if pending) -> iteration 1 -> ... -> iteration K
+                                  (iteration k runs under If(iterations_todo >= k))
+                                  exit handler: track (MLflow), runs even if an iteration fails
+
+KFP v2 has no while loop: `plan` reads state.json, so every run of this pipeline (local
+driver, or a recurring run on a cluster) continues where storage says the loop is, and a
+run with nothing left to do is a no-op. Initialization steps are no-ops once state.json
+exists; evaluate is a no-op unless an eval is due and not yet recorded. Weights travel as
+{uri, version, sha256} dicts.
+
+Conditions test single-output tasks (`iterations_todo.output`): kfp 2.17.0's local runner
+cannot resolve a condition on one named output of a multi-output task.
+"""
+
+
+from contextlib import ExitStack
+from typing import Callable, NamedTuple
+
+from kfp import dsl
+
+from rlpipe.components.advantages.component import advantages
+from rlpipe.components.evaluate.component import evaluate
+from rlpipe.components.generate.component import generate
+from rlpipe.components.plan.component import iterations_todo, plan
+from rlpipe.components.prepare.component import prepare
+from rlpipe.components.score.component import score
+from rlpipe.components.sync_weights.component import sync_weights
+from rlpipe.components.track.component import track
+from rlpipe.components.update.component import update
+from rlpipe.components.warm_start.component import publish_warm_start, warm_start
+
+@dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
+def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
+    "Outputs", weights=dict, next_iteration=int
+):
+    rollouts = generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration)
+    scored = score(spec=spec, rollouts=rollouts.outputs["rollouts"])
+    batch = advantages(spec=spec, scored=scored.outputs["scored"])
+    updated = update(spec=spec, run_root=run_root, weights=weights, iteration=iteration, batch=batch.outputs["batch"])
+    synced = sync_weights(
+        spec=spec,
+        run_root=run_root,
+        staged=updated.outputs["staged"],
+        iteration=iteration,
+        generate_metrics=rollouts.outputs["step_metrics"],
+        score_metrics=scored.outputs["step_metrics"],
+        advantages_metrics=batch.outputs["step_metrics"],
+        update_metrics=updated.outputs["step_metrics"],
+    )
+    evaluated = evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration)
+    for task in (rollouts, scored, batch, updated, synced, evaluated):
+        task.set_caching_options(False)
+    outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
+    return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
+
+
+def build_run_pipeline(iterations_per_run: int) -> Callable:
+    """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations."""
+
+    @dsl.pipeline(
+        name="rlpipe-run",
+        description=f"GRPO loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
+    )
+    def rl_run(spec: dict, run_root: str):
+        flush = track(spec=spec, run_root=run_root).set_caching_options(False)
+        with dsl.ExitHandler(flush, name="iterations"):
+            data = prepare(spec=spec, run_root=run_root)
+            initial = warm_start(spec=spec, run_root=run_root).after(data)
+            published = publish_warm_start(
+                spec=spec, run_root=run_root, staged=initial.outputs["staged"], step_metrics=initial.outputs["step_metrics"]
+            )
+            start = plan(spec=spec, run_root=run_root).after(published)
+            todo = iterations_todo(spec=spec, run_root=run_root).after(published)
+            pending = evaluate(
+                spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
+            )
+            for task in (data, initial, published, start, todo, pending):
+                task.set_caching_options(False)
+            weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
+            with ExitStack() as nested:
+                for k in range(1, iterations_per_run + 1):
+                    nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
+                    step = rl_iteration(spec=spec, run_root=run_root, weights=weights, iteration=iteration)
+                    if k == 1:  # evaluate the starting version before iterations can prune it
+                        step.after(pending)
+                    weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
+
+    return rl_run

@@ -1,0 +1,50 @@
+"""The rollout record: one Parquet schema that every engine and step reads and writes.
+
+rollouts  one row per completion (what generate emits)
+scored    + reward, reward/<name> components              (score)
+batch     + advantage                                       (advantages)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.int64()),  # row index in the train set
+        ("group_id", pa.int64()),  # one group = the G samples of one prompt
+        ("sample_index", pa.int32()),  # 0..G-1 within the group
+        ("prompt", pa.string()),
+        ("reference", pa.string()),  # task ground truth, handed to reward functions
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("completion_token_ids", pa.list_(pa.int32())),  # through the first eos, if any
+        ("logprobs", pa.list_(pa.float32())),  # sampling log-prob of each completion token
+        ("finish_reason", pa.string()),  # "stop" (eos) or "length"
+        ("completion", pa.string()),  # decoded completion text, eos excluded
+        ("weights_version", pa.int64()),  # policy version that sampled this row
+        ("iteration", pa.int64()),
+    ]
+)
+
+
+def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:
+    """Write columns (or a table) to Parquet, casting to `schema` when given."""
+    table = rows if isinstance(rows, pa.Table) else pa.table(rows)
+    if schema is not None:
+        table = table.select(schema.names).cast(schema)
+    pq.write_table(table, str(path))
+
+
+def read_table(path: str | Path) -> pa.Table:
+    return pq.read_table(str(path))
+
+
+def validate_rollouts(table: pa.Table) -> None:
+    """Fail with a clear message if a table does not carry the rollout columns."""
+    missing = [name for name in ROLLOUT_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"rollouts are missing columns {missing}; they must follow rlpipe.rollouts.ROLLOUT_SCHEMA")

@@ -1,0 +1,117 @@
+"""The run root: where a run's state, data, metrics and weights live (local path or fsspec URI).
+
+    <run root>/
+      spec.json            the spec the run was started with
+      state.json           iteration, weights version, MLflow run id, data cursor (the commit point)
+      data/train.parquet   task prompts;  data/eval.parquet (fixed held-out set)
+      metrics/iter_000007.json, metrics/eval_000005.json
+      weights/ (see weight_store)   optimizer/v000007/optimizer.pt
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+
+def run_root_for(storage_root: str, name: str) -> str:
+    """`<storage.root>/<name>`; local paths become absolute (KFP steps run elsewhere)."""
+    if "://" in storage_root:
+        return storage_root.rstrip("/") + "/" + name
+    return str((Path(storage_root).expanduser() / name).resolve())
+
+
+def cache_root_for(storage_root: str, cache: str | None) -> str:
+    """Local cache for warm starts and copies of remote weights: storage.cache, else
+    <storage.root>/.cache for a local root, else ~/.cache/rlpipe."""
+    if cache:
+        return str(Path(cache).expanduser().resolve())
+    if "://" not in storage_root:
+        return str((Path(storage_root).expanduser() / ".cache").resolve())
+    return str(Path("~/.cache/rlpipe").expanduser())
+
+
+def filesystem(uri: str) -> tuple[AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def atomic_write_text(uri: str, text: str) -> None:
+    """Write then rename: a reader sees the old content or the new, never a partial file."""
+    fs, path = filesystem(uri)
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "w") as f:
+        f.write(text)
+    fs.mv(tmp, path)
+
+
+def read_json(uri: str) -> Any | None:
+    fs, path = filesystem(uri)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def write_json(uri: str, data: Any) -> None:
+    atomic_write_text(uri, json.dumps(data, indent=2, sort_keys=True))
+
+
+# --- state.json: the commit point of the loop -------------------------------------------
+
+
+def state_uri(run_root: str) -> str:
+    return join(run_root, "state.json")
+
+
+def read_state(run_root: str) -> dict[str, Any] | None:
+    return read_json(state_uri(run_root))
+
+
+def commit_state(run_root: str, **changes: Any) -> dict[str, Any]:
+    """Merge `changes` into state.json atomically; returns the new state."""
+    state = read_state(run_root) or {"run_uid": uuid.uuid4().hex, "created_at": time.time()}
+    state.update(changes, updated_at=time.time())
+    write_json(state_uri(run_root), state)
+    return state
+
+
+# --- metrics files: one per committed iteration, one per eval ------------------------------
+
+
+def iteration_metrics_uri(run_root: str, iteration: int) -> str:
+    return join(run_root, "metrics", f"iter_{iteration:06d}.json")
+
+
+def eval_metrics_uri(run_root: str, iteration: int) -> str:
+    return join(run_root, "metrics", f"eval_{iteration:06d}.json")
+
+
+def list_metrics(run_root: str, kind: str) -> dict[int, dict[str, float]]:
+    """{iteration: metrics} for kind 'iter' or 'eval'."""
+    fs, path = filesystem(join(run_root, "metrics"))
+    if not fs.exists(path):
+        return {}
+    found: dict[int, dict[str, float]] = {}
+    for name in sorted(fs.ls(path, detail=False)):
+        base = name.rsplit("/", 1)[-1]
+        if base.startswith(f"{kind}_") and base.endswith(".json"):
+            with fs.open(name, "r") as f:
+                found[int(base[len(kind) + 1 : -5])] = json.load(f)
+    return found

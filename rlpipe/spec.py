@@ -1,0 +1,226 @@
+"""The run spec: one YAML file, validated, with errors that say what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A run spec that cannot be used; the message names the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelSpec(_Section):
+    """A Qwen2-architecture model built from a config with random init (offline demos)."""
+
+    hidden_size: int = Field(128, ge=32)
+    intermediate_size: int = Field(512, ge=1)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(64, ge=16)
+
+    @model_validator(mode="after")
+    def _head_size(self) -> "TinyModelSpec":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                "model.tiny head size (hidden_size / num_heads) must be >= 32 so vLLM can load it; "
+                f"got {self.hidden_size // self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads")
+        return self
+
+
+class WarmStartSpec(_Section):
+    """Supervised warm start (SFT on task answers) before RL; steps: 0 disables it."""
+
+    steps: int = Field(500, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class ModelSpec(_Section):
+    path: str | None = Field(
+        None, description="Local dir, gs:// or other fsspec URI, or a hub id. None builds model.tiny."
+    )
+    tiny: TinyModelSpec = TinyModelSpec()
+    warm_start: WarmStartSpec = WarmStartSpec()
+
+
+class TaskSpec(_Section):
+    name: Literal["addition"] = "addition"
+    digits: int = Field(2, ge=1, le=6)
+    train_size: int = Field(9500, ge=1)
+    eval_size: int = Field(500, ge=1, description="Fixed held-out set, disjoint from train")
+
+
+class RewardSpec(_Section):
+    functions: list[str] = Field(
+        default_factory=lambda: ["rlpipe.tasks.addition:exact_match"],
+        min_length=1,
+        description="Reward functions as 'module:function'; rewards are summed with `weights`.",
+    )
+    weights: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardSpec":
+        for ref in self.functions:
+            if ref.count(":") != 1 or not all(ref.split(":")):
+                raise ValueError(f"reward.functions entry {ref!r} must look like 'package.module:function'")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries but reward.functions has {len(self.functions)}"
+            )
+        return self
+
+
+class RolloutSpec(_Section):
+    engine: Literal["torch"] = "torch"
+    prompts_per_iteration: int = Field(512, ge=1)
+    samples_per_prompt: int = Field(8, ge=2, description="G: completions per prompt (one GRPO group)")
+    max_new_tokens: int = Field(5, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(4096, ge=1, description="Sequences per forward pass while sampling")
+
+
+class AlgorithmSpec(_Section):
+    name: Literal["grpo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="beta for the k3 KL to the frozen reference (v0)")
+    loss_aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
+    track_reference_kl: bool = Field(True, description="Log kl/mean to v0 even when kl_coef is 0")
+
+
+class TrainerSpec(_Section):
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(10, ge=0, description="Linear LR warmup over the first optimizer steps")
+    mini_batches: int = Field(8, ge=1, description="Optimizer steps per epoch over one iteration's batch")
+    epochs: int = Field(1, ge=1)
+    threads: int = Field(1, ge=1, description="torch CPU threads per step")
+
+
+class LoopSpec(_Section):
+    iterations: int = Field(25, ge=1)
+    iterations_per_run: int = Field(5, ge=1, description="Iterations unrolled into one pipeline run")
+    eval_every: int = Field(5, ge=1)
+
+
+class StorageSpec(_Section):
+    root: str = Field("./runs", description="Parent of run directories: a local path or fsspec URI")
+    keep_versions: int = Field(3, ge=1, description="Weight versions kept besides v0")
+    cache: str | None = Field(None, description="Warm-start cache; default <root>/.cache")
+
+
+class TrackingSpec(_Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
+    experiment: str = "rlpipe"
+
+
+class RunSpec(_Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    seed: int = 0
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    reward: RewardSpec = RewardSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    trainer: TrainerSpec = TrainerSpec()
+    loop: LoopSpec = LoopSpec()
+    storage: StorageSpec = StorageSpec()
+    tracking: TrackingSpec = TrackingSpec()
+
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> "RunSpec":
+        sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+        if self.trainer.mini_batches > sequences:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
+                f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
+            )
+        return self
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section that `loc` (minus its last element) points into."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid run spec {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(RunSpec, e["loc"]))
+            lines.append(f"  {key}: unknown key; allowed keys here: {allowed}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_spec(data: dict[str, Any], source: str = "<dict>") -> RunSpec:
+    """Validate a spec dict; raise SpecError naming each bad key."""
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid run spec {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_errors(err, source)) from None
+
+
+def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
+    """Read and validate a YAML run spec; `overrides` maps dotted keys to values."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"run spec {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise SpecError(f"run spec {path} is not valid YAML: {err}") from None
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_spec(data, str(path))
+
+
+def spec_to_dict(spec: RunSpec) -> dict[str, Any]:
+    """Plain JSON-able dict (what KFP components receive); None values are dropped since KFP
+    parameters cannot hold null, and parsing restores them as defaults."""
+    return spec.model_dump(mode="json", exclude_none=True)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1} (MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

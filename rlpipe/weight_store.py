@@ -1,0 +1,184 @@
+"""The weight store: versioned HF-layout weights under the run root, published atomically.
+
+    weights/v000000/  config.json, tokenizer files, model.safetensors, manifest.json
+    weights/.staging/v000001-<id>/   written by update (or warm_start), not yet visible
+    weights/LATEST    "v000001", moved last
+
+Steps pass a WeightRef {"uri", "version", "sha256"}, never the weights themselves.
+Publish = verify sha256 of the staged files, move them to v{N}/, then move LATEST.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TypedDict
+
+from rlpipe.run_store import atomic_write_text, filesystem, is_local, join
+
+MANIFEST = "manifest.json"
+
+
+class WeightRef(TypedDict):
+    uri: str
+    version: int
+    sha256: str
+
+
+def as_ref(data: dict) -> WeightRef:
+    """A WeightRef from a dict that crossed KFP (protobuf Struct turns ints into floats)."""
+    try:
+        return {"uri": str(data["uri"]), "version": int(data["version"]), "sha256": str(data["sha256"])}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"not a weights reference {{uri, version, sha256}}: {data!r}") from None
+
+
+def version_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def weights_root(run_root: str) -> str:
+    return join(run_root, "weights")
+
+
+def staging_uri(run_root: str, version: int) -> str:
+    return join(weights_root(run_root), ".staging", f"{version_name(version)}-{uuid.uuid4().hex[:8]}")
+
+
+def version_uri(run_root: str, version: int) -> str:
+    return join(weights_root(run_root), version_name(version))
+
+
+def stage_pretrained(run_root: str, version: int, model, tokenizer, cache_root: str | Path) -> str:
+    """`save_pretrained` model + tokenizer into a fresh staging dir (via a local dir for remote stores)."""
+    staged = staging_uri(run_root, version)
+    fs, staged_path = filesystem(staged)
+    save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    if not is_local(staged):
+        fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return staged
+
+
+def directory_sha256(uri: str) -> tuple[str, dict[str, str]]:
+    """sha256 over (relative name, file sha256) of every file except the manifest, sorted."""
+    fs, root = filesystem(uri)
+    files: dict[str, str] = {}
+    for path in sorted(fs.find(root)):
+        name = path[len(root.rstrip("/")) + 1 :]
+        if name == MANIFEST:
+            continue
+        digest = hashlib.sha256()
+        with fs.open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        files[name] = digest.hexdigest()
+    if not files:
+        raise FileNotFoundError(f"no weight files under {uri}")
+    total = hashlib.sha256()
+    for name, file_sha in files.items():
+        total.update(f"{name}\0{file_sha}\n".encode())
+    return total.hexdigest(), files
+
+
+def seal(uri: str, version: int, iteration: int, parent: int | None) -> WeightRef:
+    """Hash a staged directory and write its manifest; returns the ref to hand to publish."""
+    sha, files = directory_sha256(uri)
+    manifest = {
+        "version": version,
+        "iteration": iteration,
+        "parent_version": parent,
+        "sha256": sha,
+        "files": files,
+        "created_at": time.time(),
+    }
+    atomic_write_text(join(uri, MANIFEST), json.dumps(manifest, indent=2))
+    return {"uri": uri, "version": version, "sha256": sha}
+
+
+def publish(run_root: str, staged: WeightRef) -> WeightRef:
+    """Verify a staged version and make it v{N}; move LATEST last. Idempotent per version."""
+    staged = as_ref(staged)
+    version = staged["version"]
+    final = version_uri(run_root, version)
+    fs, final_path = filesystem(final)
+    sha, _ = directory_sha256(staged["uri"])
+    if sha != staged["sha256"]:
+        raise ValueError(
+            f"staged weights {staged['uri']} have sha256 {sha}, expected {staged['sha256']}: "
+            "the update step's output was modified or truncated; rerun the iteration"
+        )
+    if fs.exists(final_path):  # left by an attempt that died before committing state
+        fs.rm(final_path, recursive=True)
+    _, staged_path = filesystem(staged["uri"])
+    fs.mv(staged_path, final_path, recursive=True)
+    atomic_write_text(join(weights_root(run_root), "LATEST"), version_name(version))
+    return {"uri": final, "version": version, "sha256": sha}
+
+
+def read_ref(run_root: str, version: int) -> WeightRef:
+    uri = version_uri(run_root, version)
+    fs, path = filesystem(join(uri, MANIFEST))
+    if not fs.exists(path):
+        raise FileNotFoundError(f"weights {uri} have no manifest: version {version} was never published")
+    with fs.open(path, "r") as f:
+        manifest = json.load(f)
+    return {"uri": uri, "version": version, "sha256": manifest["sha256"]}
+
+
+def latest_version(run_root: str) -> int | None:
+    fs, path = filesystem(join(weights_root(run_root), "LATEST"))
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return int(f.read().strip().lstrip("v"))
+
+
+def check_ref(ref: WeightRef) -> None:
+    """Cheap check that a ref points at the published version it claims (manifest, not a re-hash)."""
+    ref = as_ref(ref)
+    fs, path = filesystem(join(ref["uri"], MANIFEST))
+    if not fs.exists(path):
+        raise FileNotFoundError(f"weights {ref['uri']} are not published (no manifest)")
+    with fs.open(path, "r") as f:
+        manifest = json.load(f)
+    if manifest["sha256"] != ref["sha256"] or manifest["version"] != ref["version"]:
+        raise ValueError(
+            f"weights at {ref['uri']} are version {manifest['version']} sha {manifest['sha256'][:12]}, "
+            f"but the step was handed version {ref['version']} sha {ref['sha256'][:12]}"
+        )
+
+
+def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
+    """A local directory holding the ref's files: the store itself when local, else a cached copy."""
+    ref = as_ref(ref)
+    check_ref(ref)
+    if is_local(ref["uri"]):
+        return filesystem(ref["uri"])[1]
+    local = Path(cache_dir) / "weights" / ref["sha256"]
+    if not (local / MANIFEST).exists():
+        tmp = local.with_name(f"{local.name}.tmp-{uuid.uuid4().hex[:8]}")
+        fs, remote = filesystem(ref["uri"])
+        fs.get(remote.rstrip("/") + "/", str(tmp), recursive=True)
+        tmp.rename(local)
+    return str(local)
+
+
+def prune(run_root: str, keep: int, current: int) -> list[int]:
+    """Delete versions older than the last `keep` (v0, the reference, is always kept)."""
+    fs, root = filesystem(weights_root(run_root))
+    removed: list[int] = []
+    for path in fs.ls(root, detail=False):
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith("v") and name[1:].isdigit():
+            version = int(name[1:])
+            if 0 < version <= current - keep:
+                fs.rm(path, recursive=True)
+                removed.append(version)
+    return removed

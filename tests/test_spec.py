@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpipe.spec import SpecError, load_spec, parse_spec, spec_to_dict
+
+from .conftest import REPO
+
+
+def test_demo_spec_is_valid():
+    spec = load_spec(REPO / "examples" / "addition.yaml")
+    assert spec.rollout.samples_per_prompt == 8
+    assert spec.trainer.lr == 5e-4
+
+
+def test_unknown_key_names_the_key_and_the_allowed_keys():
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "trainer": {"learning_rate": 1e-3}})
+    message = str(err.value)
+    assert "trainer.learning_rate: unknown key" in message
+    assert "lr" in message and "max_grad_norm" in message
+
+
+def test_unknown_top_level_section():
+    with pytest.raises(SpecError, match=r"trainr: unknown key; allowed keys here: .*trainer"):
+        parse_spec({"name": "x", "trainr": {}})
+
+
+def test_bad_choice_lists_the_allowed_values():
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "algorithm": {"scale_rewards": "sometimes"}})
+    assert "algorithm.scale_rewards" in str(err.value)
+    assert "'group'" in str(err.value) and "'none'" in str(err.value)
+
+
+def test_bad_number_names_the_bound():
+    with pytest.raises(SpecError, match=r"rollout.samples_per_prompt: Input should be greater than or equal to 2"):
+        parse_spec({"name": "x", "rollout": {"samples_per_prompt": 1}})
+
+
+def test_head_size_must_fit_vllm():
+    with pytest.raises(SpecError, match="head size"):
+        parse_spec({"name": "x", "model": {"tiny": {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2}}})
+
+
+def test_reward_function_reference_format():
+    with pytest.raises(SpecError, match="package.module:function"):
+        parse_spec({"name": "x", "reward": {"functions": ["not_a_reference"]}})
+    with pytest.raises(SpecError, match="reward.weights has 2 entries"):
+        parse_spec({"name": "x", "reward": {"functions": ["a:b"], "weights": [1.0, 2.0]}})
+
+
+def test_missing_name_and_missing_file(tmp_path: Path):
+    with pytest.raises(SpecError, match="name: Field required"):
+        parse_spec({})
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "x"}))
+    spec = load_spec(path, {"trainer.lr": 1e-4, "loop.iterations": 7})
+    assert spec.trainer.lr == 1e-4 and spec.loop.iterations == 7
+    as_parameter = spec_to_dict(spec)
+    assert None not in as_parameter["model"].values()  # KFP parameters cannot hold null
+    # protobuf Struct turns every int into a float; parsing must accept that
+    floated = yaml.safe_load(yaml.safe_dump(as_parameter).replace("iterations: 7", "iterations: 7.0"))
+    assert parse_spec(floated).loop.iterations == 7
