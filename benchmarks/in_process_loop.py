@@ -32,12 +32,13 @@ def main() -> None:
     from rlpipe.components.sync_weights.step import sync_weights
     from rlpipe.components.update.step import update_policy
     from rlpipe.components.warm_start.step import warm_start
+    from rlpipe.run_store import cache_root_for
     from rlpipe.spec import load_spec
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     spec = load_spec(args.spec, overrides)
     run_root = str(Path(args.run_dir or tempfile.mkdtemp(prefix="rlpipe-inproc-")).resolve())
-    cache = str(Path(run_root) / ".cache")
+    cache = cache_root_for(spec.storage.root, spec.storage.cache)
     work = Path(run_root) / "work"
     work.mkdir(parents=True, exist_ok=True)
 

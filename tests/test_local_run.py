@@ -83,7 +83,10 @@ def test_missing_model_path_says_what_to_change(tmp_path: Path):
     assert not (tmp_path / "run" / "state.json").exists()
 
 
-@pytest.mark.parametrize("kill_in", ["update"])
+@pytest.mark.parametrize(
+    "kill_in",
+    ["update", pytest.param("generate", marks=pytest.mark.slow), pytest.param("sync-weights", marks=pytest.mark.slow)],
+)
 def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str):
     spec = _write_spec(tmp_path, loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2})
     run_dir = tmp_path / "run"
@@ -102,7 +105,7 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str):
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the running step, like a preempted node
     proc.wait()
     killed_at = json.loads((run_dir / "state.json").read_text())["iteration"]
-    assert killed_at == 1
+    assert 1 <= killed_at < 4  # the kill landed mid-loop
 
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
