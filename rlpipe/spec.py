@@ -110,7 +110,7 @@ class TrainerSpec(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup over the first optimizer steps")
-    mini_batches: int = Field(8, ge=1, description="Optimizer steps per epoch over one iteration's batch")
+    mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch over one iteration's batch")
     epochs: int = Field(1, ge=1)
     threads: int = Field(1, ge=1, description="torch CPU threads per step")
 

@@ -35,13 +35,16 @@ def test_reader_during_publish_never_sees_a_partial_version(tmp_path: Path):
     errors: list[str] = []
 
     def reader() -> None:
-        while not stop.is_set():
+        while True:
+            finished = stop.is_set()  # read once more after the last publish
             version = ws.latest_version(root)
             ref = ws.read_ref(root, version)
             sha, _ = ws.directory_sha256(ref["uri"])  # every file of the version LATEST names
             if sha != ref["sha256"]:
                 errors.append(f"v{version}: partial or corrupt")
             seen.append(version)
+            if finished:
+                return
 
     thread = threading.Thread(target=reader)
     thread.start()
