@@ -25,7 +25,13 @@ from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.tracking import run_url
 
 # Steps are separate processes: keep each to one thread and quiet library progress bars.
+# glibc's malloc starts every process cold (large tensors mmapped and zeroed on each
+# allocation until its thresholds adapt): fixed thresholds cut a fresh update step's
+# compute ~30% (benchmarks/results/iteration_breakdown.md).
 STEP_ENVIRONMENT = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -15,14 +15,12 @@ def advantages(
     """GRPO group-normalized advantages per completion."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.advantages.step import compute_advantages
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
-    values = component_overhead("advantages", process_s, entered)
+    values = import_overhead("advantages", entered)
     values |= compute_advantages(parse_spec(spec), scored.path, batch.path)
     for key, value in values.items():
         metrics.log_metric(key, value)

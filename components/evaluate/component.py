@@ -9,9 +9,7 @@ def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: 
     loop.eval_every, the last) and not already recorded; otherwise returns before importing torch."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.evaluate.step import evaluation_pending
     from rlpipe.spec import parse_spec
 
@@ -20,9 +18,9 @@ def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: 
         return
     from rlpipe.components.evaluate.step import evaluate_policy
     from rlpipe.run_store import cache_root_for
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
-    overhead = component_overhead("evaluate", process_s, entered)
+    overhead = import_overhead("evaluate", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
     values = evaluate_policy(run_spec, run_root, weights, iteration, cache)
     for key, value in (values | overhead).items():

@@ -17,19 +17,17 @@ def generate(
     """Sample G completions per prompt with the policy `weights`; rollouts as Parquet."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.generate.step import generate_rollouts
     from rlpipe.run_store import cache_root_for
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
     run_spec = parse_spec(spec)
-    values = component_overhead("generate", process_s, entered)
+    values = import_overhead("generate", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
     values |= generate_rollouts(run_spec, run_root, weights, iteration, rollouts.path, cache)
     for key, value in values.items():
         metrics.log_metric(key, value)
-    values["started_at"] = entered - process_s  # wall clock the iteration started (for sync)
+    values["started_at"] = entered  # wall clock the iteration started (for sync)
     return (values,)

@@ -15,14 +15,12 @@ def score(
     """Apply the spec's reward functions to each completion."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.score.step import score_rollouts
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
-    values = component_overhead("score", process_s, entered)
+    values = import_overhead("score", entered)
     values |= score_rollouts(parse_spec(spec), rollouts.path, scored.path)
     for key, value in values.items():
         metrics.log_metric(key, value)

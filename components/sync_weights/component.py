@@ -20,16 +20,14 @@ def sync_weights(
     """Publish v(N+1) atomically, record the iteration's metrics, commit state.json."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.sync_weights.step import sync_weights
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
     run_spec = parse_spec(spec)
     step_metrics = {**generate_metrics, **score_metrics, **advantages_metrics, **update_metrics}
-    step_metrics |= component_overhead("sync_weights", process_s, entered)
+    step_metrics |= import_overhead("sync_weights", entered)
     weights, values = sync_weights(run_spec, run_root, staged, iteration, step_metrics)
     for key, value in values.items():
         metrics.log_metric(key, value)

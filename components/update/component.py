@@ -17,16 +17,14 @@ def update(
     """Clipped policy-gradient update from `weights`; stages v(N+1) in the weight store."""
     import time
 
-    from rlpipe.timing import process_age_s
-
-    process_s, entered = process_age_s(), time.time()
+    entered = time.time()
     from rlpipe.components.update.step import update_policy
     from rlpipe.run_store import cache_root_for
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import component_overhead
+    from rlpipe.timing import import_overhead
 
     run_spec = parse_spec(spec)
-    values = component_overhead("update", process_s, entered)
+    values = import_overhead("update", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
     staged, step_values = update_policy(run_spec, run_root, weights, batch.path, iteration, cache)
     values |= step_values
