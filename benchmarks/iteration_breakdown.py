@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import platform
 import re
 import statistics
@@ -88,15 +89,56 @@ def import_seconds(hide_optional: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
+COLD_UPDATE = """
+import glob, json, shutil, sys, tempfile
+from pathlib import Path
+from rlpipe.components.update.step import update_policy
+from rlpipe.run_store import read_state
+from rlpipe.spec import parse_spec
+from rlpipe.weight_store import read_ref
+source = Path(sys.argv[1])
+spec = parse_spec(json.loads((source / "spec.json").read_text()))
+version = read_state(str(source))["weights_version"]
+root = Path(tempfile.mkdtemp())
+shutil.copytree(source / "weights" / f"v{version:06d}", root / "weights" / f"v{version:06d}")
+shutil.copytree(source / "weights" / "v000000", root / "weights" / "v000000", dirs_exist_ok=True)
+batch = sorted(glob.glob(str(source / "kfp" / "*" / "advantages" / "batch")))[-1]
+_, metrics = update_policy(spec, str(root), read_ref(str(root), version), batch, version + 1, str(root / "cache"))
+print(metrics["time/update_s"])
+shutil.rmtree(root)
+"""
+
+
+def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
+    """Median compute of one update step in a fresh process, glibc malloc default vs tuned."""
+    from rlpipe.pipelines.local_run import STEP_ENVIRONMENT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "1"}
+    if tuned:
+        env |= {k: v for k, v in STEP_ENVIRONMENT.items() if k.startswith("MALLOC_")}
+    runs = [
+        float(subprocess.run([sys.executable, "-c", COLD_UPDATE, str(run_dir)], env=env, check=True,
+                             capture_output=True, text=True).stdout.split()[-1])
+        for _ in range(repeats)
+    ]
+    return statistics.median(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--imports", type=int, default=3, help="repeats of the import measurement")
+    parser.add_argument("--imports", type=int, default=3, help="repeats of each side-by-side measurement")
     args = parser.parse_args()
 
     table = average_breakdown(args.run_dir)
     visible = import_seconds(False, args.imports)
     hidden = import_seconds(True, args.imports)
+    # alternate the two settings so machine noise hits both alike
+    default_malloc, tuned_malloc = [], []
+    for _ in range(args.imports):
+        default_malloc.append(cold_update_seconds(args.run_dir, False, 1))
+        tuned_malloc.append(cold_update_seconds(args.run_dir, True, 1))
+    default_s, tuned_s = statistics.median(default_malloc), statistics.median(tuned_malloc)
     it = table["iteration"]
     lines = [
         f"# Iteration breakdown ({int(it['iterations'])} iterations of {args.run_dir.name})",
@@ -122,12 +164,21 @@ def main() -> None:
         "",
         f"torch-step imports: {visible:.2f} s with scikit-learn/scipy visible, {hidden:.2f} s hidden "
         f"(ratio {visible / hidden:.2f}x, saved {visible - hidden:.2f} s per torch step)",
+        "",
+        f"update step compute in a fresh process: {default_s:.2f} s with glibc malloc defaults, {tuned_s:.2f} s with "
+        f"rlpipe's MALLOC_* thresholds (ratio {default_s / tuned_s:.2f}x)",
     ]
     report = "\n".join(lines)
     print(report)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "iteration_breakdown.md").write_text(report + "\n")
-    payload = {"breakdown": table, "imports_visible_s": visible, "imports_hidden_s": hidden}
+    payload = {
+        "breakdown": table,
+        "imports_visible_s": visible,
+        "imports_hidden_s": hidden,
+        "cold_update_default_malloc_s": default_s,
+        "cold_update_tuned_malloc_s": tuned_s,
+    }
     (RESULTS / "iteration_breakdown.json").write_text(json.dumps(payload, indent=2))
 
 

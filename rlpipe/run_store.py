@@ -50,11 +50,26 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def move(source: str, destination: str) -> None:
+    """Rename on a local or mounted filesystem (atomic); copy then delete on object stores
+    (gcsfs's mv first tries GCS moveTo, which plain buckets reject after ~30 s of retries)."""
+    fs, src = filesystem(source)
+    _, dst = filesystem(destination)
+    if is_local(source):
+        fs.mv(src, dst, recursive=True)
+    else:
+        fs.copy(src, dst, recursive=fs.isdir(src))
+        fs.rm(src, recursive=True)
+
+
 def atomic_write_text(uri: str, text: str) -> None:
-    """Write then rename: a reader sees the old content or the new, never a partial file."""
+    """A reader sees the old content or the new, never a partial file: write-then-rename
+    locally; on object stores a single-object PUT is already atomic."""
     fs, path = filesystem(uri)
-    parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
+    if not is_local(uri):
+        fs.pipe_file(path, text.encode())
+        return
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with fs.open(tmp, "w") as f:
         f.write(text)

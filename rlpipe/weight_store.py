@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TypedDict
 
-from rlpipe.run_store import atomic_write_text, filesystem, is_local, join
+from rlpipe.run_store import atomic_write_text, filesystem, is_local, join, move
 
 MANIFEST = "manifest.json"
 
@@ -116,8 +116,7 @@ def publish(run_root: str, staged: WeightRef) -> WeightRef:
         )
     if fs.exists(final_path):  # left by an attempt that died before committing state
         fs.rm(final_path, recursive=True)
-    _, staged_path = filesystem(staged["uri"])
-    fs.mv(staged_path, final_path, recursive=True)
+    move(staged["uri"], final)
     atomic_write_text(join(weights_root(run_root), "LATEST"), version_name(version))
     return {"uri": final, "version": version, "sha256": sha}
 

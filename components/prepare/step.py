@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from rlpipe.run_store import filesystem, join
+from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
 from rlpipe.tasks import TASKS
 
@@ -24,5 +24,5 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
             tmp = f"{uri}.tmp"
             with fs.open(filesystem(tmp)[1], "wb") as f:
                 Dataset.from_list(part).to_parquet(f)
-            fs.mv(filesystem(tmp)[1], filesystem(uri)[1])
+            move(tmp, uri)
     return {"data/train_rows": spec.task.train_size, "data/eval_rows": spec.task.eval_size}

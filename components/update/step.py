@@ -16,7 +16,7 @@ import torch
 from rlpipe.modeling import configure_torch, load_policy
 from rlpipe.objectives import clipped_policy_loss, token_logprobs
 from rlpipe.rollouts import read_table
-from rlpipe.run_store import filesystem, join
+from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
 from rlpipe.weight_store import WeightRef, as_ref, local_path, read_ref, seal, stage_pretrained
 
@@ -139,11 +139,12 @@ def update_policy(
     new_version = weights["version"] + 1
     staged = stage_pretrained(run_root, new_version, policy, tokenizer, cache_root)
     ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
-    fs, final_opt = filesystem(optimizer_uri(run_root, new_version))
-    fs.makedirs(final_opt.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(final_opt + ".tmp", "wb") as f:
+    final_opt = optimizer_uri(run_root, new_version)
+    fs, tmp_path = filesystem(final_opt + ".tmp")
+    fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(tmp_path, "wb") as f:
         torch.save(optimizer.state_dict(), f)
-    fs.mv(final_opt + ".tmp", final_opt)
+    move(final_opt + ".tmp", final_opt)
 
     return ref, {
         "policy/loss": totals["loss"] / steps,
