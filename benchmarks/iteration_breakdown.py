@@ -68,18 +68,27 @@ def average_breakdown(run_dir: Path) -> dict[str, dict[str, float]]:
             row["import_s"] = 0.0
             row["load_s"] = due * statistics.fmean(e.get("overhead/evaluate_load_s", 0.0) for e in evals)
             row["compute_s"] = due * statistics.fmean(e.get("time/evaluate_s", 0.0) for e in evals)
-        row["interpreter_and_executor_s"] = max(0.0, row["task_wall_s"] - row["import_s"] - row["load_s"] - row["compute_s"])
+        row["interpreter_and_executor_s"] = max(
+            0.0, row["task_wall_s"] - row["import_s"] - row["load_s"] - row["compute_s"]
+        )
         table[step] = row
     wall = sum(table[s]["task_wall_s"] for s in STEPS)
     compute = sum(table[s]["compute_s"] for s in STEPS)
-    table["iteration"] = {"wall_s": wall, "compute_s": compute, "orchestration_s": wall - compute, "iterations": float(len(rows))}
+    table["iteration"] = {
+        "wall_s": wall,
+        "compute_s": compute,
+        "orchestration_s": wall - compute,
+        "iterations": float(len(rows)),
+    }
     return table
 
 
 def import_seconds(hide_optional: bool, repeats: int) -> float:
     """Median wall time of a fresh interpreter importing what a torch step imports."""
-    code = "import rlpipe.modeling" if hide_optional else (
-        "import torch; from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, PreTrainedTokenizerFast"
+    code = (
+        "import rlpipe.modeling"
+        if hide_optional
+        else ("import torch; from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, PreTrainedTokenizerFast")
     )
     times = []
     for _ in range(repeats):
@@ -117,8 +126,11 @@ def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
     if tuned:
         env |= {k: v for k, v in STEP_ENVIRONMENT.items() if k.startswith("MALLOC_")}
     runs = [
-        float(subprocess.run([sys.executable, "-c", COLD_UPDATE, str(run_dir)], env=env, check=True,
-                             capture_output=True, text=True).stdout.split()[-1])
+        float(
+            subprocess.run(
+                [sys.executable, "-c", COLD_UPDATE, str(run_dir)], env=env, check=True, capture_output=True, text=True
+            ).stdout.split()[-1]
+        )
         for _ in range(repeats)
     ]
     return statistics.median(runs)

@@ -92,13 +92,15 @@ class Progress:
             table.add_row(
                 "time",
                 f"iteration {m.get('time/iteration_wall_s', 0):.1f}s (orchestration "
-                f"{m.get('overhead/iteration_s', 0):.1f}s)  generate {m.get('throughput/generate_tokens_per_s', 0):.0f} tok/s",
+                f"{m.get('overhead/iteration_s', 0):.1f}s)  "
+                f"generate {m.get('throughput/generate_tokens_per_s', 0):.0f} tok/s",
             )
         if self.evals:
             first, last = min(self.evals), max(self.evals)
             table.add_row(
                 "eval",
-                f"greedy accuracy {self.evals[first]:.3f} (iteration {first}) -> {self.evals[last]:.3f} (iteration {last})",
+                f"greedy accuracy {self.evals[first]:.3f} (iteration {first}) -> "
+                f"{self.evals[last]:.3f} (iteration {last})",
             )
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
         return table
@@ -165,7 +167,9 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 say(progress.line())
 
     with contextlib.ExitStack() as stack:
-        live = stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
+        live = (
+            stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
+        )
         watcher = threading.Thread(target=watch, args=(live,), daemon=True)
         watcher.start()
         try:

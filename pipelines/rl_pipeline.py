@@ -16,7 +16,6 @@ Conditions test single-output tasks (`iterations_todo.output`): kfp 2.17.0's loc
 cannot resolve a condition on one named output of a multi-output task.
 """
 
-
 from contextlib import ExitStack
 from typing import Callable, NamedTuple
 
@@ -32,6 +31,7 @@ from rlpipe.components.sync_weights.component import sync_weights
 from rlpipe.components.track.component import track
 from rlpipe.components.update.component import update
 from rlpipe.components.warm_start.component import publish_warm_start, warm_start
+
 
 @dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
 def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
@@ -71,7 +71,10 @@ def build_run_pipeline(iterations_per_run: int) -> Callable:
             data = prepare(spec=spec, run_root=run_root)
             initial = warm_start(spec=spec, run_root=run_root).after(data)
             published = publish_warm_start(
-                spec=spec, run_root=run_root, staged=initial.outputs["staged"], step_metrics=initial.outputs["step_metrics"]
+                spec=spec,
+                run_root=run_root,
+                staged=initial.outputs["staged"],
+                step_metrics=initial.outputs["step_metrics"],
             )
             start = plan(spec=spec, run_root=run_root).after(published)
             todo = iterations_todo(spec=spec, run_root=run_root).after(published)

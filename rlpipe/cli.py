@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("rlpipe: interrupted; run the same command again to resume from the last committed iteration", file=sys.stderr)
+        print(
+            "rlpipe: interrupted; run the same command again to resume from the last committed iteration",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -128,8 +128,20 @@ def resolve_model_source(source: str, cache_dir: str | Path) -> str:
             raise FileNotFoundError(f"model.path {source} has no config.json; save the model with save_pretrained")
         return str(path)
     if source.startswith(("/", "./", "../", "~")) or path.exists():
-        raise FileNotFoundError(f"model.path {source} does not exist; set model.path to a model directory, a URI or a hub id")
+        raise FileNotFoundError(
+            f"model.path {source} does not exist; set model.path to a model directory, a URI or a hub id"
+        )
     return source
+
+
+def load_weights(
+    weights: dict, cache_root: str | Path, threads: int
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a published weights version (a WeightRef) for a torch step, on `threads` CPU threads."""
+    from rlpipe.weight_store import local_path
+
+    configure_torch(threads)
+    return load_policy(local_path(weights, cache_root))
 
 
 def load_policy(source: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,11 +1,11 @@
 """The run root: where a run's state, data, metrics and weights live (local path or fsspec URI).
 
-    <run root>/
-      spec.json            the spec the run was started with
-      state.json           iteration, weights version, MLflow run id, data cursor (the commit point)
-      data/train.parquet   task prompts;  data/eval.parquet (fixed held-out set)
-      metrics/iter_000007.json, metrics/eval_000005.json
-      weights/ (see weight_store)   optimizer/v000007/optimizer.pt
+<run root>/
+  spec.json            the spec the run was started with
+  state.json           iteration, weights version, MLflow run id, data cursor (the commit point)
+  data/train.parquet   task prompts;  data/eval.parquet (fixed held-out set)
+  metrics/iter_000007.json, metrics/eval_000005.json
+  weights/ (see weight_store)   optimizer/v000007/optimizer.pt
 """
 
 from __future__ import annotations

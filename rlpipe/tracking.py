@@ -42,7 +42,9 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
     if found:
         run_id = found[0].info.run_id
     else:
-        run = client.create_run(experiment_id, run_name=spec.name, tags={RUN_TAG: state["run_uid"], "rlpipe.run_root": run_root})
+        run = client.create_run(
+            experiment_id, run_name=spec.name, tags={RUN_TAG: state["run_uid"], "rlpipe.run_root": run_root}
+        )
         run_id = run.info.run_id
         params = {k: str(v)[:6000] for k, v in flatten(spec_to_dict(spec)).items()}
         items = list(params.items())
@@ -85,5 +87,6 @@ def run_url(spec: RunSpec, run_root: str, run_id: str) -> str:
     """Where a person finds the run: the UI command for sqlite, the server URL otherwise."""
     uri = tracking_uri(spec, run_root)
     if uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {uri}   (then open the '{spec.tracking.experiment}' experiment, run {run_id})"
+        experiment = spec.tracking.experiment
+        return f"mlflow ui --backend-store-uri {uri}   (then open the '{experiment}' experiment, run {run_id})"
     return f"{uri.rstrip('/')}/#/experiments/runs/{run_id}"

@@ -14,8 +14,17 @@ from .conftest import REPO
 def test_compiled_yaml_parses_strictly(tmp_path: Path):
     out = tmp_path / "rl.yaml"
     subprocess.run(
-        [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition.yaml"), "-o", str(out),
-         "--run-root", "gs://bucket/runs/addition-demo"],
+        [
+            sys.executable,
+            "-m",
+            "rlpipe.cli",
+            "compile",
+            str(REPO / "examples" / "addition.yaml"),
+            "-o",
+            str(out),
+            "--run-root",
+            "gs://bucket/runs/addition-demo",
+        ],
         check=True,
     )
     docs = list(yaml.safe_load_all(out.read_text()))

@@ -94,7 +94,9 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str):
     log = run_dir / "logs" / "kfp-local.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlpipe.cli", "run", str(spec), "--run-dir", str(run_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.time() + 300
     marker = f"Executing task \x1b[96m'{kill_in}-2'"  # the second iteration's step

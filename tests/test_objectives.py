@@ -69,7 +69,9 @@ def test_mask_and_aggregation():
 
 def test_k3_kl_penalty_by_hand():
     # logp = -1, ref = -2: delta = -1, k3 = e^{-1} + 1 - 1 = 0.3679; ratio 1, A = 0
-    loss, stats = _loss([[-1.0]], [[-1.0]], [0.0], [[1.0]], clip_eps=0.2, ref_logprobs=torch.tensor([[-2.0]]), kl_coef=0.1)
+    loss, stats = _loss(
+        [[-1.0]], [[-1.0]], [0.0], [[1.0]], clip_eps=0.2, ref_logprobs=torch.tensor([[-2.0]]), kl_coef=0.1
+    )
     k3 = math.exp(-1.0) + 1.0 - 1.0
     assert stats["kl"].item() == pytest.approx(k3, rel=1e-6)
     assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)

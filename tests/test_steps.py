@@ -111,7 +111,9 @@ def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: 
     score_rollouts(spec, str(tmp_path / "r.parquet"), str(tmp_path / "s.parquet"))
     compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))
     table = pq.read_table(tmp_path / "b.parquet")
-    poisoned = table.set_column(table.schema.get_field_index("advantage"), "advantage", [[float("nan")] * table.num_rows])
+    poisoned = table.set_column(
+        table.schema.get_field_index("advantage"), "advantage", [[float("nan")] * table.num_rows]
+    )
     pq.write_table(poisoned, tmp_path / "b.parquet")
     with pytest.raises(NonFiniteLossError, match="nothing was published"):
         update_policy(spec, run_root, read_ref(run_root, 0), str(tmp_path / "b.parquet"), 1, cache)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from rlpipe.run_store import eval_metrics_uri, filesystem, join, read_state, write_json
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref, local_path
+from rlpipe.weight_store import WeightRef, as_ref
 
 
 def eval_due(spec: RunSpec, iteration: int) -> bool:
@@ -27,16 +27,17 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
     return not fs.exists(path)
 
 
-def evaluate_policy(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str) -> dict[str, float]:
+def evaluate_policy(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
+) -> dict[str, float]:
     """Greedy-decode every eval prompt; accuracy = mean of the first reward function (a verifier)."""
     from rlpipe.components.generate.torch_engine import sample_in_batches
     from rlpipe.components.score.step import load_reward_function
-    from rlpipe.modeling import configure_torch, load_policy
+    from rlpipe.modeling import load_weights
 
-    configure_torch(spec.trainer.threads)
     t0 = time.time()
     weights = as_ref(weights)
-    model, tokenizer = load_policy(local_path(weights, cache_root))
+    model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
     model.eval()
     loaded = time.time()
     rows = pq.read_table(filesystem(join(run_root, "data", "eval.parquet"))[1]).to_pylist()

@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import torch
 
 from rlpipe.components.generate.torch_engine import sample_in_batches
-from rlpipe.modeling import configure_torch, load_policy
+from rlpipe.modeling import load_weights
 from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table
 from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref, local_path
+from rlpipe.weight_store import WeightRef, as_ref
 
 
 def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int) -> list[int]:
@@ -37,10 +37,9 @@ def generate_rollouts(
     spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str, cache_root: str
 ) -> dict[str, float]:
     """Write one rollout row per completion to `out_path` (Parquet); return step metrics."""
-    configure_torch(spec.trainer.threads)
     t0 = time.time()
     weights = as_ref(weights)
-    model, tokenizer = load_policy(local_path(weights, cache_root))
+    model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
     model.eval()
     loaded = time.time()
 

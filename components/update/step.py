@@ -13,12 +13,12 @@ import time
 
 import torch
 
-from rlpipe.modeling import configure_torch, load_policy
+from rlpipe.modeling import load_weights
 from rlpipe.objectives import clipped_policy_loss, token_logprobs
 from rlpipe.rollouts import read_table
 from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref, local_path, read_ref, seal, stage_pretrained
+from rlpipe.weight_store import WeightRef, as_ref, read_ref, seal, stage_pretrained
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -62,10 +62,9 @@ def update_policy(
     spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
 ) -> tuple[WeightRef, dict[str, float]]:
     """Train on the batch from weights v(N); stage v(N+1) and save the optimizer state."""
-    configure_torch(spec.trainer.threads)
     t0 = time.time()
     weights = as_ref(weights)
-    policy, tokenizer = load_policy(local_path(weights, cache_root))
+    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
     policy.train()
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
@@ -76,7 +75,7 @@ def update_policy(
             optimizer.load_state_dict(torch.load(f, weights_only=True))
     reference = None
     if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
-        reference, _ = load_policy(local_path(read_ref(run_root, 0), cache_root))
+        reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads)
         reference.eval().requires_grad_(False)
     loaded = time.time()
 
