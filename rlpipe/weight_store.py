@@ -170,8 +170,14 @@ def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
 
 
 def prune(run_root: str, keep: int, current: int) -> list[int]:
-    """Delete versions older than the last `keep` (v0, the reference, is always kept)."""
+    """Delete versions older than the last `keep` (v0, the reference, is always kept), and
+    staging left by attempts that died before publishing (versions <= current)."""
     fs, root = filesystem(weights_root(run_root))
+    staging = f"{root}/.staging"
+    if fs.exists(staging):
+        for path in fs.ls(staging, detail=False):
+            if int(path.rsplit("/", 1)[-1][1:7]) <= current:
+                fs.rm(path, recursive=True)
     removed: list[int] = []
     for path in fs.ls(root, detail=False):
         name = path.rsplit("/", 1)[-1]

@@ -52,6 +52,7 @@ def sync_weights(
     if fs.exists(opt_dir):
         for path in fs.ls(opt_dir, detail=False):
             name = path.rsplit("/", 1)[-1]
-            if name.startswith("v") and name.endswith(".pt") and int(name[1:7]) < ref["version"]:
+            stale = name.endswith(".pt") and int(name[1:7]) < ref["version"]
+            if name.startswith("v") and (stale or name.endswith(".tmp")):  # .tmp: a save killed midway
                 fs.rm(path)
     return ref, metrics
