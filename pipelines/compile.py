@@ -8,22 +8,41 @@ from rlpipe.run_store import run_root_for
 from rlpipe.spec import RunSpec, spec_to_dict
 
 
+def default_cluster_run_root(spec: RunSpec) -> str:
+    """Where cluster steps keep the run: on the PVC when one is set, else storage.root (a URI)."""
+    if spec.cluster.pvc:
+        return f"{spec.cluster.mount_path.rstrip('/')}/runs/{spec.name}"
+    if "://" not in spec.storage.root:
+        raise ValueError(
+            "storage.root is a local path but cluster.pvc is not set: cluster steps cannot reach it. "
+            "Set cluster.pvc (a ReadWriteMany PVC), storage.root to gs://..., or pass --run-root"
+        )
+    return run_root_for(spec.storage.root, spec.name)
+
+
 def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = None) -> Path:
     """Write the K-iteration pipeline (K = loop.iterations_per_run); one run advances the loop by K.
 
     The run root must be storage every step can reach on the cluster (gs://..., or a path on
-    the shared-FS PVC). The spec is a pipeline parameter, editable when creating a run.
+    the shared-FS PVC); default: <cluster.mount_path>/runs/<name> when cluster.pvc is set. The
+    spec is a pipeline parameter, editable when creating a run. `spec.cluster` is applied to
+    every task (pipelines/cluster_settings.py).
     """
     from rlpipe.pipelines.rl_pipeline import build_run_pipeline
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    run_root = run_root or default_cluster_run_root(spec)
+    # steps resolve storage paths (the warm-start cache) from the spec: make them cluster paths
+    cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
+    storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
+    spec = spec.model_copy(update={"storage": storage})
     compiler.Compiler().compile(
-        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run),
+        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.cluster),
         package_path=str(output),
         pipeline_parameters={
             "spec": spec_to_dict(spec),
-            "run_root": run_root or run_root_for(spec.storage.root, spec.name),
+            "run_root": run_root,
         },
     )
     return output

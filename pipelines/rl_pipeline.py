@@ -31,58 +31,84 @@ from rlpipe.components.sync_weights.component import sync_weights
 from rlpipe.components.track.component import track
 from rlpipe.components.update.component import update
 from rlpipe.components.warm_start.component import publish_warm_start, warm_start
+from rlpipe.pipelines.cluster_settings import place
+from rlpipe.spec import ClusterSpec
 
 
-@dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
-def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
-    "Outputs", weights=dict, next_iteration=int
-):
-    rollouts = generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration)
-    scored = score(spec=spec, rollouts=rollouts.outputs["rollouts"])
-    batch = advantages(spec=spec, scored=scored.outputs["scored"])
-    updated = update(spec=spec, run_root=run_root, weights=weights, iteration=iteration, batch=batch.outputs["batch"])
-    synced = sync_weights(
-        spec=spec,
-        run_root=run_root,
-        staged=updated.outputs["staged"],
-        iteration=iteration,
-        generate_metrics=rollouts.outputs["step_metrics"],
-        score_metrics=scored.outputs["step_metrics"],
-        advantages_metrics=batch.outputs["step_metrics"],
-        update_metrics=updated.outputs["step_metrics"],
-    )
-    evaluated = evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration)
-    for task in (rollouts, scored, batch, updated, synced, evaluated):
-        task.set_caching_options(False)
-    outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
-    return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
+def build_iteration_pipeline(cluster: ClusterSpec | None = None) -> Callable:
+    """One GRPO iteration as a pipeline (nested in the run pipeline, or run on its own)."""
+
+    @dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
+    def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
+        "Outputs", weights=dict, next_iteration=int
+    ):
+        rollouts = place(
+            generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration), "generate", cluster
+        )
+        scored = place(score(spec=spec, rollouts=rollouts.outputs["rollouts"]), "score", cluster)
+        batch = place(advantages(spec=spec, scored=scored.outputs["scored"]), "advantages", cluster)
+        updated = place(
+            update(spec=spec, run_root=run_root, weights=weights, iteration=iteration, batch=batch.outputs["batch"]),
+            "update",
+            cluster,
+        )
+        synced = place(
+            sync_weights(
+                spec=spec,
+                run_root=run_root,
+                staged=updated.outputs["staged"],
+                iteration=iteration,
+                generate_metrics=rollouts.outputs["step_metrics"],
+                score_metrics=scored.outputs["step_metrics"],
+                advantages_metrics=batch.outputs["step_metrics"],
+                update_metrics=updated.outputs["step_metrics"],
+            ),
+            "sync_weights",
+            cluster,
+        )
+        place(
+            evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration),
+            "evaluate",
+            cluster,
+        )
+        outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
+        return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
+
+    return rl_iteration
 
 
-def build_run_pipeline(iterations_per_run: int) -> Callable:
+def build_run_pipeline(iterations_per_run: int, cluster: ClusterSpec | None = None) -> Callable:
     """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations."""
+    rl_iteration = build_iteration_pipeline(cluster)
 
     @dsl.pipeline(
         name="rlpipe-run",
         description=f"GRPO loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
     )
     def rl_run(spec: dict, run_root: str):
-        flush = track(spec=spec, run_root=run_root).set_caching_options(False)
+        flush = place(track(spec=spec, run_root=run_root), "track", cluster)
         with dsl.ExitHandler(flush, name="iterations"):
-            data = prepare(spec=spec, run_root=run_root)
-            initial = warm_start(spec=spec, run_root=run_root).after(data)
-            published = publish_warm_start(
-                spec=spec,
-                run_root=run_root,
-                staged=initial.outputs["staged"],
-                step_metrics=initial.outputs["step_metrics"],
+            data = place(prepare(spec=spec, run_root=run_root), "prepare", cluster)
+            initial = place(warm_start(spec=spec, run_root=run_root).after(data), "warm_start", cluster)
+            published = place(
+                publish_warm_start(
+                    spec=spec,
+                    run_root=run_root,
+                    staged=initial.outputs["staged"],
+                    step_metrics=initial.outputs["step_metrics"],
+                ),
+                "publish_warm_start",
+                cluster,
             )
-            start = plan(spec=spec, run_root=run_root).after(published)
-            todo = iterations_todo(spec=spec, run_root=run_root).after(published)
-            pending = evaluate(
-                spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
+            start = place(plan(spec=spec, run_root=run_root).after(published), "plan", cluster)
+            todo = place(iterations_todo(spec=spec, run_root=run_root).after(published), "iterations_todo", cluster)
+            pending = place(
+                evaluate(
+                    spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
+                ),
+                "evaluate",
+                cluster,
             )
-            for task in (data, initial, published, start, todo, pending):
-                task.set_caching_options(False)
             weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
             with ExitStack() as nested:
                 for k in range(1, iterations_per_run + 1):

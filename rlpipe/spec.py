@@ -132,6 +132,72 @@ class TrackingSpec(_Section):
     experiment: str = "rlpipe"
 
 
+class Toleration(_Section):
+    key: str
+    operator: Literal["Equal", "Exists"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
+
+
+class PodSpec(_Section):
+    """Image, resources and placement for one class of steps on the cluster."""
+
+    image: str
+    cpu: str = "1"
+    memory: str = "2Gi"
+    cpu_limit: str | None = None
+    memory_limit: str | None = None
+    gpus: int = Field(0, ge=0)
+    accelerator: str = Field("nvidia.com/gpu", description="KFP accelerator type when gpus > 0")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    timeout_s: int = Field(7200, ge=60)
+
+
+class SecretEnv(_Section):
+    """Expose one key of a Kubernetes Secret as an env var (by reference: values never enter the spec)."""
+
+    secret: str
+    key: str
+    env: str
+    steps: list[str] | None = Field(None, description="Steps that get it (e.g. [track]); None = every step")
+
+
+TRAINER_STEPS = ("warm_start", "generate", "update", "evaluate")
+STEP_NAMES = TRAINER_STEPS + (
+    "prepare",
+    "publish_warm_start",
+    "plan",
+    "iterations_todo",
+    "score",
+    "advantages",
+    "sync_weights",
+    "track",
+)
+
+
+class ClusterSpec(_Section):
+    """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
+
+    trainer: PodSpec = PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi", gpus=1)
+    step: PodSpec = PodSpec(image="ghcr.io/rlpipe/step:0.1.0")
+    sampler_image: str = "ghcr.io/rlpipe/sampler:0.1.0"
+    pvc: str | None = Field(None, description="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
+    mount_path: str = "/mnt/rlpipe"
+    secrets: list[SecretEnv] = Field(default_factory=list)
+    retries: int = Field(2, ge=0, description="Every step is safe to retry: nothing is visible before sync commits")
+    retry_backoff: str = "30s"
+    run_as_user: int = 1000
+
+    @model_validator(mode="after")
+    def _known_steps(self) -> "ClusterSpec":
+        for secret in self.secrets:
+            unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))
+            if unknown:
+                raise ValueError(f"cluster.secrets steps {unknown} are not steps; allowed: {', '.join(STEP_NAMES)}")
+        return self
+
+
 class RunSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
@@ -144,6 +210,7 @@ class RunSpec(_Section):
     loop: LoopSpec = LoopSpec()
     storage: StorageSpec = StorageSpec()
     tracking: TrackingSpec = TrackingSpec()
+    cluster: ClusterSpec = ClusterSpec()
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> "RunSpec":

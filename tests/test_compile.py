@@ -1,5 +1,6 @@
 """`rlpipe compile` writes IR YAML that parses strictly into the KFP PipelineSpec proto."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,84 @@ def test_compiled_yaml_parses_strictly(tmp_path: Path):
     # weights never travel as artifacts: update's only artifact input is the batch
     update = spec.components["comp-update"]
     assert list(update.input_definitions.artifacts) == ["batch"]
+
+
+def _compile_gke(tmp_path: Path) -> tuple[str, dict, dict]:
+    out = tmp_path / "gke.yaml"
+    env = {**os.environ, "MLFLOW_TRACKING_PASSWORD": "hunter2-not-in-yaml", "HF_TOKEN": "hf_secret_value_xyz"}
+    subprocess.run(
+        [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml"), "-o", str(out)],
+        check=True,
+        env=env,
+    )
+    text = out.read_text()
+    docs = list(yaml.safe_load_all(text))
+    assert len(docs) == 2
+    json_format.ParseDict(docs[0], pipeline_spec_pb2.PipelineSpec())  # strict: unknown fields raise
+    json_format.ParseDict(docs[1], pipeline_spec_pb2.PlatformSpec())
+    return text, docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def test_gke_spec_carries_the_cluster_settings(tmp_path: Path):
+    text, pipeline, platform = _compile_gke(tmp_path)
+    executors = pipeline["deploymentSpec"]["executors"]
+    for step in ("generate", "update"):  # GPUs on the trainer steps, the trainer image
+        container = executors[f"exec-{step}"]["container"]
+        assert container["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+        assert container["resources"]["accelerator"]["resourceCount"] == "1"
+        assert container["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+        assert platform[f"exec-{step}"]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "trainer-pool"}
+        assert platform[f"exec-{step}"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    for step in ("score", "advantages", "sync-weights", "track"):  # light steps: no GPU, the CPU pool
+        container = executors[f"exec-{step}"]["container"]
+        assert "accelerator" not in container.get("resources", {})
+        assert container["image"] == "ghcr.io/rlpipe/step:0.1.0"
+        assert platform[f"exec-{step}"]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
+    # the shared-FS PVC on every step that touches the run root, not on artifact-only steps
+    for step in ("generate", "update", "sync-weights", "evaluate", "plan", "track", "warm-start"):
+        assert platform[f"exec-{step}"]["pvcMount"][0]["mountPath"] == "/mnt/rlpipe"
+        assert platform[f"exec-{step}"]["securityContext"] == {"runAsNonRoot": True, "runAsUser": "1000"}
+    assert "pvcMount" not in platform["exec-score"]
+    # secrets by reference, only on the steps that need them
+    track_env = {e["envVar"]: s["secretName"] for s in platform["exec-track"]["secretAsEnv"] for e in s["keyToEnv"]}
+    assert track_env == {
+        "MLFLOW_TRACKING_USERNAME": "mlflow-credentials",
+        "MLFLOW_TRACKING_PASSWORD": "mlflow-credentials",
+    }
+    assert platform["exec-warm-start"]["secretAsEnv"][0]["secretName"] == "hf-token"
+    assert "secretAsEnv" not in platform["exec-generate"]
+    assert "hunter2-not-in-yaml" not in text and "hf_secret_value_xyz" not in text
+    # every task retries with backoff; timeouts per pool
+    tasks = [t for c in pipeline["components"].values() for t in c.get("dag", {}).get("tasks", {}).values()]
+    tasks += list(pipeline["root"]["dag"]["tasks"].values())
+    executed = [
+        t
+        for t in tasks
+        if t["componentRef"]["name"].startswith("comp-")
+        and "dag" not in pipeline["components"][t["componentRef"]["name"]]
+    ]
+    assert executed and all(t["retryPolicy"]["maxRetryCount"] == 2 for t in executed)
+    assert platform["exec-update"]["activeDeadlineSeconds"] == "7200"
+    # the embedded spec points the steps at cluster storage, not at this machine
+    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    assert spec["storage"]["root"] == "/mnt/rlpipe/runs" and spec["storage"]["cache"] == "/mnt/rlpipe/cache"
+    run_root = pipeline["root"]["inputDefinitions"]["parameters"]["run_root"]["defaultValue"]
+    assert run_root == "/mnt/rlpipe/runs/addition-demo"
+
+
+def test_local_storage_without_pvc_is_refused(tmp_path: Path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlpipe.cli",
+            "compile",
+            str(REPO / "examples" / "addition.yaml"),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert "cluster steps cannot reach it" in result.stderr

@@ -1,0 +1,46 @@
+"""Cluster settings, applied in one place to every task: image, resources, GPUs, node pool,
+tolerations, the shared-FS PVC, secrets as env by reference, retries, timeout, security.
+
+KFP's own task settings land in the PipelineSpec; kfp-kubernetes settings in the PlatformSpec.
+The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=None.
+"""
+
+from kfp import dsl, kubernetes
+
+from rlpipe.spec import TRAINER_STEPS, ClusterSpec
+
+# steps that never read or write the run root (their inputs and outputs are KFP artifacts)
+ARTIFACT_ONLY_STEPS = ("score", "advantages")
+
+
+def place(task: dsl.PipelineTask, step: str, cluster: ClusterSpec | None) -> dsl.PipelineTask:
+    """Configure `task` (the `step` component) for the cluster; results are never cached:
+    every step reads or changes run state."""
+    task.set_caching_options(False)
+    if cluster is None:
+        return task
+    pod = cluster.trainer if step in TRAINER_STEPS else cluster.step
+    task.set_container_image(pod.image)
+    task.set_cpu_request(pod.cpu).set_memory_request(pod.memory)
+    if pod.cpu_limit:
+        task.set_cpu_limit(pod.cpu_limit)
+    if pod.memory_limit:
+        task.set_memory_limit(pod.memory_limit)
+    if pod.gpus:
+        task.set_accelerator_type(pod.accelerator).set_accelerator_limit(pod.gpus)
+    for label, value in pod.node_selector.items():
+        kubernetes.add_node_selector(task, label, value)
+    for toleration in pod.tolerations:
+        kubernetes.add_toleration(
+            task, key=toleration.key, operator=toleration.operator, value=toleration.value, effect=toleration.effect
+        )
+    kubernetes.set_timeout(task, pod.timeout_s)
+    if cluster.pvc and step not in ARTIFACT_ONLY_STEPS:
+        kubernetes.mount_pvc(task, pvc_name=cluster.pvc, mount_path=cluster.mount_path)
+    for secret in cluster.secrets:
+        if secret.steps is None or step in secret.steps:
+            kubernetes.use_secret_as_env(task, secret_name=secret.secret, secret_key_to_env={secret.key: secret.env})
+    if cluster.retries:
+        task.set_retry(cluster.retries, backoff_duration=cluster.retry_backoff)
+    kubernetes.set_security_context(task, run_as_user=cluster.run_as_user, run_as_non_root=True)
+    return task
