@@ -48,6 +48,36 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from rlpipe.pipelines.submit import submit_run
+
+    run = submit_run(_spec(args), args.host, args.experiment, args.run_root, args.wait, args.token)
+    print(f"run {run.id}: {run.url}")
+    if run.state is not None:
+        print(f"finished: {run.state}")
+        return 0 if run.state == "SUCCEEDED" else 1
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from rlpipe.pipelines.submit import schedule_run
+
+    spec = _spec(args)
+    recurring = schedule_run(spec, args.host, args.experiment, args.cron, args.every, args.run_root, args.token)
+    print(f"recurring run {recurring.id}: {recurring.url}")
+    print(f"each run continues {spec.name} by up to {spec.loop.iterations_per_run} iterations; no-op when done")
+    return 0
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec")
+    parser.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
+    parser.add_argument("--experiment", default="rlpipe", help="KFP experiment (created if missing)")
+    parser.add_argument("--run-root", help="run root on the cluster (default: on cluster.pvc, or storage.root)")
+    parser.add_argument("--token", help="bearer token (default: $KFP_BEARER_TOKEN, else kfp.Client's discovery)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description="RL post-training for LLMs as Kubeflow Pipelines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--run-root", help="run root the cluster steps use (default <storage.root>/<name>)")
     comp.add_argument("--set", action="append", metavar="KEY=VALUE")
     comp.set_defaults(func=cmd_compile)
+
+    submit = sub.add_parser("submit", help="start one KFP run of the pipeline (kfp.Client)")
+    _cluster_arguments(submit)
+    submit.add_argument("--wait", type=int, metavar="SECONDS", help="wait up to SECONDS for the run to finish")
+    submit.set_defaults(func=cmd_submit)
+
+    schedule = sub.add_parser("schedule", help="create a KFP recurring run that keeps the loop going")
+    _cluster_arguments(schedule)
+    when = schedule.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help="cron expression, 5 fields (or 6 with seconds), e.g. '0 * * * *'")
+    when.add_argument("--every", help="interval, e.g. 30m, 2h, 1d")
+    schedule.set_defaults(func=cmd_schedule)
     return parser
 
 
