@@ -20,6 +20,14 @@ def default_cluster_run_root(spec: RunSpec) -> str:
     return run_root_for(spec.storage.root, spec.name)
 
 
+def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec, str]:
+    """The spec as cluster steps must see it (storage paths on the cluster) and the run root."""
+    run_root = run_root or default_cluster_run_root(spec)
+    cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
+    storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
+    return spec.model_copy(update={"storage": storage}), run_root
+
+
 def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = None) -> Path:
     """Write the K-iteration pipeline (K = loop.iterations_per_run); one run advances the loop by K.
 
@@ -32,11 +40,7 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    run_root = run_root or default_cluster_run_root(spec)
-    # steps resolve storage paths (the warm-start cache) from the spec: make them cluster paths
-    cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
-    storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
-    spec = spec.model_copy(update={"storage": storage})
+    spec, run_root = cluster_spec_and_root(spec, run_root)
     compiler.Compiler().compile(
         pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.cluster),
         package_path=str(output),

@@ -40,9 +40,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    if args.target == "argo":
+        from rlpipe.pipelines.argo_export import export_argo
+
+        path = export_argo(spec, args.output, run_root=args.run_root)
+        print(f"wrote {path}: a WorkflowTemplate and a CronWorkflow; `kubectl apply -n rlpipe -f {path}`")
+        return 0
     from rlpipe.pipelines.compile import compile_pipeline
 
-    spec = _spec(args)
     path = compile_pipeline(spec, args.output, run_root=args.run_root)
     print(f"wrote {path}: upload it in the KFP UI or submit it with kfp.Client().create_run_from_pipeline_package")
     return 0
@@ -92,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
     comp.add_argument("spec")
     comp.add_argument("-o", "--output", required=True, help="output YAML path")
-    comp.add_argument("--run-root", help="run root the cluster steps use (default <storage.root>/<name>)")
+    comp.add_argument("--run-root", help="run root the cluster steps use (default: on cluster.pvc, or storage.root)")
+    comp.add_argument("--target", choices=["kfp", "argo"], default="kfp", help="KFP IR YAML, or Argo Workflows")
     comp.add_argument("--set", action="append", metavar="KEY=VALUE")
     comp.set_defaults(func=cmd_compile)
 
