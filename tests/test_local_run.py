@@ -58,10 +58,16 @@ def test_run_the_loop_and_continue_it(tmp_path: Path):
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir), "--iterations", "4")
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(run_dir, 4)
+    # a pipeline run once the loop is done (what a recurring run does) changes nothing
+    before = (run_dir / "state.json").read_text()
+    result = _rlpipe("run", str(spec), "--run-dir", str(run_dir), "--iterations", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((run_dir / "state.json").read_text())["iteration"] == json.loads(before)["iteration"]
+    _check_consistent(run_dir, 4)
     # each step's KFP Metrics artifact (what the KFP UI shows) carries its metrics; kfp.local keeps
     # one output directory per task name, so unrolled iterations of one pipeline run share it
     outputs = [json.loads(p.read_text()) for p in (run_dir / "kfp").glob("*/update/executor_output.json")]
-    assert len(outputs) == 3  # three pipeline runs
+    assert len(outputs) == 3  # three pipeline runs that iterated (the fourth had nothing to do)
     assert all("policy/loss" in o["artifacts"]["metrics"]["artifacts"][0]["metadata"] for o in outputs)
 
 
