@@ -116,13 +116,15 @@ class Progress:
 
 
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
-    """A resumed run keeps its spec; only loop settings may change (e.g. more iterations)."""
+    """A resumed run keeps its spec; only loop settings may change (e.g. more iterations).
+    storage (resolved against the working directory) and cluster (compile only) are not compared."""
     saved = read_json(join(run_root, "spec.json"))
     current = spec_to_dict(spec)
     if saved is None:
         write_json(join(run_root, "spec.json"), current)
         return
-    changed = sorted(k for k in set(saved) | set(current) if k != "loop" and saved.get(k) != current.get(k))
+    ignored = ("loop", "storage", "cluster")
+    changed = sorted(k for k in set(saved) | set(current) if k not in ignored and saved.get(k) != current.get(k))
     if changed:
         raise ValueError(
             f"{run_root} was started with a different spec (sections {', '.join(changed)} differ); "

@@ -68,3 +68,14 @@ def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
     # protobuf Struct turns every int into a float; parsing must accept that
     floated = yaml.safe_load(yaml.safe_dump(as_parameter).replace("iterations: 7", "iterations: 7.0"))
     assert parse_spec(floated).loop.iterations == 7
+
+
+def test_resumed_run_keeps_its_spec(tmp_path: Path):
+    from rlpipe.pipelines.local_run import check_spec_unchanged
+
+    run_root = str(tmp_path / "run")
+    check_spec_unchanged(parse_spec({"name": "x"}), run_root)  # first run records the spec
+    check_spec_unchanged(parse_spec({"name": "x", "loop": {"iterations": 99}}), run_root)  # more iterations: fine
+    check_spec_unchanged(parse_spec({"name": "x", "storage": {"root": "/elsewhere"}}), run_root)  # another cwd
+    with pytest.raises(ValueError, match="sections trainer differ"):
+        check_spec_unchanged(parse_spec({"name": "x", "trainer": {"lr": 1e-2}}), run_root)
