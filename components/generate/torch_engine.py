@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 
-
-@dataclass
-class Completions:
-    token_ids: list[list[int]]  # through the first eos (inclusive) when one was sampled
-    logprobs: list[list[float]]  # log pi_sampler(token | prefix), one per completion token
-    finish_reasons: list[str]  # "stop" or "length"
+from rlpipe.rollouts import Completions
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -103,8 +96,5 @@ def sample_in_batches(model: PreTrainedModel, prompts: list[list[int]], batch_si
     """`sample` over chunks of `batch_size` rows (bounds activation and KV-cache memory)."""
     result = Completions([], [], [])
     for start in range(0, len(prompts), batch_size):
-        part = sample(model, prompts[start : start + batch_size], **kwargs)
-        result.token_ids += part.token_ids
-        result.logprobs += part.logprobs
-        result.finish_reasons += part.finish_reasons
+        result.extend(sample(model, prompts[start : start + batch_size], **kwargs))
     return result

