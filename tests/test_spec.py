@@ -79,3 +79,17 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
     check_spec_unchanged(parse_spec({"name": "x", "storage": {"root": "/elsewhere"}}), run_root)  # another cwd
     with pytest.raises(ValueError, match="sections trainer differ"):
         check_spec_unchanged(parse_spec({"name": "x", "trainer": {"lr": 1e-2}}), run_root)
+    # the engine and the samplers may change on resume: every engine samples the same policy
+    check_spec_unchanged(
+        parse_spec({"name": "x", "rollout": {"engine": "sampler"}, "samplers": {"replicas": 4}}), run_root
+    )
+    with pytest.raises(ValueError, match="sections rollout differ"):
+        check_spec_unchanged(parse_spec({"name": "x", "rollout": {"engine": "sampler", "temperature": 0.7}}), run_root)
+
+
+def test_vllm_engines_refuse_truncated_sampling():
+    with pytest.raises(SpecError, match="rollout.top_k: 0 and rollout.top_p: 1.0"):
+        parse_spec({"name": "x", "rollout": {"engine": "sampler", "top_k": 5}})
+    assert parse_spec({"name": "x", "rollout": {"engine": "torch", "top_k": 5}}).rollout.top_k == 5
+    with pytest.raises(SpecError, match="rollout.engine: .*allowed|Input should be 'torch', 'vllm' or 'sampler'"):
+        parse_spec({"name": "x", "rollout": {"engine": "sglang"}})

