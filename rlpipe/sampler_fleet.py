@@ -7,8 +7,10 @@ restarts one that exits (as a Deployment would), and stops them all by PID when 
 `<run root>/samplers/fleet.json` records URL, PID, state and log of each, so a later
 `rlpipe run` can stop servers an earlier, killed driver left behind.
 
-Cluster: `python -m rlpipe.sampler_fleet --run-root /mnt/rlpipe/<run>` waits for the run's
-first published version, then execs the same vLLM server on it.
+Cluster: `python -m rlpipe.sampler_fleet --run-root /mnt/rlpipe/runs/<name>` (the sampler
+image's entrypoint) waits for the run's first published version, then execs the same vLLM
+server on the latest one; sync_weights then reloads it in place at the steps' paths, so the
+Deployment mounts the PVC where the steps do.
 """
 
 from __future__ import annotations
@@ -90,37 +92,48 @@ def _free_port() -> int:
 
 
 def stop_recorded(fleet_file: Path) -> None:
-    """Stop servers recorded in `fleet_file` that are still running (left by a killed driver)."""
+    """Stop servers recorded in `fleet_file` that still run (left by a killed driver), with their
+    engine cores: each server led its own process group, and a live group id is never reused."""
     if not fleet_file.exists():
         return
     for replica in json.loads(fleet_file.read_text()).get("replicas", []):
         pid = replica.get("pid")
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") if pid else ""
-        except OSError:
+        if not pid:
             continue
-        if SERVER_MODULE in cmdline and f"\0{replica['port']}\0" in cmdline:
-            _terminate(pid)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            cmdline = None  # the server is gone; its group may live on
+        if cmdline is not None and not (SERVER_MODULE in cmdline and f"\0{replica['port']}\0" in cmdline):
+            continue  # the pid now belongs to something else
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def _terminate(pid: int, grace_s: float = 15.0) -> None:
+def _stop_group(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM a server's process group (server + vLLM engine core), SIGKILL what is left."""
     try:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-            time.sleep(0.2)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except ChildProcessError:  # not our child: poll until it is gone
-        deadline = time.time() + grace_s
-        while Path(f"/proc/{pid}").exists() and time.time() < deadline:
-            time.sleep(0.2)
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    process.poll()
 
 
 class LocalFleet:
@@ -137,6 +150,7 @@ class LocalFleet:
             for i, port in enumerate(ports)
         ]
         self.processes: dict[int, subprocess.Popen] = {}
+        self.started_pids: list[int] = []  # every server ever started (restarts included)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name="sampler-fleet", daemon=True)
 
@@ -155,17 +169,13 @@ class LocalFleet:
         self._stop.set()
         self._thread.join(timeout=10)
         for index, process in self.processes.items():
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _stop_group(process)
             self.replicas[index].state = "stopped"
         self._record()
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
-        """Kill one replica (tests and failure drills); the supervisor restarts it."""
+        """Kill one replica's server process, as a crash would (tests and failure drills); the
+        supervisor cleans up its engine process and restarts it."""
         os.kill(self.processes[index].pid, sig)
 
     def _record(self) -> None:
@@ -191,9 +201,11 @@ class LocalFleet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=True,  # its own process group: the server and its engine core
                 preexec_fn=_die_with_parent,
             )
         self.processes[index] = process
+        self.started_pids.append(process.pid)
         replica.pid, replica.state = process.pid, "starting"
 
     def _supervise(self) -> None:
@@ -209,6 +221,7 @@ class LocalFleet:
                         self._spawn(index)
                         changed = True
                 elif process.poll() is not None:
+                    _stop_group(process)  # its engine-core process outlives a crashed server
                     replica.restarts += 1
                     if replica.restarts > MAX_RESTARTS:
                         replica.state = "failed"
@@ -227,12 +240,18 @@ class LocalFleet:
 def serve(argv: list[str] | None = None) -> None:
     """Container entrypoint: wait for the run's published weights, then exec the vLLM server."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-root", required=True, help="the run's root on the shared filesystem")
+    parser.add_argument(
+        "--run-root",
+        default=os.environ.get("RLPIPE_RUN_ROOT"),
+        help="the run's root on the shared filesystem, at the steps' path (default $RLPIPE_RUN_ROOT)",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--poll-s", type=float, default=10.0)
     args, extra = parser.parse_known_args(argv)
+    if not args.run_root:
+        parser.error("set --run-root or RLPIPE_RUN_ROOT to the run root, e.g. /mnt/rlpipe/runs/<name>")
     while (version := latest_version(args.run_root)) is None:
         print(f"rlpipe sampler: waiting for {args.run_root}/weights/LATEST", flush=True)
         time.sleep(args.poll_s)

@@ -196,6 +196,12 @@ STEP_NAMES = TRAINER_STEPS + (
 )
 
 
+def uses_trainer_image(step: str, engine: str) -> bool:
+    """Torch steps run on the trainer image (and GPU); with the sampler engine, generate is a thin
+    HTTP client and runs on the light step image."""
+    return step in TRAINER_STEPS and not (step == "generate" and engine == "sampler")
+
+
 class ClusterSpec(_Section):
     """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
 

@@ -124,3 +124,21 @@ def test_local_storage_without_pvc_is_refused(tmp_path: Path):
     )
     assert result.returncode == 1
     assert "cluster steps cannot reach it" in result.stderr
+
+
+def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
+    """With rollout.engine sampler, generate is an HTTP client: step image, CPU pool, no GPU."""
+    out = tmp_path / "gke-samplers.yaml"
+    endpoints = '["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]'
+    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command += ["-o", str(out), "--set", "rollout.engine=sampler", "--set", f"samplers.endpoints={endpoints}"]
+    subprocess.run(command, check=True)
+    pipeline, platform = list(yaml.safe_load_all(out.read_text()))
+    executors = pipeline["deploymentSpec"]["executors"]
+    generate = executors["exec-generate"]["container"]
+    assert generate["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in generate.get("resources", {})
+    assert executors["exec-update"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+    nodes = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-generate"]["nodeSelector"]
+    assert nodes["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
+    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    assert spec["samplers"]["endpoints"] == ["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]

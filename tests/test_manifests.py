@@ -355,10 +355,12 @@ def test_sampler(build):
     c = _container(dep, "sampler")
     assert c["image"] == "ghcr.io/rlpipe/sampler:0.1.0"
     argv = c["command"] + c.get("args", [])
-    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["python", "-m", "rlpipe.sampler_fleet"]  # waits for the run's weights, execs vLLM
     flags = _flags(argv)
-    assert flags["--model"].startswith("/weights/") and flags["--host"] == "0.0.0.0" and flags["--port"] == "8000"
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == "8000"
     env = _env(c)
+    # the PVC sits where the steps mount it: sync_weights names weight dirs by the steps' paths
+    assert env["RLPIPE_RUN_ROOT"]["value"].startswith("/mnt/rlpipe/runs/")
     assert env["VLLM_SERVER_DEV_MODE"]["value"] == "1"  # /collective_rpc reload_weights, /pause, /resume
     assert env["HF_HUB_OFFLINE"]["value"] == "1"
     probe = c["readinessProbe"]
@@ -366,7 +368,7 @@ def test_sampler(build):
     assert probe.get("initialDelaySeconds", 0) >= 30
     weights = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "rlpipe-weights"]
     assert len(weights) == 1
-    assert {"name": weights[0]["name"], "mountPath": "/weights", "readOnly": True} in c["volumeMounts"]
+    assert {"name": weights[0]["name"], "mountPath": "/mnt/rlpipe", "readOnly": True} in c["volumeMounts"]
 
     gpu_req = c["resources"].get("requests", {}).get("nvidia.com/gpu")
     gpu_lim = c["resources"].get("limits", {}).get("nvidia.com/gpu")

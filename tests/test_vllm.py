@@ -4,6 +4,7 @@ the generate step fans prompts across and sync_weights reloads in place."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import threading
 import time
@@ -59,11 +60,22 @@ def fleet(run):
     spec, run_root, _ = run
     fleet = LocalFleet(spec, run_root)
     fleet.start()
+    groups: set[int] = set()
     try:
         assert len(wait_ready(fleet.urls, 300)) == 2, "both samplers should start"
         yield fleet
     finally:
+        groups = {p.pid for p in fleet.processes.values()} | set(fleet.started_pids)
         fleet.stop()
+    assert not [g for g in groups if group_alive(g)], "a sampler (or its vLLM engine core) outlived the fleet"
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def service_spec(spec: RunSpec, fleet, engine: str = "sampler") -> RunSpec:
@@ -276,4 +288,4 @@ def test_rlpipe_run_with_the_sampler_service(tmp_path: Path):
         assert metrics["samplers/reloaded_stale"] == 0  # sync_weights already reloaded them
     fleet = json.loads((run_dir / "samplers" / "fleet.json").read_text())
     assert [r["state"] for r in fleet["replicas"]] == ["stopped", "stopped"]
-    assert not any(Path(f"/proc/{r['pid']}").exists() for r in fleet["replicas"])
+    assert not any(group_alive(r["pid"]) for r in fleet["replicas"])  # server and engine core stopped

@@ -38,13 +38,26 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
 
 
 def sample_groups(
-    llm, prompts: list[list[int]], samples: int, max_new_tokens: int, temperature: float, seed: int
+    llm,
+    prompts: list[list[int]],
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    ignore_eos: bool = False,
 ) -> Completions:
     """`samples` completions per prompt, flattened prompt-major; prompt i is seeded seed + i."""
     from vllm import SamplingParams
 
     params = [
-        SamplingParams(n=samples, max_tokens=max_new_tokens, temperature=temperature, logprobs=0, seed=seed + i)
+        SamplingParams(
+            n=samples,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            logprobs=0,
+            seed=seed + i,
+            ignore_eos=ignore_eos,
+        )
         for i in range(len(prompts))
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
