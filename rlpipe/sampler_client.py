@@ -184,8 +184,9 @@ def generate_groups(
 ) -> tuple[Completions, dict[str, float]]:
     """`samples` completions for every prompt, all sampled by weights `version`.
 
-    Request i is seeded with seed + i, so a retried prompt samples the same completions
-    on any replica. Returns the completions prompt-major (as the other engines) and metrics.
+    Request i is seeded with seed + i * samples (vLLM seeds its sample j with seed + j, so every
+    sample has its own seed), and a retried prompt samples the same completions on any replica.
+    Returns the completions prompt-major (as the other engines) and metrics.
     """
     params = {**sampling, "n": samples, "logprobs": 0, "detokenize": False}
     todo: queue.Queue[int] = queue.Queue()
@@ -206,7 +207,9 @@ def generate_groups(
                 except queue.Empty:
                     continue
                 try:
-                    choices = _choices(url, session, prompts[index], {**params, "seed": seed + index}, timeout_s)
+                    choices = _choices(
+                        url, session, prompts[index], {**params, "seed": seed + index * samples}, timeout_s
+                    )
                     spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
                     if spans != {expected}:
                         raise SamplerError(f"{url} sampled with weights {sorted(spans)}, expected {expected}")

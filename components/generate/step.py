@@ -38,7 +38,8 @@ def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int)
 
 
 def sample_seed(seed: int, iteration: int) -> int:
-    """Seed of this iteration's sampling; vLLM engines seed prompt i with sample_seed + i."""
+    """Seed of this iteration's sampling; vLLM engines seed sample j of prompt i with
+    sample_seed + i * G + j."""
     return (seed * 1_000_003 + iteration * 65_537) % (2**31 - 4096)
 
 

@@ -46,7 +46,12 @@ def sample_groups(
     seed: int,
     ignore_eos: bool = False,
 ) -> Completions:
-    """`samples` completions per prompt, flattened prompt-major; prompt i is seeded seed + i."""
+    """`samples` completions per prompt, flattened prompt-major.
+
+    vLLM seeds sample j of a request with seed + j, so prompt i gets seed + i * samples: every
+    sample of the batch has its own seed (seed + i would give prompt i+1's sample j-1 the same
+    random stream as prompt i's sample j).
+    """
     from vllm import SamplingParams
 
     params = [
@@ -55,7 +60,7 @@ def sample_groups(
             max_tokens=max_new_tokens,
             temperature=temperature,
             logprobs=0,
-            seed=seed + i,
+            seed=seed + i * samples,
             ignore_eos=ignore_eos,
         )
         for i in range(len(prompts))

@@ -19,12 +19,15 @@ from rlpipe.spec import RunSpec
 from rlpipe.weight_store import WeightRef, prune, publish, read_ref
 
 
-def reload_samplers(spec: RunSpec, run_root: str, ref: WeightRef) -> dict[str, float]:
-    """Swap the published version into every sampler in place (no restart, no model load)."""
-    from rlpipe.sampler_client import ready_replicas, sampler_weights_dir, sync_replicas
+def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
+    """Swap the published version into every running sampler in place (no restart, no model load).
+    Samplers still starting are not waited for: they load LATEST, and generate labels them."""
+    from rlpipe.sampler_client import is_healthy, replica_urls, sampler_weights_dir, sync_replicas
 
     s = spec.samplers
-    urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
+    urls = [url for url in replica_urls(s.endpoints) if is_healthy(url)]
+    if not urls:
+        return {"samplers/replicas": 0.0}
     return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s)
 
 
@@ -45,7 +48,7 @@ def sync_weights(
     ref = publish(run_root, staged)
     metrics = dict(step_metrics)
     if spec.rollout.engine == "sampler":
-        metrics |= reload_samplers(spec, run_root, ref)
+        metrics |= reload_samplers(spec, ref)
     metrics["time/sync_weights_s"] = time.time() - started
     if "started_at" in metrics:  # wall clock from the generate step's process start to here
         wall = time.time() - metrics.pop("started_at")
