@@ -97,7 +97,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     for name, urls in fleets.items():
         sampling = {"max_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
         t = time.time()
-        out, _ = generate_groups(urls, ids, samples, sampling, 0, 0, 16, 600)
+        out, _ = generate_groups(urls, ids, samples, sampling, 0, 0, 64, 600)
         result[name] = sum(map(len, out.token_ids)) / (time.time() - t)
     return result
 
@@ -159,13 +159,14 @@ def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_si
     }
 
 
-def pipeline_breakdown(work: Path, engine: str, iterations: int) -> dict:
+def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, replicas: int = 2) -> dict:
     """`rlpipe run` of the demo spec for `iterations` iterations in one pipeline run."""
     from iteration_breakdown import average_breakdown
 
-    run_dir = work / f"run-{engine}"
+    run_dir = work / f"run-{label}"
     overrides = [
         f"rollout.engine={engine}",
+        f"samplers.replicas={replicas}",
         f"loop.iterations_per_run={iterations}",
         f"loop.eval_every={iterations}",
     ]
@@ -244,7 +245,11 @@ def main() -> None:
     large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
 
     # 3. orchestration per iteration
-    pipelines = {engine: pipeline_breakdown(work, engine, args.iterations) for engine in ("torch", "vllm", "sampler")}
+    variants = {"torch": ("torch", 2), "vllm": ("vllm", 2), "sampler x1": ("sampler", 1), "sampler x2": ("sampler", 2)}
+    pipelines = {
+        label: pipeline_breakdown(work, label.replace(" ", ""), args.iterations, engine, replicas)
+        for label, (engine, replicas) in variants.items()
+    }
 
     lines = [
         "# vLLM engines and long-lived samplers (benchmarks/samplers.py)",
@@ -285,21 +290,22 @@ def main() -> None:
         "",
         f"## Seconds per iteration under `rlpipe run` (demo spec, {args.iterations} iterations per engine)",
         "",
-        "| rollout.engine | generate task wall | generate imports + model load | generate compute | sampler reload "
-        "(in sync_weights) | iteration wall | orchestration |",
-        "|---|---|---|---|---|---|---|",
+        "| rollout.engine (replicas) | generate task wall | generate imports + model load | generate compute | "
+        "sampler reload (in sync_weights) | update task wall | iteration wall | orchestration |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for engine, t in pipelines.items():
+    for label, t in pipelines.items():
         g = t["generate"]
         lines.append(
-            f"| {engine} | {g['task_wall_s']:.2f} | {g['import_s'] + g['load_s']:.2f} | {g['compute_s']:.2f} | "
-            f"{g['reload_s']:.2f} | {t['iteration']['wall_s']:.2f} | {t['iteration']['orchestration_s']:.2f} |"
+            f"| {label} | {g['task_wall_s']:.2f} | {g['import_s'] + g['load_s']:.2f} | {g['compute_s']:.2f} | "
+            f"{g['reload_s']:.2f} | {t['update']['task_wall_s']:.2f} | {t['iteration']['wall_s']:.2f} | "
+            f"{t['iteration']['orchestration_s']:.2f} |"
         )
     base = pipelines["torch"]["iteration"]
-    for engine in ("vllm", "sampler"):
-        it = pipelines[engine]["iteration"]
+    for label in ("vllm", "sampler x1", "sampler x2"):
+        it = pipelines[label]["iteration"]
         lines.append(
-            f"\n{engine} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
+            f"\n{label} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
             f"{it['orchestration_s'] / base['orchestration_s']:.2f}x"
         )
     report = "\n".join(lines)

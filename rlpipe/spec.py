@@ -108,7 +108,9 @@ class SamplersSpec(_Section):
         description="Base URLs of running samplers; a host that resolves to several addresses (a headless "
         "Service) counts as one replica per address. Empty: `rlpipe run` starts `replicas` local servers.",
     )
-    requests_per_replica: int = Field(16, ge=1, description="Concurrent requests in flight per replica")
+    requests_per_replica: int = Field(
+        64, ge=1, description="Requests in flight per replica (x G sequences): vLLM batches what is in flight"
+    )
     request_timeout_s: float = Field(300, gt=0)
     startup_timeout_s: float = Field(900, gt=0, description="How long generate waits for a replica to be ready")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache per local replica (VLLM_CPU_KVCACHE_SPACE)")
