@@ -138,12 +138,12 @@ def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_si
     staged = staging_uri(str(run_root), 0)
     shutil.copytree(models[0], staged)
     publish(str(run_root), seal(staged, 0, 0, None))
-    spec = parse_spec({"name": label, "samplers": {"replicas": 1, "kv_cache_gib": 0.5}})
+    spec = parse_spec({"name": label, "samplers": {"replicas": 1}})
     fleet = LocalFleet(spec, str(run_root))
     fleet.start()
     try:
         t = time.time()
-        wait_ready(fleet.urls, 900)
+        wait_ready(fleet.urls, 900, str(fleet.fleet_file))
         start_s = time.time() - t
         rows = [publish_and_reload(run_root, models[v % 2], fleet.urls[0], v) for v in range(1, repeats + 1)]
     finally:
@@ -220,11 +220,12 @@ def main() -> None:
     fleet = LocalFleet(parse_spec({"name": "gen", "samplers": {"replicas": 2}}), str(run_root))
     fleet.start()
     try:
-        wait_ready(fleet.urls, 900)
+        wait_ready(fleet.urls, 900, str(fleet.fleet_file))
         sync_replicas(fleet.urls, str(model_dir), 0, 120)  # label them v0
         fleets = {"service_1_replica": fleet.urls[:1], "service_2_replicas": fleet.urls}
         samples = spec.rollout.samples_per_prompt
         gen = {f"{n}_tokens": throughput(model_dir, llm, prompts, samples, n, fleets) for n in (5, 32)}
+        print("generation tokens/s", json.dumps(gen), flush=True)
     finally:
         fleet.stop()
     del llm
@@ -242,6 +243,7 @@ def main() -> None:
         "tiny": reload_benchmark(work, "tiny", spec.model.tiny, torch.float32, args.repeats),
         "qwen2_0.5b_shape": reload_benchmark(work, "large", large, torch.bfloat16, args.repeats, 151936),
     }
+    print("publish + reload", json.dumps(reload), flush=True)
     large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
 
     # 3. orchestration per iteration
@@ -250,6 +252,7 @@ def main() -> None:
         label: pipeline_breakdown(work, label.replace(" ", ""), args.iterations, engine, replicas)
         for label, (engine, replicas) in variants.items()
     }
+    print("pipelines", json.dumps(pipelines), flush=True)
 
     lines = [
         "# vLLM engines and long-lived samplers (benchmarks/samplers.py)",

@@ -194,7 +194,7 @@ class LocalFleet:
             # vLLM pins each CPU server's compute thread to core 0, leaving the other cores to the
             # HTTP front ends, which dominate for tiny models: spreading the compute threads over
             # both cores of this machine made generate ~1.8x slower.
-            env |= CPU_ENVIRONMENT | {"VLLM_CPU_KVCACHE_SPACE": f"{self.spec.samplers.kv_cache_gib:g}"}
+            env |= CPU_ENVIRONMENT | {"VLLM_CPU_KVCACHE_SPACE": str(self.spec.samplers.kv_cache_gib)}
             extra = ["--enforce-eager", "--dtype", "float32", *extra]
         with open(replica.log, "ab") as log:
             log.write(f"\n--- rlpipe: starting sampler on {replica.url} with weights v{version}\n".encode())

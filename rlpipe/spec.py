@@ -113,7 +113,7 @@ class SamplersSpec(_Section):
     )
     request_timeout_s: float = Field(300, gt=0)
     startup_timeout_s: float = Field(900, gt=0, description="How long generate waits for a replica to be ready")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache per local replica (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: int = Field(1, ge=1, description="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
     extra_args: list[str] = Field(default_factory=list, description="More vLLM server flags for local replicas")
 
 
