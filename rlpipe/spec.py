@@ -102,7 +102,9 @@ class RolloutSpec(_Section):
 class SamplersSpec(_Section):
     """Long-lived vLLM servers for `rollout.engine: sampler`; reloaded in place by sync_weights."""
 
-    replicas: int = Field(2, ge=1, description="Servers `rlpipe run` starts on loopback when endpoints is empty")
+    replicas: int = Field(
+        1, ge=1, description="Servers `rlpipe run` starts on loopback when endpoints is empty (1 per free core or GPU)"
+    )
     endpoints: list[str] = Field(
         default_factory=list,
         description="Base URLs of running samplers; a host that resolves to several addresses (a headless "
