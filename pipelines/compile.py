@@ -23,6 +23,11 @@ def default_cluster_run_root(spec: RunSpec) -> str:
 def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec, str]:
     """The spec as cluster steps must see it (storage paths on the cluster) and the run root."""
     run_root = run_root or default_cluster_run_root(spec)
+    if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
+        raise ValueError(
+            "rollout.engine sampler on a cluster needs samplers.endpoints, e.g. "
+            "[http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000] (manifests/base/sampler.yaml)"
+        )
     cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
     storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
     return spec.model_copy(update={"storage": storage}), run_root

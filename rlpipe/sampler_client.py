@@ -45,6 +45,8 @@ def replica_urls(endpoints: list[str]) -> list[str]:
         except socket.gaierror as err:
             raise SamplerError(f"samplers.endpoints entry {endpoint!r} does not resolve: {err}") from None
         addresses = sorted({info[4][0] for info in infos})
+        if any(":" not in a for a in addresses):  # one server on both families (localhost): count it once
+            addresses = [a for a in addresses if ":" not in a]
         if len(addresses) <= 1:
             urls.append(urlunsplit(parts))
             continue
@@ -71,6 +73,11 @@ def fleet_failures(fleet_file: str | None) -> dict[str, str]:
 
 def wait_ready(urls: list[str], timeout_s: float, fleet_file: str | None = None) -> list[str]:
     """Wait for every replica's /health; at the deadline go on with those that are ready."""
+    if not urls:
+        raise SamplerError(
+            "rollout.engine is sampler but samplers.endpoints is empty: name the samplers (on a cluster, "
+            "the rlpipe-sampler-pods Service) or let `rlpipe run` start local ones"
+        )
     deadline = time.time() + timeout_s
     while True:
         failed = fleet_failures(fleet_file)

@@ -126,6 +126,14 @@ def test_local_storage_without_pvc_is_refused(tmp_path: Path):
     assert "cluster steps cannot reach it" in result.stderr
 
 
+def test_sampler_engine_on_a_cluster_needs_endpoints(tmp_path: Path):
+    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    result = subprocess.run(
+        command + ["-o", str(tmp_path / "x.yaml"), "--set", "rollout.engine=sampler"], capture_output=True, text=True
+    )
+    assert result.returncode != 0 and "needs samplers.endpoints" in result.stderr
+
+
 def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
     """With rollout.engine sampler, generate is an HTTP client: step image, CPU pool, no GPU."""
     out = tmp_path / "gke-samplers.yaml"

@@ -42,6 +42,9 @@ def test_entrypoint_needs_a_run_root(monkeypatch, capsys):
 
 def test_endpoints_resolve_or_say_which_entry_is_wrong():
     assert replica_urls(["http://127.0.0.1:8000/"]) == ["http://127.0.0.1:8000"]
+    assert len(replica_urls(["http://localhost:8000"])) == 1  # one server, even if it has v4 and v6 addresses
+    with pytest.raises(SamplerError, match="samplers.endpoints is empty"):
+        wait_ready([], 5)
     with pytest.raises(SamplerError, match="no-such-sampler.invalid"):
         replica_urls(["http://no-such-sampler.invalid:8000"])
 
