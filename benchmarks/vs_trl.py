@@ -1,0 +1,352 @@
+"""rlpipe (`rlpipe run`, the pipeline on kfp.local) vs TRL's GRPOTrainer, side by side.
+
+    pip install -e ".[local,bench]"
+    python benchmarks/vs_trl.py --quick          # 1 seed, short runs (<= 10 min here)
+    python benchmarks/vs_trl.py --seeds 3        # the claim: 3 seeds per system
+
+Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
+character tokenizer, the same addition data (rlpipe's prepare step), the same reward
+(`rlpipe.tasks.addition:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
+top_k 0, 5 new tokens, 1 torch thread. TRL runs its on-policy GRPO (64 prompts x 8 per step,
+generate every step); rlpipe runs as the demo does (512 prompts x 8 per iteration, 4 PPO-style
+mini-batches). Each system runs in its own process, alternately, seed by seed; held-out greedy
+accuracy (the same 500 problems, the same evaluator) is measured during training and its cost
+is taken off both clocks.
+
+Writes benchmarks/results/vs_trl.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
+# so one system's peak never leaks into the other's.
+PEAK_RSS = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def run_measured(command: list[str], **kwargs) -> float:
+    """Run `command` to completion; returns the peak RSS (GB) of its largest process."""
+    wrapped = [sys.executable, "-c", PEAK_RSS, *command]
+    result = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed:\n{result.stderr[-3000:]}")
+    return int(result.stderr.strip().splitlines()[-1]) / 1e6
+
+
+def demo_spec(seed: int, work: Path, overrides: dict | None = None):
+    from rlpipe.spec import load_spec
+
+    base = {"seed": seed, "storage.root": str(work / "runs"), "storage.cache": str(work / "cache")}
+    return load_spec(REPO / "examples" / "addition.yaml", base | (overrides or {}))
+
+
+def prepare_reference(spec, work: Path) -> tuple[str, str]:
+    """Data and the warm-started v0 that both systems start from: (run root, v0 directory)."""
+    from rlpipe.components.prepare.step import prepare_data
+    from rlpipe.components.sync_weights.step import sync_weights
+    from rlpipe.components.warm_start.step import warm_start
+    from rlpipe.weight_store import read_ref
+
+    run_root = str(work / "reference" / f"seed{spec.seed}")
+    prepare_data(spec, run_root)
+    if not (Path(run_root) / "weights" / "LATEST").exists():
+        staged, metrics = warm_start(spec, run_root, str(work / "cache"))
+        sync_weights(spec, run_root, staged, 0, metrics)
+    return run_root, read_ref(run_root, 0)["uri"]
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """rlpipe's evaluator: greedy decode of every held-out prompt, exact match."""
+    import torch
+
+    from rlpipe.components.generate.torch_engine import sample_in_batches
+    from rlpipe.tasks.addition import exact_match
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = sample_in_batches(
+            model,
+            [tokenizer(r["prompt"])["input_ids"] for r in rows],
+            batch_size=4096,
+            max_new_tokens=max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            greedy=True,
+        )
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+    scores = exact_match([r["prompt"] for r in rows], texts, [r["reference"] for r in rows])
+    return sum(scores) / len(scores)
+
+
+def run_trl(args: argparse.Namespace) -> None:
+    """Child process: TRL GRPOTrainer on the reference model; prints one JSON line of results."""
+    import pyarrow.parquet as pq
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlpipe.modeling import load_tokenizer
+    from rlpipe.tasks.addition import exact_match
+
+    torch.set_num_threads(1)
+    run_root, model_dir = args.run_root, args.model_dir
+    train = pq.read_table(f"{run_root}/data/train.parquet").to_pylist()
+    held_out = pq.read_table(f"{run_root}/data/eval.parquet").to_pylist()
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def reward(prompts, completions, reference, **_):
+        return exact_match(prompts, completions, reference)
+
+    curve: list[dict] = []
+
+    class HeldOut(TrainerCallback):
+        eval_s = 0.0
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step % args.trl_eval_every and state.global_step < args.trl_steps:
+                return
+            t = time.time()
+            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, 5)
+            HeldOut.eval_s += time.time() - t
+            curve.append(
+                {"samples": state.global_step * 512, "wall_s": time.time() - started - HeldOut.eval_s, "acc": accuracy}
+            )
+
+    config = GRPOConfig(
+        output_dir=str(Path(args.out).parent / "trl-out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=args.seed,
+        per_device_train_batch_size=512,  # completions per step: 64 prompts x 8
+        num_generations=8,
+        learning_rate=5e-4,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=10,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        max_completion_length=5,
+        temperature=1.0,
+        top_k=0,
+        max_steps=args.trl_steps,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": r["prompt"], "reference": r["reference"]} for r in train]),
+        callbacks=[HeldOut()],
+    )
+    curve.append({"samples": 0, "wall_s": 0.0, "acc": greedy_accuracy(model, tokenizer, held_out, 5)})
+    started = time.time()
+    trainer.train()
+    wall = time.time() - started - HeldOut.eval_s
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    completion_tokens = statistics.fmean(lengths) * 512 * args.trl_steps if lengths else 0.0
+    result = {
+        "curve": curve,
+        "train_wall_s": wall,
+        "samples": 512 * args.trl_steps,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens": 7 * 512 * args.trl_steps,  # "<bos>ab+cd=" is 7 tokens
+    }
+    Path(args.out).write_text(json.dumps(result))
+
+
+def trl_once(seed: int, run_root: str, model_dir: str, steps: int, eval_every: int, work: Path) -> dict:
+    out = work / f"trl-seed{seed}.json"
+    command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
+    command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
+    command += ["--out", str(out)]
+    t = time.time()
+    peak = run_measured(command, env={**os.environ, **THREADS_ENV})
+    result = json.loads(out.read_text())
+    result["process_wall_s"] = time.time() - t
+    result["peak_rss_gb"] = peak
+    return result
+
+
+def rlpipe_once(seed: int, iterations: int, eval_every: int, work: Path) -> dict:
+    """`rlpipe run` of the demo spec (warm start cached); the curve from its eval metrics files."""
+    run_dir = work / f"rlpipe-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
+    command = [sys.executable, "-m", "rlpipe.cli", "run", str(REPO / "examples" / "addition.yaml"), "--run-dir"]
+    command += [str(run_dir), "--iterations", str(iterations)]
+    for key, value in {
+        "seed": seed,
+        "storage.cache": str(work / "cache"),
+        "loop.eval_every": eval_every,
+        "loop.iterations_per_run": min(5, iterations),
+    }.items():
+        command += ["--set", f"{key}={value}"]
+    started = time.time()
+    peak = run_measured(command, cwd=REPO)
+    wall = time.time() - started
+    evals = {
+        int(p.stem.split("_")[1]): (json.loads(p.read_text()), p.stat().st_mtime)
+        for p in run_dir.glob("metrics/eval_*.json")
+    }
+    iters = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/iter_*.json"))[1:]]
+    per_eval = statistics.fmean(m["time/evaluate_s"] + m["overhead/evaluate_load_s"] for m, _ in evals.values())
+    curve = []
+    for n, (i, (metrics, mtime)) in enumerate(sorted(evals.items())):
+        curve.append(
+            {"samples": i * 4096, "wall_s": mtime - started - n * per_eval, "acc": metrics["eval/accuracy_greedy"]}
+        )
+    curve[0]["wall_s"] = 0.0  # v0's accuracy: before any training
+    return {
+        "curve": curve,
+        "train_wall_s": wall - len(evals) * per_eval,
+        "samples": 4096 * iterations,
+        "completion_tokens": sum(m["rollout/completion_tokens_mean"] * 4096 for m in iters),
+        "prompt_tokens": 7 * 4096 * iterations,
+        "generate_s": sum(m["time/generate_s"] for m in iters),
+        "update_s": sum(m["time/update_s"] for m in iters),
+        "orchestration_s_per_iteration": statistics.fmean(m["overhead/iteration_s"] for m in iters),
+        "iteration_wall_s": statistics.fmean(m["time/iteration_wall_s"] for m in iters),
+        "peak_rss_gb": peak,
+        "warm_start_cached": json.loads((run_dir / "metrics" / "iter_000000.json").read_text())["warm_start/cached"],
+    }
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    return next((p["wall_s"] for p in curve if p["acc"] >= target and p["samples"] > 0), None)
+
+
+def accuracy_at(curve: list[dict], samples: int) -> float:
+    return max((p for p in curve if p["samples"] <= samples), key=lambda p: p["samples"])["acc"]
+
+
+def _cell(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.3f}" if value < 10 else f"{value:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--target", type=float, default=None, help="held-out greedy accuracy to reach")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench-vs-trl")
+    parser.add_argument("--device", choices=["cpu"], default="cpu", help="cuda: not built yet (no GPU lent)")
+    # child-process mode (TRL)
+    parser.add_argument("--run-trl", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--run-root", "--model-dir", "--out"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-eval-every", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_trl:
+        return run_trl(args)
+
+    os.environ.update(THREADS_ENV)
+    seeds = 1 if args.quick else args.seeds
+    rl_iterations, rl_eval_every = (8, 2) if args.quick else (25, 5)
+    trl_steps, trl_eval_every = (150, 25) if args.quick else (400, 50)
+    target = args.target if args.target is not None else (0.65 if args.quick else 0.72)
+    args.work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    runs: dict[str, list[dict]] = {"rlpipe": [], "trl": []}
+    for seed in range(seeds):
+        spec = demo_spec(seed, args.work)
+        run_root, model_dir = prepare_reference(spec, args.work)
+        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, rl_eval_every, args.work))
+        runs["trl"].append(trl_once(seed, run_root, model_dir, trl_steps, trl_eval_every, args.work))
+    duration = time.time() - started
+
+    budget = min(min(r["samples"] for r in runs[s]) for s in runs)
+    summary: dict[str, dict[str, float | None]] = {}
+    for system, results in runs.items():
+        times = [time_to(r["curve"], target) for r in results]
+        reached = [t for t in times if t is not None]
+        summary[system] = {
+            "time_to_target_s": statistics.median(reached) if len(reached) == len(times) else None,
+            "reached": float(len(reached)),
+            "accuracy_at_budget": statistics.fmean(accuracy_at(r["curve"], budget) for r in results),
+            "final_accuracy": statistics.fmean(r["curve"][-1]["acc"] for r in results),
+            "samples_per_s": statistics.fmean(r["samples"] / r["train_wall_s"] for r in results),
+            "generated_tokens_per_s": statistics.fmean(r["completion_tokens"] / r["train_wall_s"] for r in results),
+            "training_tokens_per_s": statistics.fmean(
+                (r["completion_tokens"] + r["prompt_tokens"]) / r["train_wall_s"] for r in results
+            ),
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
+        }
+    summary["rlpipe"]["orchestration_s_per_iteration"] = statistics.fmean(
+        r["orchestration_s_per_iteration"] for r in runs["rlpipe"]
+    )
+
+    import torch
+    import trl
+
+    lines = [
+        "# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py" + (" --quick)" if args.quick else ")"),
+        "",
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, no GPU, 1 torch thread; Python "
+        f"{platform.python_version()}, torch {torch.__version__}, trl {trl.__version__}; {seeds} seed(s); "
+        f"date {time.strftime('%Y-%m-%d')}; benchmark wall {duration:.0f} s",
+        "",
+        f"target: held-out greedy accuracy >= {target}; equal sample budget: {budget} completions; wall times "
+        "exclude held-out evaluation; throughputs are per second of training wall time (training tokens = "
+        "prompt + completion tokens of the sampled batches)",
+        "",
+        "| | rlpipe | TRL | rlpipe / TRL |",
+        "|---|---|---|---|",
+    ]
+    keys = [
+        ("time_to_target_s", "wall time to target (s)"),
+        ("accuracy_at_budget", "accuracy at equal sample budget"),
+        ("final_accuracy", "final accuracy"),
+        ("samples_per_s", "samples/s"),
+        ("generated_tokens_per_s", "generated tokens/s"),
+        ("training_tokens_per_s", "training tokens/s"),
+        ("peak_rss_gb", "peak RSS of the largest process (GB)"),
+    ]
+    for key, label in keys:
+        a, b = summary["rlpipe"][key], summary["trl"][key]
+        ratio = f"{a / b:.2f}x" if a is not None and b else "n/a"
+        lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {ratio} |")
+    lines += [
+        "",
+        f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
+        f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
+        "load, KFP executor)",
+    ]
+    report = "\n".join(lines)
+    print(report)
+    RESULTS.mkdir(exist_ok=True)
+    name = "vs_trl_quick" if args.quick else "vs_trl"
+    (RESULTS / f"{name}.md").write_text(report + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": summary, "runs": runs, "target": target}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
