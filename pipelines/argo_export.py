@@ -15,7 +15,7 @@ import yaml
 from hera.workflows import models as m
 
 from rlpipe.pipelines.compile import cluster_spec_and_root
-from rlpipe.spec import PodSpec, RunSpec, spec_to_dict, uses_trainer_image
+from rlpipe.spec import PodSpec, RunSpec, spec_to_dict, thin_client_steps, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -23,7 +23,7 @@ VOLUME = "run-root"
 
 def _template(name: str, step: str, spec: RunSpec) -> m.Template:
     cluster = spec.cluster
-    pod: PodSpec = cluster.trainer if uses_trainer_image(step, spec.rollout.engine) else cluster.step
+    pod: PodSpec = cluster.trainer if uses_trainer_image(step, thin_client_steps(spec)) else cluster.step
     requests = {"cpu": pod.cpu, "memory": pod.memory}
     limits = {key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value}
     if pod.gpus:

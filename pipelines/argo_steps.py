@@ -79,9 +79,9 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
 
         write_json(metrics_uri, compute_advantages(spec, local["scored"], local["batch"]))
     elif step == "update":
-        from rlpipe.components.update.step import update_policy
+        from rlpipe.trainer_client import train_iteration
 
-        staged, metrics = update_policy(spec, run_root, weights, local["batch"], iteration, cache)
+        staged, metrics = train_iteration(spec, run_root, weights, local["batch"], iteration, cache)
         write_json(metrics_uri, {"staged": staged, "metrics": metrics})
     elif step == "sync_weights":
         from rlpipe.components.sync_weights.step import sync_weights

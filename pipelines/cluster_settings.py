@@ -13,13 +13,15 @@ from rlpipe.spec import ClusterSpec, uses_trainer_image
 ARTIFACT_ONLY_STEPS = ("score", "advantages")
 
 
-def place(task: dsl.PipelineTask, step: str, cluster: ClusterSpec | None, engine: str = "torch") -> dsl.PipelineTask:
+def place(
+    task: dsl.PipelineTask, step: str, cluster: ClusterSpec | None, thin: frozenset[str] = frozenset()
+) -> dsl.PipelineTask:
     """Configure `task` (the `step` component) for the cluster; results are never cached:
     every step reads or changes run state."""
     task.set_caching_options(False)
     if cluster is None:
         return task
-    pod = cluster.trainer if uses_trainer_image(step, engine) else cluster.step
+    pod = cluster.trainer if uses_trainer_image(step, thin) else cluster.step
     task.set_container_image(pod.image)
     task.set_cpu_request(pod.cpu).set_memory_request(pod.memory)
     if pod.cpu_limit:

@@ -5,7 +5,7 @@ from pathlib import Path
 from kfp import compiler
 
 from rlpipe.run_store import run_root_for
-from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.spec import RunSpec, spec_to_dict, thin_client_steps
 
 
 def default_cluster_run_root(spec: RunSpec) -> str:
@@ -28,6 +28,11 @@ def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec,
             "rollout.engine sampler on a cluster needs samplers.endpoints, e.g. "
             "[http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000] (manifests/base/sampler.yaml)"
         )
+    if spec.trainer.resident and not spec.trainer.endpoint:
+        raise ValueError(
+            "trainer.resident on a cluster needs trainer.endpoint, e.g. "
+            "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001 (manifests/base/trainer.yaml)"
+        )
     cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
     storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
     return spec.model_copy(update={"storage": storage}), run_root
@@ -47,7 +52,7 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
     output.parent.mkdir(parents=True, exist_ok=True)
     spec, run_root = cluster_spec_and_root(spec, run_root)
     compiler.Compiler().compile(
-        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.cluster, spec.rollout.engine),
+        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.cluster, thin_client_steps(spec)),
         package_path=str(output),
         pipeline_parameters={
             "spec": spec_to_dict(spec),

@@ -118,17 +118,21 @@ class Progress:
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
     """A resumed run keeps its spec; only loop settings may change (e.g. more iterations).
     Not compared: storage (resolved against the working directory), cluster (compile only),
-    and how rollouts are produced (rollout.engine, samplers): every engine samples the same policy."""
+    and where rollouts and updates are computed (rollout.engine, samplers, trainer.resident/endpoint):
+    every engine samples the same policy, and the resident trainer computes the per-step update."""
     saved = read_json(join(run_root, "spec.json"))
     current = spec_to_dict(spec)
     if saved is None:
         write_json(join(run_root, "spec.json"), current)
         return
     ignored = ("loop", "storage", "cluster", "samplers")
+    where_computed = {"rollout": ("engine",), "trainer": ("resident", "endpoint")}
 
     def compared(data: dict, key: str):
         value = data.get(key)
-        return {k: v for k, v in value.items() if k != "engine"} if key == "rollout" and value else value
+        if key not in where_computed or not value:
+            return value
+        return {k: v for k, v in value.items() if k not in where_computed[key]}
 
     changed = sorted(
         k for k in set(saved) | set(current) if k not in ignored and compared(saved, k) != compared(current, k)
@@ -172,6 +176,13 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         fleet = LocalFleet(spec, run_root)
         spec_arg["samplers"]["endpoints"] = fleet.urls
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
+    trainer = None
+    if spec.trainer.resident and not spec.trainer.endpoint:
+        from rlpipe.trainer_service import LocalTrainer
+
+        trainer = LocalTrainer(run_root)
+        spec_arg["trainer"]["endpoint"] = trainer.urls[0]
+        say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 
     stop = threading.Event()
     interactive = console.is_terminal
@@ -190,6 +201,9 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         if fleet is not None:
             fleet.start()  # the servers start once the weight store has a version
             stack.callback(fleet.stop)
+        if trainer is not None:
+            trainer.start()
+            stack.callback(trainer.stop)
         live = (
             stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
         )

@@ -35,16 +35,16 @@ from rlpipe.pipelines.cluster_settings import place
 from rlpipe.spec import ClusterSpec
 
 
-def build_iteration_pipeline(cluster: ClusterSpec | None = None, engine: str = "torch") -> Callable:
+def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()) -> Callable:
     """One GRPO iteration as a pipeline (nested in the run pipeline, or run on its own).
-    `engine` (rollout.engine) picks generate's image on the cluster."""
+    `thin` (spec.thin_client_steps) puts generate / update on the light image on the cluster."""
 
     @dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
     def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
         "Outputs", weights=dict, next_iteration=int
     ):
         rollouts = place(
-            generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration), "generate", cluster, engine
+            generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration), "generate", cluster, thin
         )
         scored = place(score(spec=spec, rollouts=rollouts.outputs["rollouts"]), "score", cluster)
         batch = place(advantages(spec=spec, scored=scored.outputs["scored"]), "advantages", cluster)
@@ -52,6 +52,7 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, engine: str = "
             update(spec=spec, run_root=run_root, weights=weights, iteration=iteration, batch=batch.outputs["batch"]),
             "update",
             cluster,
+            thin,
         )
         synced = place(
             sync_weights(
@@ -78,9 +79,11 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, engine: str = "
     return rl_iteration
 
 
-def build_run_pipeline(iterations_per_run: int, cluster: ClusterSpec | None = None, engine: str = "torch") -> Callable:
+def build_run_pipeline(
+    iterations_per_run: int, cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()
+) -> Callable:
     """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations."""
-    rl_iteration = build_iteration_pipeline(cluster, engine)
+    rl_iteration = build_iteration_pipeline(cluster, thin)
 
     @dsl.pipeline(
         name="rlpipe-run",

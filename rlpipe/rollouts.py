@@ -14,6 +14,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlpipe.run_store import filesystem
+
 ROLLOUT_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.int64()),  # row index in the train set
@@ -55,7 +57,12 @@ def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema:
 
 
 def read_table(path: str | Path) -> pa.Table:
-    return pq.read_table(str(path))
+    """A Parquet table from a local path or an fsspec URI (gs://, s3://, ...)."""
+    if "://" not in str(path):
+        return pq.read_table(str(path))
+    fs, remote = filesystem(str(path))
+    with fs.open(remote, "rb") as f:
+        return pq.read_table(f)
 
 
 def validate_rollouts(table: pa.Table) -> None:

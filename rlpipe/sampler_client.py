@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
+from rlpipe.local_servers import is_healthy
 from rlpipe.rollouts import Completions
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.sampler_worker.PolicyReload
@@ -54,13 +55,6 @@ def replica_urls(endpoints: list[str]) -> list[str]:
             host = f"[{address}]" if ":" in address else address
             urls.append(urlunsplit(parts._replace(netloc=f"{host}:{parts.port or 80}")))
     return urls
-
-
-def is_healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def fleet_failures(fleet_file: str | None) -> dict[str, str]:

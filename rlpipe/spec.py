@@ -137,6 +137,14 @@ class TrainerSpec(_Section):
     mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch over one iteration's batch")
     epochs: int = Field(1, ge=1)
     threads: int = Field(1, ge=1, description="torch CPU threads per step")
+    resident: bool = Field(
+        False,
+        description="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
+        "iterations; the update step becomes a thin client (rlpipe run starts the trainer locally)",
+    )
+    endpoint: str | None = Field(
+        None, description="URL of the resident trainer's Service on a cluster; empty locally: rlpipe run starts one"
+    )
 
 
 class LoopSpec(_Section):
@@ -200,10 +208,16 @@ STEP_NAMES = TRAINER_STEPS + (
 )
 
 
-def uses_trainer_image(step: str, engine: str) -> bool:
-    """Torch steps run on the trainer image (and GPU); with the sampler engine, generate is a thin
-    HTTP client and runs on the light step image."""
-    return step in TRAINER_STEPS and not (step == "generate" and engine == "sampler")
+def thin_client_steps(spec: "RunSpec") -> frozenset[str]:
+    """Steps that only talk to long-lived servers: generate with the sampler engine, update with a
+    resident trainer. They import no torch and run on the light step image with no GPU."""
+    thin = {"generate"} if spec.rollout.engine == "sampler" else set()
+    return frozenset(thin | ({"update"} if spec.trainer.resident else set()))
+
+
+def uses_trainer_image(step: str, thin: frozenset[str] = frozenset()) -> bool:
+    """Torch steps run on the trainer image (and GPU), unless they are thin clients."""
+    return step in TRAINER_STEPS and step not in thin
 
 
 class ClusterSpec(_Section):

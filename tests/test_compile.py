@@ -150,3 +150,19 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
     assert nodes["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
     spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
     assert spec["samplers"]["endpoints"] == ["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]
+
+
+def test_resident_trainer_on_a_cluster(tmp_path: Path):
+    """trainer.resident needs the trainer Service's URL; update then runs on the light image."""
+    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command += ["-o", str(tmp_path / "x.yaml"), "--set", "trainer.resident=true"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode != 0 and "needs trainer.endpoint" in result.stderr and "trainer.yaml" in result.stderr
+
+    endpoint = "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001"
+    subprocess.run(command + ["--set", f"trainer.endpoint={endpoint}"], check=True)
+    pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
+    executors = pipeline["deploymentSpec"]["executors"]
+    update = executors["exec-update"]["container"]
+    assert update["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in update.get("resources", {})
+    assert executors["exec-generate"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"

@@ -460,3 +460,28 @@ def test_kueue(build):
 
     lq = _find(docs, "LocalQueue", "rlpipe")
     assert lq["metadata"]["namespace"] == NAMESPACE and lq["spec"]["clusterQueue"] == "rlpipe"
+
+
+def test_resident_trainer(build):
+    """trainer.resident's Deployment: the update step's server, on the trainer pool, writing the PVC."""
+    name, docs = build
+    dep = _find(docs, "Deployment", "rlpipe-trainer")
+    assert dep["spec"]["replicas"] == 0  # scaled up by runs that set trainer.resident
+    pod = _pod_spec(dep)
+    c = _container(dep, "trainer")
+    assert c["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+    argv = c["command"] + c.get("args", [])
+    assert argv[:3] == ["python", "-m", "rlpipe.trainer_service"]
+    assert _flags(argv)["--port"] == "8001"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    weights = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "rlpipe-weights"]
+    assert len(weights) == 1 and not weights[0]["persistentVolumeClaim"].get("readOnly")
+    mount = next(m for m in c["volumeMounts"] if m["name"] == weights[0]["name"])
+    assert mount["mountPath"] == "/mnt/rlpipe" and not mount.get("readOnly")  # it stages v(N+1)
+    gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert gpus is None if name == "dev" else int(gpus) == 1
+    if name in GKE_BUILDS:
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "trainer-pool"}
+    svc = _find(docs, "Service", "rlpipe-trainer")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert _port_number(c, svc["spec"]["ports"][0]["targetPort"]) == 8001

@@ -14,19 +14,21 @@ def update(
     batch: dsl.Input[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", staged=dict, step_metrics=dict):
-    """Clipped policy-gradient update from `weights`; stages v(N+1) in the weight store."""
+    """Clipped policy-gradient update from `weights` (here, or on the resident trainer); stages v(N+1)."""
     import time
 
     entered = time.time()
-    from rlpipe.components.update.step import update_policy
     from rlpipe.run_store import cache_root_for
     from rlpipe.spec import parse_spec
     from rlpipe.timing import import_overhead
+    from rlpipe.trainer_client import train_iteration
 
     run_spec = parse_spec(spec)
+    if not run_spec.trainer.resident:
+        import rlpipe.components.update.step  # noqa: F401 (torch + transformers: timed as this step's import)
     values = import_overhead("update", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
-    staged, step_values = update_policy(run_spec, run_root, weights, batch.path, iteration, cache)
+    staged, step_values = train_iteration(run_spec, run_root, weights, batch.path, iteration, cache)
     values |= step_values
     for key, value in values.items():
         metrics.log_metric(key, value)

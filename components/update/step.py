@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpipe.modeling import load_weights
 from rlpipe.objectives import clipped_policy_loss, token_logprobs
@@ -58,11 +60,22 @@ def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def update_policy(
-    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
-) -> tuple[WeightRef, dict[str, float]]:
-    """Train on the batch from weights v(N); stage v(N+1) and save the optimizer state."""
-    t0 = time.time()
+@dataclass
+class Trainer:
+    """What training holds between optimizer steps: the policy at `weights`, its optimizer, the
+    frozen reference (when the KL is used), and the spec it was built for."""
+
+    spec: RunSpec
+    run_root: str
+    weights: WeightRef
+    policy: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    reference: PreTrainedModel | None
+
+
+def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
+    """The policy at `weights` with the optimizer state saved beside that version."""
     weights = as_ref(weights)
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
     policy.train()
@@ -77,8 +90,14 @@ def update_policy(
     if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
         reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads)
         reference.eval().requires_grad_(False)
-    loaded = time.time()
+    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference)
 
+
+def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
+    """One iteration of mini-batch steps on the batch; the trainer's policy and optimizer move on
+    in place. Raises NonFiniteLossError before the step that would apply a NaN/inf gradient."""
+    spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
+    started = time.time()
     rows = read_table(batch_path).to_pylist()
     random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
     temperature = spec.rollout.temperature
@@ -93,7 +112,7 @@ def update_policy(
             global_step = (iteration - 1) * steps_per_iteration + steps
             for group in optimizer.param_groups:
                 group["lr"] = spec.trainer.lr * min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
-            mb = pack(rows[start : start + size], tokenizer.pad_token_id)
+            mb = pack(rows[start : start + size], trainer.tokenizer.pad_token_id)
             targets = mb["input_ids"][:, 1:]
             logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
             logprobs = token_logprobs(logits, targets, temperature)
@@ -134,18 +153,7 @@ def update_policy(
             tokens += int(mb["attention"].sum())
             steps += 1
     trained = time.time()
-
-    new_version = weights["version"] + 1
-    staged = stage_pretrained(run_root, new_version, policy, tokenizer, cache_root)
-    ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
-    final_opt = optimizer_uri(run_root, new_version)
-    fs, tmp_path = filesystem(final_opt + ".tmp")
-    fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(tmp_path, "wb") as f:
-        torch.save(optimizer.state_dict(), f)
-    move(final_opt + ".tmp", final_opt)
-
-    return ref, {
+    return {
         "policy/loss": totals["loss"] / steps,
         "policy/clip_fraction": totals["clip_fraction"] / steps,
         "policy/entropy": totals["entropy"] / steps,
@@ -154,7 +162,33 @@ def update_policy(
         "kl/mean": totals["kl"] / steps,
         "policy/optimizer_steps": float(steps),
         "policy/lr": optimizer.param_groups[0]["lr"],
-        "throughput/update_tokens_per_s": tokens / max(trained - loaded, 1e-9),
-        "overhead/update_load_s": loaded - t0,
-        "time/update_s": time.time() - loaded,
+        "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
     }
+
+
+def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef:
+    """Stage and seal v(N+1) and save its optimizer state beside it; the trainer now holds v(N+1)."""
+    run_root, weights = trainer.run_root, trainer.weights
+    new_version = weights["version"] + 1
+    staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root)
+    ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    final_opt = optimizer_uri(run_root, new_version)
+    fs, tmp_path = filesystem(final_opt + ".tmp")
+    fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(tmp_path, "wb") as f:
+        torch.save(trainer.optimizer.state_dict(), f)
+    move(final_opt + ".tmp", final_opt)
+    trainer.weights = ref
+    return ref
+
+
+def update_policy(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train on the batch from weights v(N) in this process; stage v(N+1) and its optimizer state."""
+    t0 = time.time()
+    trainer = load_trainer(spec, run_root, weights, cache_root)
+    loaded = time.time()
+    metrics = train_on_batch(trainer, batch_path, iteration)
+    ref = save_trained(trainer, iteration, cache_root)
+    return ref, metrics | {"overhead/update_load_s": loaded - t0, "time/update_s": time.time() - loaded}

@@ -1,0 +1,205 @@
+"""Long-lived local servers that `rlpipe run` owns: the vLLM samplers and the resident trainer.
+
+Each server leads its own process group (a vLLM server and its engine core die together), is
+started once the weight store has a published version, restarted when it exits (as a
+Deployment would, up to MAX_RESTARTS), and stopped by PID when the driver exits; PDEATHSIG
+stops it if the driver is SIGKILLed. A record file (`<run root>/<kind>/fleet.json`) keeps
+URL, PID, state and log of each, so a later `rlpipe run` stops servers that a killed driver
+left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from rlpipe.run_store import filesystem, join
+from rlpipe.weight_store import latest_version, version_uri
+
+MAX_RESTARTS = 5
+# (port, model dir of the latest version) -> (argv, extra environment)
+Launch = Callable[[int, str], tuple[list[str], dict[str, str]]]
+
+
+@dataclass
+class Replica:
+    url: str
+    port: int
+    log: str
+    pid: int | None = None
+    state: str = "waiting for weights"  # -> starting -> ready; restarting; failed; stopped
+    restarts: int = 0
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the driver dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_recorded(fleet_file: Path, marker: str) -> None:
+    """Stop servers recorded in `fleet_file` that still run (left by a killed driver), with their
+    child processes: each server led its own process group, and a live group id is never reused.
+    `marker` must appear in the recorded PID's command line (the PID may be reused by now)."""
+    if not fleet_file.exists():
+        return
+    for replica in json.loads(fleet_file.read_text()).get("replicas", []):
+        pid = replica.get("pid")
+        if not pid:
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            cmdline = None  # the server is gone; its group may live on
+        if cmdline is not None and not (marker in cmdline and f"\0{replica['port']}\0" in cmdline):
+            continue  # the pid now belongs to something else
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM a server's process group (server + children), SIGKILL what is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.poll()
+
+
+class LocalServers:
+    """`count` servers of one kind on loopback, supervised by one thread."""
+
+    def __init__(self, kind: str, run_root: str, count: int, launch: Launch, marker: str):
+        self.kind, self.run_root, self.launch, self.marker = kind, run_root, launch, marker
+        self.dir = Path(run_root) / f"{kind}s"
+        self.fleet_file = self.dir / "fleet.json"
+        logs = Path(run_root) / "logs"
+        self.replicas = [
+            Replica(url=f"http://127.0.0.1:{port}", port=port, log=str(logs / f"{kind}-{i}.log"))
+            for i, port in enumerate(free_port() for _ in range(count))
+        ]
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.started_pids: list[int] = []  # every server ever started (restarts included)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name=f"{kind}-servers", daemon=True)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        Path(self.replicas[0].log).parent.mkdir(parents=True, exist_ok=True)
+        stop_recorded(self.fleet_file, self.marker)
+        self._record()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for index, process in self.processes.items():
+            stop_group(process)
+            self.replicas[index].state = "stopped"
+        self._record()
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill one server process, as a crash would (tests and failure drills); the supervisor
+        cleans up its process group and restarts it."""
+        os.kill(self.processes[index].pid, sig)
+
+    def _record(self) -> None:
+        data = {"driver_pid": os.getpid(), "replicas": [asdict(r) for r in self.replicas]}
+        tmp = self.fleet_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.fleet_file)
+
+    def _spawn(self, index: int) -> None:
+        version = latest_version(self.run_root)
+        model_dir = filesystem(version_uri(self.run_root, version))[1]
+        replica = self.replicas[index]
+        argv, env = self.launch(replica.port, model_dir)
+        with open(replica.log, "ab") as log:
+            log.write(f"\n--- rlpipe: starting {self.kind} on {replica.url} with weights v{version}\n".encode())
+            log.flush()
+            process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,  # its own process group: the server and its children
+                preexec_fn=_die_with_parent,
+            )
+        self.processes[index] = process
+        self.started_pids.append(process.pid)
+        replica.pid, replica.state = process.pid, "starting"
+
+    def _supervise(self) -> None:
+        latest = join(self.run_root, "weights", "LATEST")
+        while not self._stop.is_set():
+            changed = False
+            for index, replica in enumerate(self.replicas):
+                process = self.processes.get(index)
+                if replica.state == "failed":
+                    continue
+                if process is None:
+                    if filesystem(latest)[0].exists(filesystem(latest)[1]):
+                        self._spawn(index)
+                        changed = True
+                elif process.poll() is not None:
+                    stop_group(process)  # a vLLM engine core outlives a crashed server
+                    replica.restarts += 1
+                    if replica.restarts > MAX_RESTARTS:
+                        replica.state = "failed"
+                    else:
+                        self._spawn(index)
+                        replica.state = "restarting"
+                    changed = True
+                elif replica.state != "ready" and is_healthy(replica.url):
+                    replica.state = "ready"
+                    changed = True
+            if changed:
+                self._record()
+            self._stop.wait(0.5)

@@ -1,0 +1,95 @@
+"""The update step's side of the resident trainer (rlpipe.trainer_service); torch-free.
+
+train_iteration   the update step's logic: on the resident trainer when trainer.resident,
+                  else in this process (components/update/step.py)
+request_update    copy the batch into the run root (the trainer may be another pod), wait
+                  for the trainer, POST /update. A trainer that dies mid-update is waited
+                  for (the local driver or Kubernetes restarts it) and asked again: nothing
+                  is published before sync_weights, and it reloads v(N) from storage.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import requests
+
+from rlpipe.local_servers import is_healthy
+from rlpipe.run_store import filesystem, join
+from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.weight_store import WeightRef, as_ref
+
+READY_TIMEOUT_S = 600.0
+ATTEMPTS = 3
+
+
+class TrainerError(RuntimeError):
+    """The resident trainer is unreachable or failed the update; the message says why."""
+
+
+def wait_for_trainer(url: str, run_root: str) -> None:
+    timeout_s = READY_TIMEOUT_S
+    deadline = time.time() + timeout_s
+    while not is_healthy(url):
+        if time.time() > deadline:
+            log = Path(run_root) / "logs" / "trainer-0.log"
+            where = f"; its log: {log}" if log.exists() else ""
+            raise TrainerError(
+                f"resident trainer {url} not ready after {timeout_s:.0f} s{where}. Check that it runs "
+                "(cluster: the rlpipe-trainer Deployment and trainer.endpoint), or set trainer.resident: false"
+            )
+        time.sleep(0.5)
+
+
+def request_update(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    url = (spec.trainer.endpoint or "").rstrip("/")
+    if not url:
+        raise TrainerError("trainer.resident is set but trainer.endpoint is empty: name the trainer's URL")
+    started = time.time()
+    batch_uri = join(run_root, "trainer", f"batch-{iteration:06d}.parquet")
+    fs, remote = filesystem(batch_uri)
+    fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+    fs.put_file(batch_path, remote)
+    payload = {
+        "spec": spec_to_dict(spec),
+        "run_root": run_root,
+        "weights": as_ref(weights),
+        "batch_uri": batch_uri,
+        "iteration": iteration,
+        "cache_root": cache_root,
+    }
+    try:
+        for attempt in range(1, ATTEMPTS + 1):
+            wait_for_trainer(url, run_root)
+            try:
+                response = requests.post(f"{url}/update", json=payload, timeout=(10, None))
+                break
+            except requests.ConnectionError:  # it died mid-update; restarted, it reloads v(N) from storage
+                if attempt == ATTEMPTS:
+                    raise TrainerError(
+                        f"resident trainer {url} died in {ATTEMPTS} attempts at iteration {iteration}; "
+                        f"see its log ({run_root}/logs/trainer-0.log locally)"
+                    ) from None
+        body = response.json()
+        if response.status_code != 200:
+            raise TrainerError(f"resident trainer {url}: {body['error']}: {body['message']}")
+    finally:
+        fs.rm_file(remote)
+    metrics = body["metrics"]
+    server_s = metrics["overhead/update_load_s"] + metrics["time/update_s"]
+    metrics["overhead/update_request_s"] = time.time() - started - server_s
+    return as_ref(body["staged"]), metrics
+
+
+def train_iteration(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train on the batch from v(N); returns the staged v(N+1) and the update's metrics."""
+    if spec.trainer.resident:
+        return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
+    from rlpipe.components.update.step import update_policy
+
+    return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)

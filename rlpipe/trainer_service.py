@@ -1,0 +1,135 @@
+"""The resident trainer: one long-lived process that keeps the policy, its optimizer and the
+frozen reference in memory between iterations. The update step becomes a thin HTTP client,
+so no iteration pays torch's imports, a model load or a cold process.
+
+Storage stays the truth. The trainer trains only from the exact version it holds (run root,
+version, sha256, training settings); any other request (a rerun after a failed sync, a
+restarted trainer, another run) first reloads that version and its optimizer state from the
+weight store, exactly as the per-step update does, so both give the same v(N+1). An error
+drops what it holds: a failed batch may have applied some of its optimizer steps.
+
+    POST /update  {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
+                  4xx/5xx -> {error, message}
+    GET  /health  -> {weights: WeightRef | null}
+
+Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint) and
+restarts it if it exits. Cluster: `python -m rlpipe.trainer_service --port 8001` in the
+trainer image (manifests/base/trainer.yaml), with the PVC mounted where the steps mount it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from rlpipe.local_servers import LocalServers
+from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
+
+TRAINING_SECTIONS = ("seed", "model", "rollout", "algorithm", "trainer")
+
+
+def training_settings(spec: RunSpec) -> str:
+    """The spec sections that change what an update computes (a held trainer is reused only for these)."""
+    data = spec_to_dict(spec)
+    return json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True)
+
+
+def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+    """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
+    from rlpipe.components.update.step import load_trainer, save_trained, train_on_batch
+    from rlpipe.weight_store import as_ref
+
+    started = time.time()
+    spec = parse_spec(request["spec"])
+    run_root, weights, iteration = request["run_root"], as_ref(request["weights"]), int(request["iteration"])
+    wanted = (run_root, weights["version"], weights["sha256"], training_settings(spec))
+    trainer = held.get("trainer")
+    reloaded = trainer is None or held.get("key") != wanted
+    held.clear()  # until this update succeeds
+    if reloaded:
+        trainer = load_trainer(spec, run_root, weights, request["cache_root"])
+    loaded = time.time()
+    metrics = train_on_batch(trainer, request["batch_uri"], iteration)
+    staged = save_trained(trainer, iteration, request["cache_root"])
+    held.update(trainer=trainer, key=(run_root, staged["version"], staged["sha256"], wanted[3]))
+    return {
+        "staged": staged,
+        "metrics": metrics
+        | {
+            "overhead/update_load_s": loaded - started,
+            "time/update_s": time.time() - loaded,
+            "trainer/reloaded": float(reloaded),
+        },
+    }
+
+
+def make_server(host: str, port: int) -> ThreadingHTTPServer:
+    """The HTTP server; updates run one at a time, /health answers during an update."""
+    held: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path != "/health":
+                return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
+            trainer = held.get("trainer")
+            self._reply(200, {"weights": trainer.weights if trainer is not None else None})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/update":
+                return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                try:
+                    body = serve_update(request, held)
+                except (ValueError, FileNotFoundError, FloatingPointError) as err:  # bad input, NaN loss
+                    return self._reply(422, {"error": type(err).__name__, "message": str(err)})
+                except Exception as err:  # noqa: BLE001 (reported to the step, which fails with it)
+                    return self._reply(500, {"error": type(err).__name__, "message": str(err)})
+            self._reply(200, body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            print(f"rlpipe trainer: {format % args}", flush=True)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def LocalTrainer(run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
+    """One resident trainer on loopback; `<run root>/trainers/fleet.json` records it."""
+
+    def launch(port: int, model_dir: str) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-m", "rlpipe.trainer_service", "--host", "127.0.0.1", "--port", str(port)], {}
+
+    return LocalServers("trainer", run_root, 1, launch, marker="rlpipe.trainer_service")
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """Container entrypoint: serve updates until stopped."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args(argv)
+    import rlpipe.components.update.step  # noqa: F401 (torch + transformers before the first request)
+
+    server = make_server(args.host, args.port)
+    print(f"rlpipe trainer: serving on http://{args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    serve()
