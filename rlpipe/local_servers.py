@@ -1,7 +1,7 @@
 """Long-lived local servers that `rlpipe run` owns: the vLLM samplers and the resident trainer.
 
 Each server leads its own process group (a vLLM server and its engine core die together), is
-started once the weight store has a published version, restarted when it exits (as a
+started (samplers: once the weight store has a published version), restarted when it exits (as a
 Deployment would, up to MAX_RESTARTS), and stopped by PID when the driver exits; PDEATHSIG
 stops it if the driver is SIGKILLed. A record file (`<run root>/<kind>/fleet.json`) keeps
 URL, PID, state and log of each, so a later `rlpipe run` stops servers that a killed driver
@@ -25,11 +25,10 @@ from pathlib import Path
 import requests
 
 from rlpipe.run_store import filesystem, join
-from rlpipe.weight_store import latest_version, version_uri
 
 MAX_RESTARTS = 5
-# (port, model dir of the latest version) -> (argv, extra environment)
-Launch = Callable[[int, str], tuple[list[str], dict[str, str]]]
+# port -> (argv, extra environment)
+Launch = Callable[[int], tuple[list[str], dict[str, str]]]
 
 
 @dataclass
@@ -112,8 +111,11 @@ def stop_group(process: subprocess.Popen, grace_s: float = 15.0) -> None:
 class LocalServers:
     """`count` servers of one kind on loopback, supervised by one thread."""
 
-    def __init__(self, kind: str, run_root: str, count: int, launch: Launch, marker: str):
+    def __init__(
+        self, kind: str, run_root: str, count: int, launch: Launch, marker: str, wait_for_weights: bool = True
+    ):
         self.kind, self.run_root, self.launch, self.marker = kind, run_root, launch, marker
+        self.wait_for_weights = wait_for_weights
         self.dir = Path(run_root) / f"{kind}s"
         self.fleet_file = self.dir / "fleet.json"
         logs = Path(run_root) / "logs"
@@ -157,12 +159,10 @@ class LocalServers:
         tmp.replace(self.fleet_file)
 
     def _spawn(self, index: int) -> None:
-        version = latest_version(self.run_root)
-        model_dir = filesystem(version_uri(self.run_root, version))[1]
         replica = self.replicas[index]
-        argv, env = self.launch(replica.port, model_dir)
+        argv, env = self.launch(replica.port)
         with open(replica.log, "ab") as log:
-            log.write(f"\n--- rlpipe: starting {self.kind} on {replica.url} with weights v{version}\n".encode())
+            log.write(f"\n--- rlpipe: starting {self.kind} on {replica.url}\n".encode())
             log.flush()
             process = subprocess.Popen(
                 argv,
@@ -185,7 +185,7 @@ class LocalServers:
                 if replica.state == "failed":
                     continue
                 if process is None:
-                    if filesystem(latest)[0].exists(filesystem(latest)[1]):
+                    if not self.wait_for_weights or filesystem(latest)[0].exists(filesystem(latest)[1]):
                         self._spawn(index)
                         changed = True
                 elif process.poll() is not None:

@@ -60,6 +60,19 @@ def token_logprobs(logits: "torch.Tensor", targets: "torch.Tensor", temperature:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_logprobs_and_entropy(
+    logits: "torch.Tensor", targets: "torch.Tensor", temperature: float
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (no gradient),
+    from one log-softmax over the vocabulary."""
+    import torch
+
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
 def clipped_policy_loss(
     logprobs: "torch.Tensor",
     old_logprobs: "torch.Tensor",

@@ -61,7 +61,9 @@ def has_gpu() -> bool:
 def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
     """`samplers.replicas` vLLM servers on loopback; `<run root>/samplers/fleet.json` records them."""
 
-    def launch(port: int, model_dir: str) -> tuple[list[str], dict[str, str]]:
+    def launch(port: int) -> tuple[list[str], dict[str, str]]:
+        version = latest_version(run_root)
+        model_dir = filesystem(version_uri(run_root, version))[1]
         env = dict(SERVER_ENVIRONMENT)
         extra = list(spec.samplers.extra_args)
         if not has_gpu():

@@ -87,7 +87,8 @@ class RewardSpec(_Section):
 class RolloutSpec(_Section):
     engine: Literal["torch", "vllm", "sampler"] = Field(
         "torch",
-        description="torch: HF model in the generate step; vllm: vllm.LLM in the generate step; "
+        description="torch: HF model in the generate step (in the resident trainer when trainer.resident); "
+        "vllm: vllm.LLM in the generate step; "
         "sampler: long-lived vLLM servers (section samplers), the generate step is a thin HTTP client",
     )
     prompts_per_iteration: int = Field(512, ge=1)
@@ -125,7 +126,9 @@ class AlgorithmSpec(_Section):
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="beta for the k3 KL to the frozen reference (v0)")
     loss_aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
-    track_reference_kl: bool = Field(True, description="Log kl/mean to v0 even when kl_coef is 0")
+    track_reference_kl: bool = Field(
+        True, description="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
+    )
 
 
 class TrainerSpec(_Section):
@@ -209,10 +212,13 @@ STEP_NAMES = TRAINER_STEPS + (
 
 
 def thin_client_steps(spec: "RunSpec") -> frozenset[str]:
-    """Steps that only talk to long-lived servers: generate with the sampler engine, update with a
-    resident trainer. They import no torch and run on the light step image with no GPU."""
+    """Steps that only talk to long-lived servers: generate with the sampler engine, update (and
+    generate with the torch engine) with a resident trainer. They import no torch and run on the
+    light step image with no GPU."""
     thin = {"generate"} if spec.rollout.engine == "sampler" else set()
-    return frozenset(thin | ({"update"} if spec.trainer.resident else set()))
+    if spec.trainer.resident:
+        thin |= {"update", "generate"} if spec.rollout.engine == "torch" else {"update"}
+    return frozenset(thin)
 
 
 def uses_trainer_image(step: str, thin: frozenset[str] = frozenset()) -> bool:

@@ -42,45 +42,66 @@ def wait_for_trainer(url: str, run_root: str) -> None:
         time.sleep(0.5)
 
 
-def request_update(
-    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
-) -> tuple[WeightRef, dict[str, float]]:
+def post(spec: RunSpec, run_root: str, route: str, payload: dict, iteration: int) -> dict:
+    """POST to the resident trainer; a trainer that dies mid-request is waited for and asked again."""
     url = (spec.trainer.endpoint or "").rstrip("/")
     if not url:
         raise TrainerError("trainer.resident is set but trainer.endpoint is empty: name the trainer's URL")
+    payload = {"spec": spec_to_dict(spec), "run_root": run_root, "iteration": iteration, **payload}
+    for attempt in range(1, ATTEMPTS + 1):
+        wait_for_trainer(url, run_root)
+        try:
+            response = requests.post(f"{url}{route}", json=payload, timeout=(10, None))
+            break
+        except requests.ConnectionError:  # it died mid-request; restarted, it reloads v(N) from storage
+            if attempt == ATTEMPTS:
+                raise TrainerError(
+                    f"resident trainer {url} died in {ATTEMPTS} attempts at {route} of iteration {iteration}; "
+                    f"see its log ({run_root}/logs/trainer-0.log locally)"
+                ) from None
+    body = response.json()
+    if response.status_code != 200:
+        raise TrainerError(f"resident trainer {url}{route}: {body['error']}: {body['message']}")
+    return body
+
+
+def request_generate(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str, cache_root: str
+) -> dict[str, float]:
+    """The iteration's rollouts, sampled by the resident trainer with the policy it holds, at `out_path`."""
+    started = time.time()
+    rollouts_uri = join(run_root, "trainer", f"rollouts-{iteration:06d}.parquet")
+    fs, remote = filesystem(rollouts_uri)
+    payload = {"weights": as_ref(weights), "rollouts_uri": rollouts_uri, "cache_root": cache_root}
+    try:
+        metrics = post(spec, run_root, "/generate", payload, iteration)["metrics"]
+        fs.get_file(remote, out_path)
+    finally:
+        if fs.exists(remote):
+            fs.rm_file(remote)
+    served_s = metrics["overhead/generate_load_s"] + metrics["time/generate_s"]
+    metrics["overhead/generate_request_s"] = time.time() - started - served_s
+    return metrics
+
+
+def request_update(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train on the batch on the resident trainer (the batch is copied into the run root: the
+    trainer may be another pod); returns the staged v(N+1) and the update's metrics."""
     started = time.time()
     batch_uri = join(run_root, "trainer", f"batch-{iteration:06d}.parquet")
     fs, remote = filesystem(batch_uri)
     fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
     fs.put_file(batch_path, remote)
-    payload = {
-        "spec": spec_to_dict(spec),
-        "run_root": run_root,
-        "weights": as_ref(weights),
-        "batch_uri": batch_uri,
-        "iteration": iteration,
-        "cache_root": cache_root,
-    }
+    payload = {"weights": as_ref(weights), "batch_uri": batch_uri, "cache_root": cache_root}
     try:
-        for attempt in range(1, ATTEMPTS + 1):
-            wait_for_trainer(url, run_root)
-            try:
-                response = requests.post(f"{url}/update", json=payload, timeout=(10, None))
-                break
-            except requests.ConnectionError:  # it died mid-update; restarted, it reloads v(N) from storage
-                if attempt == ATTEMPTS:
-                    raise TrainerError(
-                        f"resident trainer {url} died in {ATTEMPTS} attempts at iteration {iteration}; "
-                        f"see its log ({run_root}/logs/trainer-0.log locally)"
-                    ) from None
-        body = response.json()
-        if response.status_code != 200:
-            raise TrainerError(f"resident trainer {url}: {body['error']}: {body['message']}")
+        body = post(spec, run_root, "/update", payload, iteration)
     finally:
         fs.rm_file(remote)
     metrics = body["metrics"]
-    server_s = metrics["overhead/update_load_s"] + metrics["time/update_s"]
-    metrics["overhead/update_request_s"] = time.time() - started - server_s
+    served_s = metrics["overhead/update_load_s"] + metrics["time/update_s"]
+    metrics["overhead/update_request_s"] = time.time() - started - served_s
     return as_ref(body["staged"]), metrics
 
 

@@ -8,8 +8,10 @@ restarted trainer, another run) first reloads that version and its optimizer sta
 weight store, exactly as the per-step update does, so both give the same v(N+1). An error
 drops what it holds: a failed batch may have applied some of its optimizer steps.
 
-    POST /update  {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
-                  4xx/5xx -> {error, message}
+    POST /generate {spec, run_root, weights, iteration, rollouts_uri, cache_root} -> {metrics}
+                   (rollout.engine torch: sample with the held policy, colocated as in TRL)
+    POST /update   {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
+                   4xx/5xx -> {error, message}
     GET  /health  -> {weights: WeightRef | null}
 
 Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint) and
@@ -39,24 +41,71 @@ def training_settings(spec: RunSpec) -> str:
     return json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True)
 
 
-def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
-    """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
-    from rlpipe.components.update.step import load_trainer, save_trained, train_on_batch
+def hold(request: dict[str, Any], held: dict[str, Any]) -> tuple[Any, bool]:
+    """The trainer at the request's weights version: the one held, or loaded from the weight store.
+    Returns (trainer, whether it was loaded); `held` is empty until the caller succeeds."""
+    from rlpipe.components.update.step import load_trainer
     from rlpipe.weight_store import as_ref
 
-    started = time.time()
     spec = parse_spec(request["spec"])
-    run_root, weights, iteration = request["run_root"], as_ref(request["weights"]), int(request["iteration"])
+    run_root, weights = request["run_root"], as_ref(request["weights"])
     wanted = (run_root, weights["version"], weights["sha256"], training_settings(spec))
     trainer = held.get("trainer")
-    reloaded = trainer is None or held.get("key") != wanted
-    held.clear()  # until this update succeeds
-    if reloaded:
+    loaded = trainer is None or held.get("key") != wanted
+    held.clear()
+    if loaded:
         trainer = load_trainer(spec, run_root, weights, request["cache_root"])
+    return trainer, loaded
+
+
+def keep(held: dict[str, Any], trainer: Any) -> None:
+    weights = trainer.weights
+    held.update(
+        trainer=trainer,
+        key=(trainer.run_root, weights["version"], weights["sha256"], training_settings(trainer.spec)),
+    )
+
+
+def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+    """Sample the iteration's rollouts with the held policy (torch engine) into request["rollouts_uri"]."""
+    import tempfile
+
+    from rlpipe.components.generate.step import generate_rollouts
+    from rlpipe.run_store import filesystem
+
+    started = time.time()
+    trainer, reloaded = hold(request, held)
+    loaded = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        local = f"{tmp}/rollouts.parquet"
+        metrics = generate_rollouts(
+            trainer.spec,
+            trainer.run_root,
+            trainer.weights,
+            int(request["iteration"]),
+            local,
+            request["cache_root"],
+            policy=(trainer.policy, trainer.tokenizer),
+        )
+        fs, remote = filesystem(request["rollouts_uri"])
+        fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(local, remote)
+    keep(held, trainer)
+    metrics["overhead/generate_load_s"] += loaded - started
+    return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
+
+
+def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+    """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
+    from rlpipe.components.update.step import save_trained, train_on_batch
+
+    started = time.time()
+    trainer, reloaded = hold(request, held)
+    iteration = int(request["iteration"])
     loaded = time.time()
     metrics = train_on_batch(trainer, request["batch_uri"], iteration)
     staged = save_trained(trainer, iteration, request["cache_root"])
-    held.update(trainer=trainer, key=(run_root, staged["version"], staged["sha256"], wanted[3]))
+    keep(held, trainer)
     return {
         "staged": staged,
         "metrics": metrics
@@ -68,8 +117,11 @@ def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any
     }
 
 
+ROUTES = {"/generate": serve_generate, "/update": serve_update}
+
+
 def make_server(host: str, port: int) -> ThreadingHTTPServer:
-    """The HTTP server; updates run one at a time, /health answers during an update."""
+    """The HTTP server; requests run one at a time, /health answers during one."""
     held: dict[str, Any] = {}
     lock = threading.Lock()
 
@@ -89,12 +141,13 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
             self._reply(200, {"weights": trainer.weights if trainer is not None else None})
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/update":
+            route = ROUTES.get(self.path)
+            if route is None:
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with lock:
                 try:
-                    body = serve_update(request, held)
+                    body = route(request, held)
                 except (ValueError, FileNotFoundError, FloatingPointError) as err:  # bad input, NaN loss
                     return self._reply(422, {"error": type(err).__name__, "message": str(err)})
                 except Exception as err:  # noqa: BLE001 (reported to the step, which fails with it)
@@ -112,10 +165,11 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
 def LocalTrainer(run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
     """One resident trainer on loopback; `<run root>/trainers/fleet.json` records it."""
 
-    def launch(port: int, model_dir: str) -> tuple[list[str], dict[str, str]]:
+    def launch(port: int) -> tuple[list[str], dict[str, str]]:
         return [sys.executable, "-m", "rlpipe.trainer_service", "--host", "127.0.0.1", "--port", str(port)], {}
 
-    return LocalServers("trainer", run_root, 1, launch, marker="rlpipe.trainer_service")
+    # started at once: its imports overlap the warm start
+    return LocalServers("trainer", run_root, 1, launch, marker="rlpipe.trainer_service", wait_for_weights=False)
 
 
 def serve(argv: list[str] | None = None) -> None:

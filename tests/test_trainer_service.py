@@ -26,8 +26,13 @@ from rlpipe.trainer_service import LocalTrainer, make_server
 from rlpipe.weight_store import read_ref
 
 
+def _in_step(spec: RunSpec) -> RunSpec:
+    return parse_spec(spec_to_dict(spec) | {"trainer": spec_to_dict(spec)["trainer"] | {"resident": False}})
+
+
 def _batch(spec: RunSpec, run_root: str, cache: str, weights: dict, iteration: int, out: Path) -> str:
-    generate_rollouts(spec, run_root, weights, iteration, str(out / f"r{iteration}.parquet"), cache)
+    """Rollouts sampled in this process (not by the trainer under test), scored, advantages."""
+    generate_rollouts(_in_step(spec), run_root, weights, iteration, str(out / f"r{iteration}.parquet"), cache)
     score_rollouts(spec, str(out / f"r{iteration}.parquet"), str(out / f"s{iteration}.parquet"))
     compute_advantages(spec, str(out / f"s{iteration}.parquet"), str(out / f"b{iteration}.parquet"))
     return str(out / f"b{iteration}.parquet")
@@ -127,3 +132,21 @@ def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initi
 def test_update_client_does_not_import_torch():
     code = "import sys, rlpipe.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: Path):
+    """rollout.engine torch + trainer.resident: the trainer samples with the policy it holds; the
+    rollouts equal the generate step's own, and the next update reuses that policy."""
+    spec, run_root, cache = served
+    v0 = read_ref(run_root, 0)
+    metrics = generate_rollouts(spec, run_root, v0, 1, str(tmp_path / "resident.parquet"), cache)
+    assert metrics["trainer/reloaded"] == 1.0 and metrics["rollout/completion_tokens_mean"] > 0
+    generate_rollouts(_in_step(spec), run_root, v0, 1, str(tmp_path / "step.parquet"), cache)
+    resident, step = read_table(tmp_path / "resident.parquet"), read_table(tmp_path / "step.parquet")
+    assert resident.to_pylist() == step.to_pylist()
+    assert not list(Path(run_root, "trainer").glob("*.parquet"))
+
+    score_rollouts(spec, str(tmp_path / "resident.parquet"), str(tmp_path / "s.parquet"))
+    compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))
+    _, update_metrics = request_update(spec, run_root, v0, str(tmp_path / "b.parquet"), 1, cache)
+    assert update_metrics["trainer/reloaded"] == 0.0

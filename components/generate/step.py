@@ -1,7 +1,8 @@
 """generate: sample G completions for each of this iteration's prompts with the current policy.
 
 Engines (rollout.engine), each returning the same Completions:
-  torch    the HF model in this process, batched KV-cache sampling
+  torch    the HF model in this process, batched KV-cache sampling; with trainer.resident, the
+           resident trainer samples with the policy it holds (colocated, like TRL)
   vllm     vllm.LLM in this process
   sampler  long-lived vLLM servers; this step is an HTTP client and imports no torch
 """
@@ -43,13 +44,16 @@ def sample_seed(seed: int, iteration: int) -> int:
     return (seed * 1_000_003 + iteration * 65_537) % (2**31 - 4096)
 
 
-def sample_torch(spec: RunSpec, weights: WeightRef, cache_root: str, prompts: list[str], iteration: int):
+def sample_torch(
+    spec: RunSpec, weights: WeightRef, cache_root: str, prompts: list[str], iteration: int, policy: tuple | None
+):
     import torch
 
     from rlpipe.components.generate.torch_engine import sample_in_batches
     from rlpipe.modeling import load_weights
 
-    model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
+    model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
+    was_training = model.training
     model.eval()
     loaded = time.time()
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -66,6 +70,7 @@ def sample_torch(spec: RunSpec, weights: WeightRef, cache_root: str, prompts: li
         top_p=spec.rollout.top_p,
         generator=generator,
     )
+    model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return prompt_ids, completions, texts, loaded, {}
 
@@ -114,11 +119,24 @@ def sample_service(
 
 
 def generate_rollouts(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str, cache_root: str
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    out_path: str,
+    cache_root: str,
+    policy: tuple | None = None,
 ) -> dict[str, float]:
-    """Write one rollout row per completion to `out_path` (Parquet); return step metrics."""
+    """Write one rollout row per completion to `out_path` (Parquet); return step metrics.
+    `policy` (model, tokenizer): sample with a model already in memory at `weights` (torch engine;
+    the resident trainer's). With the torch engine and trainer.resident, the step asks the resident
+    trainer to sample with the policy it holds: no model load and no weight sync."""
     t0 = time.time()
     weights = as_ref(weights)
+    if spec.rollout.engine == "torch" and spec.trainer.resident and policy is None:
+        from rlpipe.trainer_client import request_generate
+
+        return request_generate(spec, run_root, weights, iteration, out_path, cache_root)
     table = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1])
     order = prompt_indices(table.num_rows, spec.rollout.prompts_per_iteration, iteration, spec.seed)
     rows = table.take(order).to_pylist()
@@ -126,7 +144,7 @@ def generate_rollouts(
     prompts = [row["prompt"] for row in rows]
     engine = spec.rollout.engine
     if engine == "torch":
-        result = sample_torch(spec, weights, cache_root, prompts, iteration)
+        result = sample_torch(spec, weights, cache_root, prompts, iteration, policy)
     elif engine == "vllm":
         result = sample_vllm(spec, weights, cache_root, prompts, iteration)
     else:

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpipe.modeling import load_weights
-from rlpipe.objectives import clipped_policy_loss, token_logprobs
+from rlpipe.objectives import clipped_policy_loss, token_logprobs, token_logprobs_and_entropy
 from rlpipe.rollouts import read_table
 from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
@@ -102,7 +102,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
     temperature = spec.rollout.temperature
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
-    steps = 0
+    steps = kl_steps = 0
     tokens = 0
     size = math.ceil(len(rows) / spec.trainer.mini_batches)
     steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
@@ -115,9 +115,11 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             mb = pack(rows[start : start + size], trainer.tokenizer.pad_token_id)
             targets = mb["input_ids"][:, 1:]
             logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-            logprobs = token_logprobs(logits, targets, temperature)
+            logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
+            # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
+            # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
             ref_logprobs = None
-            if reference is not None:
+            if reference is not None and (spec.algorithm.kl_coef > 0 or steps == 0):
                 with torch.no_grad():
                     ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
                     ref_logprobs = token_logprobs(ref_logits, targets, temperature)
@@ -141,15 +143,15 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                     "functions for extreme values; then run again: the loop resumes from the last version."
                 )
             optimizer.step()
-            with torch.no_grad():  # H = -sum_v p log p, averaged over completion tokens
-                logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-                entropy = -(logp_all.exp() * logp_all).sum(-1)
-                mask = mb["completion_mask"]
-                totals["entropy"] += float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            mask = mb["completion_mask"]  # entropy: averaged over completion tokens
+            totals["entropy"] += float((entropy * mask).sum() / mask.sum().clamp(min=1))
             totals["loss"] += loss.item()
             totals["grad_norm"] += float(grad_norm)
-            for key in ("clip_fraction", "kl", "ratio"):
+            for key in ("clip_fraction", "ratio"):
                 totals[key] += float(stats[key])
+            if ref_logprobs is not None:
+                totals["kl"] += float(stats["kl"])
+                kl_steps += 1
             tokens += int(mb["attention"].sum())
             steps += 1
     trained = time.time()
@@ -159,7 +161,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         "policy/entropy": totals["entropy"] / steps,
         "policy/grad_norm": totals["grad_norm"] / steps,
         "policy/ratio_mean": totals["ratio"] / steps,
-        "kl/mean": totals["kl"] / steps,
+        "kl/mean": totals["kl"] / max(kl_steps, 1),
         "policy/optimizer_steps": float(steps),
         "policy/lr": optimizer.param_groups[0]["lr"],
         "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
