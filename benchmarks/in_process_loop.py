@@ -36,7 +36,8 @@ def main() -> None:
     from rlpipe.spec import load_spec
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-    spec = load_spec(args.spec, overrides)
+    # every step function in this process: the resident trainer is this process
+    spec = load_spec(args.spec, {"trainer.resident": False} | overrides)
     run_root = str(Path(args.run_dir or tempfile.mkdtemp(prefix="rlpipe-inproc-")).resolve())
     cache = cache_root_for(spec.storage.root, spec.storage.cache)
     work = Path(run_root) / "work"

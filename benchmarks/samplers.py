@@ -170,6 +170,7 @@ def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, rep
         f"samplers.replicas={replicas}",
         f"loop.iterations_per_run={iterations}",
         f"loop.eval_every={iterations}",
+        "trainer.resident=false",  # every step in its own process: what this part compares
     ]
     command = [sys.executable, "-m", "rlpipe.cli", "run", str(REPO / "examples" / "addition.yaml")]
     command += ["--run-dir", str(run_dir), "--iterations", str(iterations)]

@@ -314,7 +314,7 @@ def main() -> None:
     seeds = 1 if args.quick else args.seeds
     # equal granularity: both evaluate every 4096 completions (1 rlpipe iteration, 8 TRL steps)
     rl_iterations = 8 if args.quick else 25
-    trl_steps, trl_eval_every = (96, 8) if args.quick else (200, 8)
+    trl_steps, trl_eval_every = (96, 8) if args.quick else (300, 8)
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
         from rlpipe.pipelines.local_run import require_vllm
@@ -333,6 +333,7 @@ def main() -> None:
 
     budget = min(min(r["samples"] for r in runs[s]) for s in runs)
     summary: dict[str, dict[str, float | None]] = {}
+    per_seed: dict[str, dict[str, list]] = {}
     for system, results in runs.items():
         times = [time_to(r["curve"], target) for r in results]
         reached = [t for t in times if t is not None]
@@ -347,6 +348,10 @@ def main() -> None:
                 (r["completion_tokens"] + r["prompt_tokens"]) / r["train_wall_s"] for r in results
             ),
             "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
+        }
+        per_seed[system] = {
+            "time_to_target_s": times,
+            "accuracy_at_budget": [accuracy_at(r["curve"], budget) for r in results],
         }
     summary["rlpipe"]["orchestration_s_per_iteration"] = statistics.fmean(
         r["orchestration_s_per_iteration"] for r in runs["rlpipe"]
@@ -387,6 +392,9 @@ def main() -> None:
         a, b = summary["rlpipe"][key], summary["trl"][key]
         ratio = f"{a / b:.2f}x" if a is not None and b else "n/a"
         lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {ratio} |")
+    for key, label in (("time_to_target_s", "time to target (s)"), ("accuracy_at_budget", "accuracy at budget")):
+        cells = {s: ", ".join(_cell(v) for v in per_seed[s][key]) for s in per_seed}
+        lines.append(f"\nper seed, {label}: rlpipe {cells['rlpipe']}; TRL {cells['trl']}")
     lines += [
         "",
         f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
@@ -410,7 +418,10 @@ def main() -> None:
     name = "vs_trl_quick" if args.quick else "vs_trl"
     (RESULTS / f"{name}.md").write_text(report + "\n")
     (RESULTS / f"{name}.json").write_text(
-        json.dumps({"summary": summary, "runs": runs, "target": target, "rlpipe_settings": settings}, indent=2)
+        json.dumps(
+            {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings},
+            indent=2,
+        )
     )
 
 

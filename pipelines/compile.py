@@ -31,7 +31,8 @@ def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec,
     if spec.trainer.resident and not spec.trainer.endpoint:
         raise ValueError(
             "trainer.resident on a cluster needs trainer.endpoint, e.g. "
-            "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001 (manifests/base/trainer.yaml)"
+            "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001 (manifests/base/trainer.yaml), "
+            "or set trainer.resident: false to train in every update step's own pod"
         )
     cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
     storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})

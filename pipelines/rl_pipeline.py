@@ -72,6 +72,7 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset
             evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration),
             "evaluate",
             cluster,
+            thin,
         )
         outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
         return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
@@ -112,6 +113,7 @@ def build_run_pipeline(
                 ),
                 "evaluate",
                 cluster,
+                thin,
             )
             weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
             with ExitStack() as nested:

@@ -212,12 +212,12 @@ STEP_NAMES = TRAINER_STEPS + (
 
 
 def thin_client_steps(spec: "RunSpec") -> frozenset[str]:
-    """Steps that only talk to long-lived servers: generate with the sampler engine, update (and
-    generate with the torch engine) with a resident trainer. They import no torch and run on the
-    light step image with no GPU."""
+    """Steps that only talk to long-lived servers: generate with the sampler engine; update and
+    evaluate (and generate with the torch engine) with a resident trainer. They import no torch
+    and run on the light step image with no GPU."""
     thin = {"generate"} if spec.rollout.engine == "sampler" else set()
     if spec.trainer.resident:
-        thin |= {"update", "generate"} if spec.rollout.engine == "torch" else {"update"}
+        thin |= {"update", "evaluate"} | ({"generate"} if spec.rollout.engine == "torch" else set())
     return frozenset(thin)
 
 

@@ -1,11 +1,14 @@
-"""The update step's side of the resident trainer (rlpipe.trainer_service); torch-free.
+"""The steps' side of the resident trainer (rlpipe.trainer_service); torch-free.
 
 train_iteration   the update step's logic: on the resident trainer when trainer.resident,
                   else in this process (components/update/step.py)
-request_update    copy the batch into the run root (the trainer may be another pod), wait
-                  for the trainer, POST /update. A trainer that dies mid-update is waited
-                  for (the local driver or Kubernetes restarts it) and asked again: nothing
-                  is published before sync_weights, and it reloads v(N) from storage.
+request_update    copy the batch into the run root (the trainer may be another pod), POST /update
+request_generate  rollout.engine torch: POST /generate; the trainer samples with the policy it
+                  holds and writes the rollouts into the run root; copy them out
+request_evaluate  POST /evaluate: greedy held-out accuracy of the policy it holds
+
+A trainer that dies mid-request is waited for (the local driver or Kubernetes restarts it) and
+asked again: nothing is published before sync_weights, and it reloads v(N) from storage.
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ def request_generate(
     served_s = metrics["overhead/generate_load_s"] + metrics["time/generate_s"]
     metrics["overhead/generate_request_s"] = time.time() - started - served_s
     return metrics
+
+
+def request_evaluate(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
+) -> dict[str, float]:
+    """Held-out greedy accuracy of `weights`, evaluated by the resident trainer (it records it)."""
+    payload = {"weights": as_ref(weights), "cache_root": cache_root}
+    return post(spec, run_root, "/evaluate", payload, iteration)["metrics"]
 
 
 def request_update(

@@ -10,6 +10,7 @@ drops what it holds: a failed batch may have applied some of its optimizer steps
 
     POST /generate {spec, run_root, weights, iteration, rollouts_uri, cache_root} -> {metrics}
                    (rollout.engine torch: sample with the held policy, colocated as in TRL)
+    POST /evaluate {spec, run_root, weights, iteration, cache_root} -> {metrics}
     POST /update   {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
                    4xx/5xx -> {error, message}
     GET  /health  -> {weights: WeightRef | null}
@@ -95,6 +96,21 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
 
+def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+    """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
+    from rlpipe.components.evaluate.step import evaluate_policy
+
+    started = time.time()
+    trainer, reloaded = hold(request, held)
+    loaded = time.time()
+    policy = (trainer.policy, trainer.tokenizer)
+    metrics = evaluate_policy(
+        trainer.spec, trainer.run_root, trainer.weights, int(request["iteration"]), request["cache_root"], policy
+    )
+    keep(held, trainer)
+    return {"metrics": metrics | {"overhead/evaluate_load_s": loaded - started, "trainer/reloaded": float(reloaded)}}
+
+
 def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
     """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
     from rlpipe.components.update.step import save_trained, train_on_batch
@@ -117,7 +133,7 @@ def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any
     }
 
 
-ROUTES = {"/generate": serve_generate, "/update": serve_update}
+ROUTES = {"/generate": serve_generate, "/evaluate": serve_evaluate, "/update": serve_update}
 
 
 def make_server(host: str, port: int) -> ThreadingHTTPServer:

@@ -25,6 +25,8 @@ def test_compiled_yaml_parses_strictly(tmp_path: Path):
             str(out),
             "--run-root",
             "gs://bucket/runs/addition-demo",
+            "--set",
+            "trainer.endpoint=http://rlpipe-trainer.rlpipe.svc.cluster.local:8001",
         ],
         check=True,
     )
@@ -153,8 +155,8 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
 
 
 def test_resident_trainer_on_a_cluster(tmp_path: Path):
-    """trainer.resident needs the trainer Service's URL; update (and generate, torch engine: the
-    trainer samples) then run on the light image."""
+    """trainer.resident needs the trainer Service's URL; update, evaluate (and generate, torch
+    engine: the trainer samples) then run on the light image."""
     command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(tmp_path / "x.yaml"), "--set", "trainer.resident=true"]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -164,7 +166,7 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
     subprocess.run(command + ["--set", f"trainer.endpoint={endpoint}"], check=True)
     pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
     executors = pipeline["deploymentSpec"]["executors"]
-    for step in ("update", "generate"):
+    for step in ("update", "generate", "evaluate"):
         container = executors[f"exec-{step}"]["container"]
         assert container["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in container.get("resources", {})
-    assert executors["exec-evaluate"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+    assert executors["exec-warm-start"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"

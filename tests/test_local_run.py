@@ -91,11 +91,18 @@ def test_missing_model_path_says_what_to_change(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    "kill_in",
-    ["update", pytest.param("generate", marks=pytest.mark.slow), pytest.param("sync-weights", marks=pytest.mark.slow)],
+    ("kill_in", "resident"),
+    [
+        ("update", False),
+        ("update", True),  # the driver, the update step and (by PDEATHSIG) the resident trainer
+        pytest.param("generate", False, marks=pytest.mark.slow),
+        pytest.param("sync-weights", False, marks=pytest.mark.slow),
+    ],
 )
-def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str):
-    spec = _write_spec(tmp_path, loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2})
+def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: bool):
+    spec = _write_spec(
+        tmp_path, loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2}, trainer={"resident": resident}
+    )
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
     proc = subprocess.Popen(
@@ -115,7 +122,15 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str):
     proc.wait()
     killed_at = json.loads((run_dir / "state.json").read_text())["iteration"]
     assert 1 <= killed_at < 4  # the kill landed mid-loop
+    if resident:
+        orphan = json.loads((run_dir / "trainers" / "fleet.json").read_text())["replicas"][0]["pid"]
 
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(run_dir, 4)
+    if resident:  # the killed driver's trainer is gone, and so is the resumed run's
+        trainer = json.loads((run_dir / "trainers" / "fleet.json").read_text())["replicas"][0]
+        assert trainer["state"] == "stopped"
+        for pid in (orphan, trainer["pid"]):
+            cmdline = Path(f"/proc/{pid}/cmdline")
+            assert not cmdline.exists() or b"trainer_service" not in cmdline.read_bytes(), f"trainer {pid} lives"

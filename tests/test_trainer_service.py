@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlpipe.components.advantages.step import compute_advantages
+from rlpipe.components.evaluate.step import evaluate_policy
 from rlpipe.components.generate.step import generate_rollouts
 from rlpipe.components.score.step import score_rollouts
 from rlpipe.components.sync_weights.step import sync_weights
@@ -135,8 +136,8 @@ def test_update_client_does_not_import_torch():
 
 
 def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: Path):
-    """rollout.engine torch + trainer.resident: the trainer samples with the policy it holds; the
-    rollouts equal the generate step's own, and the next update reuses that policy."""
+    """rollout.engine torch + trainer.resident: the trainer samples and evaluates with the policy it
+    holds; rollouts and accuracy equal the steps' own, and the next update reuses that policy."""
     spec, run_root, cache = served
     v0 = read_ref(run_root, 0)
     metrics = generate_rollouts(spec, run_root, v0, 1, str(tmp_path / "resident.parquet"), cache)
@@ -145,6 +146,13 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     resident, step = read_table(tmp_path / "resident.parquet"), read_table(tmp_path / "step.parquet")
     assert resident.to_pylist() == step.to_pylist()
     assert not list(Path(run_root, "trainer").glob("*.parquet"))
+
+    # evaluate: the trainer's greedy accuracy of the policy it holds equals the evaluate step's own
+    resident_eval = evaluate_policy(spec, run_root, v0, 0, cache)
+    assert resident_eval["trainer/reloaded"] == 0.0
+    assert evaluate_policy(_in_step(spec), run_root, v0, 0, cache)["eval/accuracy_greedy"] == pytest.approx(
+        resident_eval["eval/accuracy_greedy"]
+    )
 
     score_rollouts(spec, str(tmp_path / "resident.parquet"), str(tmp_path / "s.parquet"))
     compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))

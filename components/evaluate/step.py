@@ -28,16 +28,23 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
 
 
 def evaluate_policy(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str, policy: tuple | None = None
 ) -> dict[str, float]:
-    """Greedy-decode every eval prompt; accuracy = mean of the first reward function (a verifier)."""
+    """Greedy-decode every eval prompt; accuracy = mean of the first reward function (a verifier).
+    `policy` (model, tokenizer): a model already in memory at `weights`. With trainer.resident the
+    step asks the resident trainer, which evaluates the policy it holds."""
+    t0 = time.time()
+    weights = as_ref(weights)
+    if spec.trainer.resident and policy is None:
+        from rlpipe.trainer_client import request_evaluate
+
+        return request_evaluate(spec, run_root, weights, iteration, cache_root)
     from rlpipe.components.generate.torch_engine import sample_in_batches
     from rlpipe.components.score.step import load_reward_function
     from rlpipe.modeling import load_weights
 
-    t0 = time.time()
-    weights = as_ref(weights)
-    model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
+    model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
+    was_training = model.training
     model.eval()
     loaded = time.time()
     rows = pq.read_table(filesystem(join(run_root, "data", "eval.parquet"))[1]).to_pylist()
@@ -50,6 +57,7 @@ def evaluate_policy(
         pad_id=tokenizer.pad_token_id,
         greedy=True,
     )
+    model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     verifier = load_reward_function(spec.reward.functions[0])
     scores = verifier([r["prompt"] for r in rows], texts, reference=[r["reference"] for r in rows])
