@@ -62,6 +62,9 @@ class TaskSpec(_Section):
     digits: int = Field(2, ge=1, le=6)
     train_size: int = Field(9500, ge=1)
     eval_size: int = Field(500, ge=1, description="Fixed held-out set, disjoint from train")
+    seed: int | None = Field(
+        None, description="Seed of the generated problems and the train/eval split; default: the run's seed"
+    )
 
 
 class RewardSpec(_Section):

@@ -119,3 +119,16 @@ def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: 
         update_policy(spec, run_root, read_ref(run_root, 0), str(tmp_path / "b.parquet"), 1, cache)
     assert latest_version(run_root) == 0
     assert read_state(run_root)["iteration"] == 0
+
+
+def test_task_seed_fixes_the_data_across_run_seeds(tmp_path: Path):
+    """task.seed pins the problems and the train/eval split; by default they follow the run's seed."""
+    from rlpipe.components.prepare.step import prepare_data
+
+    def eval_prompts(name: str, **task) -> list[str]:
+        spec = parse_spec({"name": name, "seed": int(name[-1]), "task": {"train_size": 50, "eval_size": 20, **task}})
+        prepare_data(spec, str(tmp_path / name))
+        return pq.read_table(tmp_path / name / "data" / "eval.parquet").column("prompt").to_pylist()
+
+    assert eval_prompts("pinned0", seed=0) == eval_prompts("pinned1", seed=0)
+    assert eval_prompts("default0") != eval_prompts("default1")

@@ -17,8 +17,9 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
     fs, _ = filesystem(run_root)
     if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):
         make_rows = TASKS[spec.task.name]
-        options = spec.task.model_dump(exclude={"name", "train_size", "eval_size"})
-        rows = make_rows(random.Random(spec.seed), spec.task.train_size + spec.task.eval_size, **options)
+        options = spec.task.model_dump(exclude={"name", "train_size", "eval_size", "seed"})
+        seed = spec.seed if spec.task.seed is None else spec.task.seed
+        rows = make_rows(random.Random(seed), spec.task.train_size + spec.task.eval_size, **options)
         fs.makedirs(filesystem(join(run_root, "data"))[1], exist_ok=True)
         for uri, part in ((eval_uri, rows[: spec.task.eval_size]), (train_uri, rows[spec.task.eval_size :])):
             tmp = f"{uri}.tmp"
