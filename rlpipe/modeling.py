@@ -7,30 +7,22 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
-# transformers imports scikit-learn and scipy when they are installed (full MLflow brings
-# them) for assisted generation and detection losses we never use: ~2 s per step process.
-# Hide them from transformers unless the process already uses them.
-for _unused in ("sklearn", "scipy"):
-    if os.environ.get("RLPIPE_KEEP_OPTIONAL_IMPORTS") != "1" and _unused not in sys.modules:
-        sys.modules[_unused] = None  # type: ignore[assignment]
-
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
-for _unused in ("sklearn", "scipy"):
-    if sys.modules.get(_unused, 0) is None:
-        del sys.modules[_unused]
+from rlpipe.optional_imports import unused_hidden  # noqa: E402
+
+with unused_hidden():
+    from transformers import (  # noqa: E402
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
 from rlpipe.spec import TinyModelSpec  # noqa: E402
 

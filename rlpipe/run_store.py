@@ -76,12 +76,21 @@ def atomic_write_text(uri: str, text: str) -> None:
     fs.mv(tmp, path)
 
 
-def read_json(uri: str) -> Any | None:
+class CorruptFileError(ValueError):
+    """A run-root JSON file that does not parse; the message names it and the way out."""
+
+
+def read_json(uri: str, way_out: str = "restore it or delete it") -> Any | None:
+    """The parsed file, None when it does not exist; a corrupt file raises CorruptFileError."""
     fs, path = filesystem(uri)
     if not fs.exists(path):
         return None
     with fs.open(path, "r") as f:
-        return json.load(f)
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CorruptFileError(f"{uri} is corrupt (not JSON: {err}); {way_out}") from None
 
 
 def write_json(uri: str, data: Any) -> None:
@@ -96,7 +105,12 @@ def state_uri(run_root: str) -> str:
 
 
 def read_state(run_root: str) -> dict[str, Any] | None:
-    return read_json(state_uri(run_root))
+    way_out = (
+        "it is the run's commit point, which rlpipe only replaces atomically, so something else wrote it. "
+        "Restore it from a backup (it holds iteration, weights_version and weights_sha256: weights/LATEST and "
+        "that version's manifest.json give them), or start the run again under a new run name / --run-dir"
+    )
+    return read_json(state_uri(run_root), way_out)
 
 
 def commit_state(run_root: str, **changes: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from rlpipe.run_store import filesystem
 from rlpipe.spec import RunSpec
 from rlpipe.weight_store import latest_version, version_uri
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_MODULE = "rlpipe.vllm_server"  # vLLM's api_server behind the import guard
 # Dev mode exposes /pause, /resume, /collective_rpc and the weight-version endpoints.
 SERVER_ENVIRONMENT = {
     "VLLM_SERVER_DEV_MODE": "1",

@@ -154,17 +154,46 @@ def check_ref(ref: WeightRef) -> None:
         )
 
 
+class CorruptWeightsError(ValueError):
+    """A sealed version whose files no longer hash to its manifest; the message names them."""
+
+
+def verify(ref: WeightRef, files_uri: str | None = None) -> None:
+    """Re-hash the version's files (at `files_uri`, default the ref's own) against the sealed sha256;
+    on a mismatch name the files that differ from the manifest."""
+    root = files_uri or ref["uri"]
+    sha, files = directory_sha256(root)
+    if sha == ref["sha256"]:
+        return
+    fs, path = filesystem(join(root, MANIFEST))
+    with fs.open(path, "r") as f:
+        sealed = json.load(f)["files"]
+    changed = sorted(name for name in set(files) | set(sealed) if files.get(name) != sealed.get(name))
+    raise CorruptWeightsError(
+        f"weights version {ref['version']} at {ref['uri']} changed after it was sealed: {', '.join(changed)} "
+        "differ from its manifest.json. Nothing was trained on them. Restore those files (they are the exact "
+        "bytes the manifest's sha256 names), or start a new run (another name) with model.path at an intact version"
+    )
+
+
 def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
-    """A local directory holding the ref's files: the store itself when local, else a cached copy."""
+    """A local directory holding the ref's files, verified against its sha256: the store itself when
+    local, else a cached copy (verified when downloaded)."""
     ref = as_ref(ref)
     check_ref(ref)
     if is_local(ref["uri"]):
+        verify(ref)
         return filesystem(ref["uri"])[1]
     local = Path(cache_dir) / "weights" / ref["sha256"]
     if not (local / MANIFEST).exists():
         tmp = local.with_name(f"{local.name}.tmp-{uuid.uuid4().hex[:8]}")
         fs, remote = filesystem(ref["uri"])
         fs.get(remote.rstrip("/") + "/", str(tmp), recursive=True)
+        try:
+            verify(ref, str(tmp))
+        except CorruptWeightsError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         tmp.rename(local)
     return str(local)
 

@@ -25,7 +25,7 @@ def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, 
     monkeypatch.setenv("RLPIPE_RUN_ROOT", str(run_root))
     serve(["--port", "8000", "--max-num-seqs", "512"])
     (argv,) = calls
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:3] == ["-m", "rlpipe.vllm_server"]
     flags = dict(zip(argv[3::1], argv[4::1]))
     assert flags["--model"] == str(run_root / "weights" / "v000000")
     assert flags["--worker-extension-cls"] == "rlpipe.sampler_worker.PolicyReload"

@@ -72,9 +72,15 @@ def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
 
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
     from rlpipe.pipelines.local_run import check_spec_unchanged
+    from rlpipe.run_store import commit_state
 
     run_root = str(tmp_path / "run")
-    check_spec_unchanged(parse_spec({"name": "x"}), run_root)  # first run records the spec
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    check_spec_unchanged(parse_spec({"name": "x", "task": {"train_size": 10**6}}), run_root)  # init fails later
+    # nothing committed yet: a corrected spec replaces it, and data prepared for the old one goes
+    check_spec_unchanged(parse_spec({"name": "x"}), run_root)
+    assert not (tmp_path / "run" / "data").exists()
+    commit_state(run_root, iteration=0)  # from here on the spec is locked
     check_spec_unchanged(parse_spec({"name": "x", "loop": {"iterations": 99}}), run_root)  # more iterations: fine
     check_spec_unchanged(parse_spec({"name": "x", "storage": {"root": "/elsewhere"}}), run_root)  # another cwd
     with pytest.raises(ValueError, match="sections trainer differ"):

@@ -11,7 +11,8 @@ import torch
 
 from rlpipe.components.advantages.step import compute_advantages
 from rlpipe.components.generate.step import generate_rollouts, prompt_indices
-from rlpipe.components.score.step import RewardError, score_rollouts
+from rlpipe.components.score.step import score_rollouts
+from rlpipe.rewards import RewardError
 from rlpipe.components.sync_weights.step import sync_weights
 from rlpipe.components.update.step import NonFiniteLossError, pack, update_policy
 from rlpipe.modeling import load_policy
@@ -95,7 +96,7 @@ def test_failing_reward_function_names_itself(initialized_run, tmp_path: Path):
     generate_rollouts(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
     for ref, match in (
         ("tests.test_steps:bad_reward", "tests.test_steps:bad_reward raised ZeroDivisionError: oops"),
-        ("tests.test_steps:nan_reward", "returned NaN or inf"),
+        ("tests.test_steps:nan_reward", "rewards must be finite"),
         ("tests.test_steps:missing", "has no function 'missing'"),
         ("no_such_module:f", "cannot import module 'no_such_module'"),
     ):

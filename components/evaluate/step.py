@@ -1,4 +1,4 @@
-"""evaluate: greedy accuracy of a weights version on the fixed held-out set.
+"""evaluate: greedy accuracy (reward.verifier) of a weights version on the fixed held-out set.
 
 `evaluation_pending` is torch-free so the component can skip cheaply; the rest imports torch.
 """
@@ -27,10 +27,34 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
     return not fs.exists(path)
 
 
+def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_tokens: int, batch_size: int) -> float:
+    """Greedy-decode every row's prompt; accuracy = mean of the verifier over the completions. The
+    verifier gets every other column of the rows as keyword lists (the reward signature)."""
+    from rlpipe.components.generate.torch_engine import sample_in_batches
+    from rlpipe.rewards import call_reward
+
+    was_training = model.training
+    model.eval()
+    completions = sample_in_batches(
+        model,
+        [tokenizer(row["prompt"])["input_ids"] for row in rows],
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        greedy=True,
+    )
+    model.train(was_training)
+    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    scores = call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier")
+    return sum(scores) / len(scores)
+
+
 def evaluate_policy(
     spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str, policy: tuple | None = None
 ) -> dict[str, float]:
-    """Greedy-decode every eval prompt; accuracy = mean of the first reward function (a verifier).
+    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json.
     `policy` (model, tokenizer): a model already in memory at `weights`. With trainer.resident the
     step asks the resident trainer, which evaluates the policy it holds."""
     t0 = time.time()
@@ -39,30 +63,16 @@ def evaluate_policy(
         from rlpipe.trainer_client import request_evaluate
 
         return request_evaluate(spec, run_root, weights, iteration, cache_root)
-    from rlpipe.components.generate.torch_engine import sample_in_batches
-    from rlpipe.components.score.step import load_reward_function
     from rlpipe.modeling import load_weights
 
     model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
-    was_training = model.training
-    model.eval()
     loaded = time.time()
     rows = pq.read_table(filesystem(join(run_root, "data", "eval.parquet"))[1]).to_pylist()
-    completions = sample_in_batches(
-        model,
-        [tokenizer(row["prompt"])["input_ids"] for row in rows],
-        batch_size=spec.rollout.batch_size,
-        max_new_tokens=spec.rollout.max_new_tokens,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        greedy=True,
+    accuracy = greedy_accuracy(
+        model, tokenizer, rows, spec.reward.verifier, spec.rollout.max_new_tokens, spec.rollout.batch_size
     )
-    model.train(was_training)
-    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
-    verifier = load_reward_function(spec.reward.functions[0])
-    scores = verifier([r["prompt"] for r in rows], texts, reference=[r["reference"] for r in rows])
     metrics = {
-        "eval/accuracy_greedy": sum(scores) / len(scores),
+        "eval/accuracy_greedy": accuracy,
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,

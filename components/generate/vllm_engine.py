@@ -25,6 +25,9 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
     """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
     for key, value in VLLM_STEP_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    from rlpipe.optional_imports import hide_vision_and_audio
+
+    hide_vision_and_audio()
     from vllm import LLM
 
     options = {} if gpu else {"enforce_eager": True, "dtype": "float32"}

@@ -8,7 +8,9 @@ from rlpipe.weight_store import WeightRef, read_ref
 
 
 def plan_run(spec: RunSpec, run_root: str) -> tuple[WeightRef, int, int]:
-    """(current weights, committed iteration, iterations this pipeline run does)."""
+    """(current weights, committed iteration, iterations this pipeline run does).
+    The run's k-th iteration is due an eval when (iteration + k) % loop.eval_every == 0, or
+    iteration + k == loop.iterations (components/evaluate/step.py: eval_due)."""
     state = read_state(run_root)
     if state is None or "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the warm_start and publish_warm_start steps must run first")

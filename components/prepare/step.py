@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
 from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
-from rlpipe.tasks import TASKS
+from rlpipe.tasks import task_rows
 
 
 def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
@@ -16,12 +14,9 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
     train_uri, eval_uri = join(run_root, "data", "train.parquet"), join(run_root, "data", "eval.parquet")
     fs, _ = filesystem(run_root)
     if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):
-        make_rows = TASKS[spec.task.name]
-        options = spec.task.model_dump(exclude={"name", "train_size", "eval_size", "seed"})
-        seed = spec.seed if spec.task.seed is None else spec.task.seed
-        rows = make_rows(random.Random(seed), spec.task.train_size + spec.task.eval_size, **options)
+        train, held_out = task_rows(spec)
         fs.makedirs(filesystem(join(run_root, "data"))[1], exist_ok=True)
-        for uri, part in ((eval_uri, rows[: spec.task.eval_size]), (train_uri, rows[spec.task.eval_size :])):
+        for uri, part in ((eval_uri, held_out), (train_uri, train)):
             tmp = f"{uri}.tmp"
             with fs.open(filesystem(tmp)[1], "wb") as f:
                 Dataset.from_list(part).to_parquet(f)

