@@ -12,11 +12,11 @@ import torch
 from rlpipe.components.advantages.step import compute_advantages
 from rlpipe.components.generate.step import generate_rollouts, prompt_indices
 from rlpipe.components.score.step import score_rollouts
-from rlpipe.rewards import RewardError
 from rlpipe.components.sync_weights.step import sync_weights
 from rlpipe.components.update.step import NonFiniteLossError, pack, update_policy
 from rlpipe.modeling import load_policy
 from rlpipe.objectives import token_logprobs
+from rlpipe.rewards import RewardError
 from rlpipe.rollouts import ROLLOUT_SCHEMA
 from rlpipe.run_store import read_state
 from rlpipe.spec import parse_spec
