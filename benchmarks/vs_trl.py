@@ -7,9 +7,12 @@
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
 character tokenizer, the same addition data (rlpipe's prepare step), the same reward
 (`rlpipe.tasks.addition:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
-top_k 0, 5 new tokens, 1 torch thread. TRL runs its on-policy GRPO (64 prompts x 8 per step,
-generate every step); rlpipe runs as the demo does (512 prompts x 8 per iteration, 4 PPO-style
-mini-batches). Each system runs in its own process, alternately, seed by seed; held-out greedy
+top_k 0, 5 new tokens, 1 torch thread. rlpipe runs as the demo does (512 prompts x 8 per
+iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`, its on-policy GRPO at the settings
+that learn best here (64 prompts x 8 per step, generate every step), and `trl_same_batch`, rlpipe's
+batch structure (per_device_train_batch_size=1024, steps_per_generation=4: 512 prompts x 8 per
+generation, 4 optimizer steps), so one ratio compares the systems at equal hyperparameters.
+Each system runs in its own process, alternately, seed by seed; held-out greedy
 accuracy (the same 500 problems, the same evaluator) is measured during training and its cost
 is taken off both clocks.
 
@@ -82,29 +85,7 @@ def prepare_reference(spec, work: Path) -> tuple[str, str]:
     return run_root, read_ref(run_root, 0)["uri"]
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
-    """rlpipe's evaluator: greedy decode of every held-out prompt, exact match."""
-    import torch
-
-    from rlpipe.components.generate.torch_engine import sample_in_batches
-    from rlpipe.tasks.addition import exact_match
-
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = sample_in_batches(
-            model,
-            [tokenizer(r["prompt"])["input_ids"] for r in rows],
-            batch_size=4096,
-            max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            greedy=True,
-        )
-    model.train(was_training)
-    texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-    scores = exact_match([r["prompt"] for r in rows], texts, [r["reference"] for r in rows])
-    return sum(scores) / len(scores)
+VERIFIER = "rlpipe.tasks.addition:exact_match"
 
 
 def run_trl(args: argparse.Namespace) -> None:
@@ -115,11 +96,13 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rlpipe.components.evaluate.step import greedy_accuracy
     from rlpipe.modeling import load_tokenizer
     from rlpipe.tasks.addition import exact_match
 
     torch.set_num_threads(1)
     run_root, model_dir = args.run_root, args.model_dir
+    per_step = args.trl_per_step
     train = pq.read_table(f"{run_root}/data/train.parquet").to_pylist()
     held_out = pq.read_table(f"{run_root}/data/eval.parquet").to_pylist()
     tokenizer = load_tokenizer(model_dir)
@@ -137,10 +120,10 @@ def run_trl(args: argparse.Namespace) -> None:
             if state.global_step % args.trl_eval_every and state.global_step < args.trl_steps:
                 return
             t = time.time()
-            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, 5)
+            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, 5, 4096)
             HeldOut.eval_s += time.time() - t
             curve.append(
-                {"samples": state.global_step * 512, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
+                {"samples": state.global_step * per_step, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
             )
 
     config = GRPOConfig(
@@ -149,7 +132,8 @@ def run_trl(args: argparse.Namespace) -> None:
         bf16=False,
         report_to="none",
         seed=args.seed,
-        per_device_train_batch_size=512,  # completions per step: 64 prompts x 8
+        per_device_train_batch_size=per_step,  # completions per optimizer step
+        steps_per_generation=args.trl_steps_per_generation,
         num_generations=8,
         learning_rate=5e-4,
         lr_scheduler_type="constant_with_warmup",
@@ -176,27 +160,35 @@ def run_trl(args: argparse.Namespace) -> None:
         callbacks=[HeldOut()],
     )
     t = time.time()
-    curve.append({"samples": 0, "acc": greedy_accuracy(model, tokenizer, held_out, 5)})
+    curve.append({"samples": 0, "acc": greedy_accuracy(model, tokenizer, held_out, VERIFIER, 5, 4096)})
     HeldOut.eval_s = time.time() - t
     trainer.train()
     finished = time.time()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    completion_tokens = statistics.fmean(lengths) * 512 * args.trl_steps if lengths else 0.0
+    completion_tokens = statistics.fmean(lengths) * per_step * args.trl_steps if lengths else 0.0
     result = {
         "curve": curve,
         "finished_at": finished,
         "eval_s": HeldOut.eval_s,
-        "samples": 512 * args.trl_steps,
+        "samples": per_step * args.trl_steps,
         "completion_tokens": completion_tokens,
-        "prompt_tokens": 7 * 512 * args.trl_steps,  # "<bos>ab+cd=" is 7 tokens
+        "prompt_tokens": 7 * per_step * args.trl_steps,  # "<bos>ab+cd=" is 7 tokens
     }
     Path(args.out).write_text(json.dumps(result))
 
 
-def trl_once(seed: int, run_root: str, model_dir: str, steps: int, eval_every: int, work: Path) -> dict:
-    out = work / f"trl-seed{seed}.json"
+# TRL's batch structures: (completions per optimizer step, optimizer steps per generation)
+TRL_BATCHES = {"trl": (512, 1), "trl_same_batch": (1024, 4)}
+
+
+def trl_once(system: str, seed: int, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
+    """TRL on `samples` completions, evaluated every 4096 (as rlpipe: one iteration)."""
+    per_step, per_generation = TRL_BATCHES[system]
+    steps, eval_every = samples // per_step, 4096 // per_step
+    out = work / f"{system}-seed{seed}.json"
     command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
     command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
+    command += ["--trl-per-step", str(per_step), "--trl-steps-per-generation", str(per_generation)]
     command += ["--out", str(out)]
     launched = time.time()  # both clocks start when the system's first process starts
     peak = run_measured(command, env={**os.environ, **THREADS_ENV})
@@ -306,15 +298,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trl-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trl-eval-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-per-step", type=int, default=512, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-steps-per-generation", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_trl:
+        from rlpipe.optional_imports import hide_vision_and_audio
+
+        hide_vision_and_audio()  # before TRL imports transformers (see rlpipe.optional_imports)
         return run_trl(args)
 
     os.environ.update(THREADS_ENV)
     seeds = 1 if args.quick else args.seeds
     # equal granularity: both evaluate every 4096 completions (1 rlpipe iteration, 8 TRL steps)
     rl_iterations = 8 if args.quick else 25
-    trl_steps, trl_eval_every = (96, 8) if args.quick else (300, 8)
+    trl_samples = 4096 * (12 if args.quick else 37)  # TRL 64x8 learns slower per sample: run it ~1.5x longer
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
         from rlpipe.preflight import check_installed
@@ -323,7 +320,7 @@ def main() -> None:
     target = args.target if args.target is not None else (0.65 if args.quick else 0.72)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    runs: dict[str, list[dict]] = {"rlpipe": [], "trl": []}
+    runs: dict[str, list[dict]] = {"rlpipe": [], "trl": [], "trl_same_batch": []}
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL
     # run only (prompt order, sampling, mini-batch shuffle). The SFT warm start itself is very
     # seed-sensitive here (v0 greedy accuracy 0.48 / 0.72 / 0.11 for seeds 0 / 1 / 2).
@@ -331,7 +328,9 @@ def main() -> None:
     shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "task.seed": 0}
     for seed in range(seeds):
         runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, settings | shared, args.work))
-        runs["trl"].append(trl_once(seed, run_root, model_dir, trl_steps, trl_eval_every, args.work))
+        for system in TRL_BATCHES:
+            samples = trl_samples if system == "trl" else 4096 * rl_iterations
+            runs[system].append(trl_once(system, seed, run_root, model_dir, samples, args.work))
     duration = time.time() - started
 
     budget = min(min(r["samples"] for r in runs[s]) for s in runs)
@@ -372,7 +371,9 @@ def main() -> None:
         "",
         "rlpipe: `rlpipe run examples/addition.yaml` on kfp.local with "
         + ", ".join(f"{k}={v}" for k, v in settings.items())
-        + " (512 prompts x 8 per iteration, 4 mini-batches); TRL: GRPOTrainer, 64 prompts x 8 per step. "
+        + " (512 prompts x 8 per iteration, 4 mini-batches); TRL: GRPOTrainer, 64 prompts x 8 per step; "
+        "TRL same batch: GRPOTrainer with rlpipe's batch structure (1024 completions per step, 4 steps per "
+        "generation of 512 prompts x 8). "
         "Every seed starts from the same warm-started model and data (seed 0's); seeds vary the RL run. "
         "Clocks start when each system's first process starts.",
         "",
@@ -380,8 +381,8 @@ def main() -> None:
         "exclude held-out evaluation; throughputs are per second of training wall time (training tokens = "
         "prompt + completion tokens of the sampled batches)",
         "",
-        "| | rlpipe | TRL | rlpipe / TRL |",
-        "|---|---|---|---|",
+        "| | rlpipe | TRL | TRL same batch | rlpipe / TRL | rlpipe / TRL same batch |",
+        "|---|---|---|---|---|---|",
     ]
     keys = [
         ("time_to_target_s", "wall time to target (s)"),
@@ -393,12 +394,12 @@ def main() -> None:
         ("peak_rss_gb", "peak RSS of the largest process (GB)"),
     ]
     for key, label in keys:
-        a, b = summary["rlpipe"][key], summary["trl"][key]
-        ratio = f"{a / b:.2f}x" if a is not None and b else "n/a"
-        lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {ratio} |")
+        a, b, c = (summary[system][key] for system in runs)
+        ratios = [f"{a / other:.2f}x" if a is not None and other else "n/a" for other in (b, c)]
+        lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {_cell(c)} | {ratios[0]} | {ratios[1]} |")
     for key, label in (("time_to_target_s", "time to target (s)"), ("accuracy_at_budget", "accuracy at budget")):
         cells = {s: ", ".join(_cell(v) for v in per_seed[s][key]) for s in per_seed}
-        lines.append(f"\nper seed, {label}: rlpipe {cells['rlpipe']}; TRL {cells['trl']}")
+        lines.append(f"\nper seed, {label}: " + "; ".join(f"{s} {cells[s]}" for s in runs))
     lines += [
         "",
         f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
@@ -407,15 +408,15 @@ def main() -> None:
     ]
     curves = {system: [r["curve"] for r in results] for system, results in runs.items()}
     lines += ["", "held-out greedy accuracy by completions trained on (mean over seeds; wall s in brackets):", ""]
-    lines += ["| completions | rlpipe | TRL |", "|---|---|---|"]
-    evaluated = [{p["samples"] for c in curves[system] for p in c} for system in ("rlpipe", "trl")]
-    for samples in sorted(evaluated[0] & evaluated[1]):
+    lines += ["| completions | rlpipe | TRL | TRL same batch |", "|---|---|---|---|"]
+    evaluated = set.intersection(*({p["samples"] for c in curves[system] for p in c} for system in runs))
+    for samples in sorted(evaluated):
         cells = []
-        for system in ("rlpipe", "trl"):
+        for system in runs:
             points = [next(p for p in c if p["samples"] == samples) for c in curves[system]]
             acc = statistics.fmean(p["acc"] for p in points)
             cells.append(f"{acc:.3f} ({statistics.fmean(p['wall_s'] for p in points):.0f} s)")
-        lines.append(f"| {samples} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {samples} | {' | '.join(cells)} |")
     report = "\n".join(lines)
     print(report)
     RESULTS.mkdir(exist_ok=True)
