@@ -64,12 +64,13 @@ def average_breakdown(run_dir: Path, skip: int = 0) -> dict[str, dict[str, float
             "load_s": mean(f"overhead/{step}_load_s"),
             "compute_s": mean(f"time/{step}_s"),
         }
-        if step == "evaluate":  # runs every iteration, evaluates only when due
-            evals = [json.loads(f.read_text()) for f in sorted((run_dir / "metrics").glob("eval_*.json"))]
-            due = len(evals) / max(len(walls.get(step, [])), 1)
+        if step == "evaluate":  # runs only when an eval is due (once per pipeline run before): amortized
+            evals = [json.loads(f.read_text()) for f in sorted((run_dir / "metrics").glob("eval_*.json"))[1:]]
+            per_iteration = 1 / len(rows)
+            row["task_wall_s"] = sum(walls.get(step, [])) * per_iteration
             row["import_s"] = 0.0
-            row["load_s"] = due * statistics.fmean(e.get("overhead/evaluate_load_s", 0.0) for e in evals)
-            row["compute_s"] = due * statistics.fmean(e.get("time/evaluate_s", 0.0) for e in evals)
+            row["load_s"] = sum(e.get("overhead/evaluate_load_s", 0.0) for e in evals) * per_iteration
+            row["compute_s"] = sum(e.get("time/evaluate_s", 0.0) for e in evals) * per_iteration
         row["interpreter_and_executor_s"] = max(
             0.0, row["task_wall_s"] - row["import_s"] - row["load_s"] - row["compute_s"]
         )
