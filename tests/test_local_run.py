@@ -85,8 +85,8 @@ def test_missing_model_path_says_what_to_change(tmp_path: Path):
     spec = _write_spec(tmp_path, model={"path": str(tmp_path / "missing-model")})
     result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 1
-    assert "warm-start" in result.stderr and "does not exist" in result.stderr
-    assert "run the same command again to resume" in result.stderr
+    assert "pre-flight check failed" in result.stderr  # before any step runs
+    assert f"model.path {tmp_path / 'missing-model'} does not exist" in result.stderr
     assert not (tmp_path / "run" / "state.json").exists()
 
 
