@@ -1,5 +1,6 @@
 """Compile the run pipeline to KFP IR YAML, with the spec and run root as parameter defaults."""
 
+import dataclasses
 from pathlib import Path
 
 from kfp import compiler
@@ -35,8 +36,8 @@ def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec,
             "or set trainer.resident: false to train in every update step's own pod"
         )
     cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
-    storage = spec.storage.model_copy(update={"root": run_root.rsplit("/", 1)[0], "cache": cache})
-    return spec.model_copy(update={"storage": storage}), run_root
+    storage = dataclasses.replace(spec.storage, root=run_root.rsplit("/", 1)[0], cache=cache)
+    return dataclasses.replace(spec, storage=storage), run_root
 
 
 def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = None) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _spec(args: argparse.Namespace) -> RunSpec:
     spec = load_spec(args.spec, _overrides(args))
     root = spec.storage.root
     if "://" not in root:  # steps may run with another working directory
-        spec = spec.model_copy(update={"storage": spec.storage.model_copy(update={"root": str(Path(root).resolve())})})
+        spec = dataclasses.replace(spec, storage=dataclasses.replace(spec.storage, root=str(Path(root).resolve())))
     return spec
 
 

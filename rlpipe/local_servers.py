@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import requests
-
+from rlpipe.http_json import is_healthy
 from rlpipe.run_store import filesystem, join
 
 MAX_RESTARTS = 5
@@ -39,13 +38,6 @@ class Replica:
     pid: int | None = None
     state: str = "waiting for weights"  # -> starting -> ready; restarting; failed; stopped
     restarts: int = 0
-
-
-def is_healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def _die_with_parent() -> None:

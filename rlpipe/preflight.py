@@ -156,17 +156,17 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     if uri.startswith(("http://", "https://")):
-        import requests
+        from rlpipe.http_json import Unreachable, request_json
 
         try:
-            response = requests.get(uri.rstrip("/") + "/health", timeout=5)
-        except requests.RequestException as err:
+            status, _ = request_json("GET", uri.rstrip("/") + "/health", connect_timeout_s=5, read_timeout_s=5)
+        except Unreachable as err:
             raise CheckFailed(
-                f"tracking.uri {uri} is not reachable ({type(err).__name__}); start the MLflow server, fix "
+                f"tracking.uri {uri} is not reachable ({err}); start the MLflow server, fix "
                 "tracking.uri, or remove it to track in sqlite under the run dir"
             ) from None
-        if response.status_code != 200:
-            raise CheckFailed(f"tracking.uri {uri}/health answered {response.status_code}; is it an MLflow server?")
+        if status != 200:
+            raise CheckFailed(f"tracking.uri {uri}/health answered {status}; is it an MLflow server?")
         return f"tracking: MLflow server {uri}"
     if uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).parent

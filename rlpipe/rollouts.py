@@ -14,8 +14,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlpipe.run_store import filesystem
-
 ROLLOUT_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.int64()),  # row index in the train set
@@ -60,6 +58,8 @@ def read_table(path: str | Path) -> pa.Table:
     """A Parquet table from a local path or an fsspec URI (gs://, s3://, ...)."""
     if "://" not in str(path):
         return pq.read_table(str(path))
+    from rlpipe.run_store import filesystem  # fsspec: score and advantages read local artifacts only
+
     fs, remote = filesystem(str(path))
     with fs.open(remote, "rb") as f:
         return pq.read_table(f)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
-from rlpipe.local_servers import is_healthy
+from rlpipe.http_json import is_healthy
 from rlpipe.rollouts import Completions
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.sampler_worker.PolicyReload

@@ -1,34 +1,56 @@
-"""The run spec: one YAML file, validated, with errors that say what to change."""
+"""The run spec: one YAML file, validated, with errors that say what to change.
+
+Each section is a frozen dataclass (as CleanRL's and TRL's configs are); `setting` declares a
+field's default, bounds and doc, and `parse_spec` checks a dict against the classes: unknown
+keys, types, bounds, choices, then each section's `__post_init__` for rules across fields.
+Steps parse the spec in every process, so this module imports nothing heavy.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+section = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
 class SpecError(ValueError):
     """A run spec that cannot be used; the message names the key and what is allowed."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    min_length: int | None = None,
+    pattern: str | None = None,
+    doc: str = "",
+) -> Any:
+    """A spec field: its default, the bounds `parse_spec` checks, and what it means."""
+    bounds = {"ge": ge, "gt": gt, "le": le, "min_length": min_length, "pattern": pattern}
+    metadata = {k: v for k, v in bounds.items() if v is not None} | ({"doc": doc} if doc else {})
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-class TinyModelSpec(_Section):
+@section
+class TinyModelSpec:
     """A Qwen2-architecture model built from a config with random init (offline demos)."""
 
-    hidden_size: int = Field(128, ge=32)
-    intermediate_size: int = Field(512, ge=1)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(64, ge=16)
+    hidden_size: int = setting(128, ge=32)
+    intermediate_size: int = setting(512, ge=1)
+    num_layers: int = setting(4, ge=1)
+    num_heads: int = setting(4, ge=1)
+    num_kv_heads: int = setting(2, ge=1)
+    max_position_embeddings: int = setting(64, ge=16)
 
-    @model_validator(mode="after")
-    def _head_size(self) -> "TinyModelSpec":
+    def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
         if self.hidden_size // self.num_heads < 32:
@@ -38,10 +60,10 @@ class TinyModelSpec(_Section):
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads")
-        return self
 
 
-class WarmStartSpec(_Section):
+@section
+class WarmStartSpec:
     """Supervised warm start before RL: SFT on the task's reference answers until the greedy accuracy
     (reward.verifier) on a validation split held out of the SFT rows reaches `target_accuracy`,
     checked every `check_every` steps, for at most `max_steps` steps (0 disables the warm start).
@@ -50,49 +72,49 @@ class WarmStartSpec(_Section):
     the step where this SFT takes off, a few hundred steps (or a CPU's rounding) move greedy accuracy
     anywhere between 0.1 and 0.7."""
 
-    max_steps: int = Field(2000, ge=0)
-    target_accuracy: float | None = Field(
-        0.4, gt=0, le=1, description="Stop once validation greedy accuracy reaches this; null: run max_steps"
+    max_steps: int = setting(2000, ge=0)
+    target_accuracy: float | None = setting(
+        0.4, gt=0, le=1, doc="Stop once validation greedy accuracy reaches this; null: run max_steps"
     )
-    check_every: int = Field(25, ge=1, description="Optimizer steps between validation checks")
-    validation_size: int = Field(256, ge=1, description="Train rows held out of the SFT for the stop check")
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    check_every: int = setting(25, ge=1, doc="Optimizer steps between validation checks")
+    validation_size: int = setting(256, ge=1, doc="Train rows held out of the SFT for the stop check")
+    batch_size: int = setting(64, ge=1)
+    lr: float = setting(1e-3, gt=0)
 
 
-class ModelSpec(_Section):
-    path: str | None = Field(
-        None, description="Local dir, gs:// or other fsspec URI, or a hub id. None builds model.tiny."
-    )
-    tiny: TinyModelSpec = TinyModelSpec()
-    warm_start: WarmStartSpec = WarmStartSpec()
+@section
+class ModelSpec:
+    path: str | None = setting(None, doc="Local dir, gs:// or other fsspec URI, or a hub id. None builds model.tiny.")
+    tiny: TinyModelSpec = setting(default_factory=TinyModelSpec)
+    warm_start: WarmStartSpec = setting(default_factory=WarmStartSpec)
 
 
-class TaskSpec(_Section):
+@section
+class TaskSpec:
     name: Literal["addition"] = "addition"
-    digits: int = Field(2, ge=1, le=6)
-    train_size: int = Field(9500, ge=1)
-    eval_size: int = Field(500, ge=1, description="Fixed held-out set, disjoint from train")
-    seed: int | None = Field(
-        None, description="Seed of the generated problems and the train/eval split; default: the run's seed"
+    digits: int = setting(2, ge=1, le=6)
+    train_size: int = setting(9500, ge=1)
+    eval_size: int = setting(500, ge=1, doc="Fixed held-out set, disjoint from train")
+    seed: int | None = setting(
+        None, doc="Seed of the generated problems and the train/eval split; default: the run's seed"
     )
 
 
-class RewardSpec(_Section):
-    functions: list[str] = Field(
+@section
+class RewardSpec:
+    functions: list[str] = setting(
         default_factory=lambda: ["rlpipe.tasks.addition:exact_match"],
         min_length=1,
-        description="Reward functions as 'module:function'; rewards are summed with `weights`.",
+        doc="Reward functions as 'module:function'; rewards are summed with `weights`.",
     )
     weights: list[float] | None = None
-    verifier: str = Field(
+    verifier: str = setting(
         "rlpipe.tasks.addition:exact_match",
-        description="'module:function' (reward signature) scoring held-out evaluation and the warm start's "
+        doc="'module:function' (reward signature) scoring held-out evaluation and the warm start's "
         "stop check; 1.0 = correct, accuracy = its mean",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> "RewardSpec":
+    def __post_init__(self) -> None:
         if self.verifier.count(":") != 1 or not all(self.verifier.split(":")):
             raise ValueError(f"reward.verifier {self.verifier!r} must look like 'package.module:function'")
         for ref in self.functions:
@@ -102,100 +124,108 @@ class RewardSpec(_Section):
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries but reward.functions has {len(self.functions)}"
             )
-        return self
 
 
-class RolloutSpec(_Section):
-    engine: Literal["torch", "vllm", "sampler"] = Field(
+@section
+class RolloutSpec:
+    engine: Literal["torch", "vllm", "sampler"] = setting(
         "torch",
-        description="torch: HF model in the generate step (in the resident trainer when trainer.resident); "
+        doc="torch: HF model in the generate step (in the resident trainer when trainer.resident); "
         "vllm: vllm.LLM in the generate step; "
         "sampler: long-lived vLLM servers (section samplers), the generate step is a thin HTTP client",
     )
-    prompts_per_iteration: int = Field(512, ge=1)
-    samples_per_prompt: int = Field(8, ge=2, description="G: completions per prompt (one GRPO group)")
-    max_new_tokens: int = Field(5, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(4096, ge=1, description="Sequences per forward pass while sampling")
+    prompts_per_iteration: int = setting(512, ge=1)
+    samples_per_prompt: int = setting(8, ge=2, doc="G: completions per prompt (one GRPO group)")
+    max_new_tokens: int = setting(5, ge=1)
+    temperature: float = setting(1.0, gt=0)
+    top_k: int = setting(0, ge=0, doc="0 disables top-k")
+    top_p: float = setting(1.0, gt=0, le=1)
+    batch_size: int = setting(4096, ge=1, doc="Sequences per forward pass while sampling")
 
 
-class SamplersSpec(_Section):
+@section
+class SamplersSpec:
     """Long-lived vLLM servers for `rollout.engine: sampler`; reloaded in place by sync_weights."""
 
-    replicas: int = Field(
-        1, ge=1, description="Servers `rlpipe run` starts on loopback when endpoints is empty (1 per free core or GPU)"
+    replicas: int = setting(
+        1, ge=1, doc="Servers `rlpipe run` starts on loopback when endpoints is empty (1 per free core or GPU)"
     )
-    endpoints: list[str] = Field(
+    endpoints: list[str] = setting(
         default_factory=list,
-        description="Base URLs of running samplers; a host that resolves to several addresses (a headless "
+        doc="Base URLs of running samplers; a host that resolves to several addresses (a headless "
         "Service) counts as one replica per address. Empty: `rlpipe run` starts `replicas` local servers.",
     )
-    requests_per_replica: int = Field(
-        64, ge=1, description="Requests in flight per replica (x G sequences): vLLM batches what is in flight"
+    requests_per_replica: int = setting(
+        64, ge=1, doc="Requests in flight per replica (x G sequences): vLLM batches what is in flight"
     )
-    request_timeout_s: float = Field(300, gt=0)
-    startup_timeout_s: float = Field(900, gt=0, description="How long generate waits for a replica to be ready")
-    kv_cache_gib: int = Field(1, ge=1, description="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
-    extra_args: list[str] = Field(default_factory=list, description="More vLLM server flags for local replicas")
+    request_timeout_s: float = setting(300, gt=0)
+    startup_timeout_s: float = setting(900, gt=0, doc="How long generate waits for a replica to be ready")
+    kv_cache_gib: int = setting(1, ge=1, doc="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
+    extra_args: list[str] = setting(default_factory=list, doc="More vLLM server flags for local replicas")
 
 
-class AlgorithmSpec(_Section):
+@section
+class AlgorithmSpec:
     name: Literal["grpo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    clip_eps: float = Field(0.2, gt=0)
-    kl_coef: float = Field(0.0, ge=0, description="beta for the k3 KL to the frozen reference (v0)")
+    clip_eps: float = setting(0.2, gt=0)
+    kl_coef: float = setting(0.0, ge=0, doc="beta for the k3 KL to the frozen reference (v0)")
     loss_aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
-    track_reference_kl: bool = Field(
-        True, description="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
+    track_reference_kl: bool = setting(
+        True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
     )
 
 
-class TrainerSpec(_Section):
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+@section
+class TrainerSpec:
+    lr: float = setting(5e-4, gt=0)
+    weight_decay: float = setting(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(10, ge=0, description="Linear LR warmup over the first optimizer steps")
-    mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch over one iteration's batch")
-    epochs: int = Field(1, ge=1)
-    threads: int = Field(1, ge=1, description="torch CPU threads per step")
-    resident: bool = Field(
+    max_grad_norm: float = setting(1.0, gt=0)
+    warmup_steps: int = setting(10, ge=0, doc="Linear LR warmup over the first optimizer steps")
+    mini_batches: int = setting(4, ge=1, doc="Optimizer steps per epoch over one iteration's batch")
+    epochs: int = setting(1, ge=1)
+    threads: int = setting(1, ge=1, doc="torch CPU threads per step")
+    resident: bool = setting(
         False,
-        description="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
+        doc="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
         "iterations; the update step becomes a thin client (rlpipe run starts the trainer locally)",
     )
-    endpoint: str | None = Field(
-        None, description="URL of the resident trainer's Service on a cluster; empty locally: rlpipe run starts one"
+    endpoint: str | None = setting(
+        None, doc="URL of the resident trainer's Service on a cluster; empty locally: rlpipe run starts one"
     )
 
 
-class LoopSpec(_Section):
-    iterations: int = Field(25, ge=1)
-    iterations_per_run: int = Field(5, ge=1, description="Iterations unrolled into one pipeline run")
-    eval_every: int = Field(5, ge=1)
+@section
+class LoopSpec:
+    iterations: int = setting(25, ge=1)
+    iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
+    eval_every: int = setting(5, ge=1)
 
 
-class StorageSpec(_Section):
-    root: str = Field("./runs", description="Parent of run directories: a local path or fsspec URI")
-    keep_versions: int = Field(3, ge=1, description="Weight versions kept besides v0")
-    cache: str | None = Field(None, description="Warm-start cache; default <root>/.cache")
+@section
+class StorageSpec:
+    root: str = setting("./runs", doc="Parent of run directories: a local path or fsspec URI")
+    keep_versions: int = setting(3, ge=1, doc="Weight versions kept besides v0")
+    cache: str | None = setting(None, doc="Warm-start cache; default <root>/.cache")
 
 
-class TrackingSpec(_Section):
-    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
+@section
+class TrackingSpec:
+    uri: str | None = setting(None, doc="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
     experiment: str = "rlpipe"
 
 
-class Toleration(_Section):
+@section
+class Toleration:
     key: str
     operator: Literal["Equal", "Exists"] = "Exists"
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
 
 
-class PodSpec(_Section):
+@section
+class PodSpec:
     """Image, resources and placement for one class of steps on the cluster."""
 
     image: str
@@ -203,20 +233,21 @@ class PodSpec(_Section):
     memory: str = "2Gi"
     cpu_limit: str | None = None
     memory_limit: str | None = None
-    gpus: int = Field(0, ge=0)
-    accelerator: str = Field("nvidia.com/gpu", description="KFP accelerator type when gpus > 0")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    timeout_s: int = Field(7200, ge=60)
+    gpus: int = setting(0, ge=0)
+    accelerator: str = setting("nvidia.com/gpu", doc="KFP accelerator type when gpus > 0")
+    node_selector: dict[str, str] = setting(default_factory=dict)
+    tolerations: list[Toleration] = setting(default_factory=list)
+    timeout_s: int = setting(7200, ge=60)
 
 
-class SecretEnv(_Section):
+@section
+class SecretEnv:
     """Expose one key of a Kubernetes Secret as an env var (by reference: values never enter the spec)."""
 
     secret: str
     key: str
     env: str
-    steps: list[str] | None = Field(None, description="Steps that get it (e.g. [track]); None = every step")
+    steps: list[str] | None = setting(None, doc="Steps that get it (e.g. [track]); None = every step")
 
 
 TRAINER_STEPS = ("warm_start", "generate", "update", "evaluate")
@@ -247,55 +278,52 @@ def uses_trainer_image(step: str, thin: frozenset[str] = frozenset()) -> bool:
     return step in TRAINER_STEPS and step not in thin
 
 
-class ClusterSpec(_Section):
+@section
+class ClusterSpec:
     """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
 
-    trainer: PodSpec = PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi", gpus=1)
-    step: PodSpec = PodSpec(image="ghcr.io/rlpipe/step:0.1.0")
+    trainer: PodSpec = setting(
+        default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi", gpus=1)
+    )
+    step: PodSpec = setting(default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/step:0.1.0"))
     sampler_image: str = "ghcr.io/rlpipe/sampler:0.1.0"
-    pvc: str | None = Field(None, description="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
+    pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
     mount_path: str = "/mnt/rlpipe"
-    secrets: list[SecretEnv] = Field(default_factory=list)
-    retries: int = Field(2, ge=0, description="Every step is safe to retry: nothing is visible before sync commits")
+    secrets: list[SecretEnv] = setting(default_factory=list)
+    retries: int = setting(2, ge=0, doc="Every step is safe to retry: nothing is visible before sync commits")
     retry_backoff: str = "30s"
     run_as_user: int = 1000
 
-    @model_validator(mode="after")
-    def _known_steps(self) -> "ClusterSpec":
+    def __post_init__(self) -> None:
         for secret in self.secrets:
             unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))
             if unknown:
                 raise ValueError(f"cluster.secrets steps {unknown} are not steps; allowed: {', '.join(STEP_NAMES)}")
-        return self
 
 
-class RunSpec(_Section):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+@section
+class RunSpec:
+    name: str = setting(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
-    model: ModelSpec = ModelSpec()
-    task: TaskSpec = TaskSpec()
-    reward: RewardSpec = RewardSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    samplers: SamplersSpec = SamplersSpec()
-    algorithm: AlgorithmSpec = AlgorithmSpec()
-    trainer: TrainerSpec = TrainerSpec()
-    loop: LoopSpec = LoopSpec()
-    storage: StorageSpec = StorageSpec()
-    tracking: TrackingSpec = TrackingSpec()
-    cluster: ClusterSpec = ClusterSpec()
+    model: ModelSpec = setting(default_factory=ModelSpec)
+    task: TaskSpec = setting(default_factory=TaskSpec)
+    reward: RewardSpec = setting(default_factory=RewardSpec)
+    rollout: RolloutSpec = setting(default_factory=RolloutSpec)
+    samplers: SamplersSpec = setting(default_factory=SamplersSpec)
+    algorithm: AlgorithmSpec = setting(default_factory=AlgorithmSpec)
+    trainer: TrainerSpec = setting(default_factory=TrainerSpec)
+    loop: LoopSpec = setting(default_factory=LoopSpec)
+    storage: StorageSpec = setting(default_factory=StorageSpec)
+    tracking: TrackingSpec = setting(default_factory=TrackingSpec)
+    cluster: ClusterSpec = setting(default_factory=ClusterSpec)
 
-    @model_validator(mode="after")
-    def _mini_batches_fit(self) -> "RunSpec":
+    def __post_init__(self) -> None:
         sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if self.trainer.mini_batches > sequences:
             raise ValueError(
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
                 f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _vllm_logprobs_match(self) -> "RunSpec":
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(
@@ -303,45 +331,128 @@ class RunSpec(_Section):
                 "which the update's importance ratio (full softmax at the temperature) does not match; "
                 "set rollout.top_k: 0 and rollout.top_p: 1.0, or use rollout.engine: torch"
             )
-        return self
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the section that `loc` (minus its last element) points into."""
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return sorted(model.model_fields)
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid run spec {source}:"]
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        if e["type"] == "extra_forbidden":
-            allowed = ", ".join(_allowed_keys(RunSpec, e["loc"]))
-            lines.append(f"  {key}: unknown key; allowed keys here: {allowed}")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
-    return "\n".join(lines)
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _build(cls: type, data: Any, key: str, errors: list[str]) -> Any:
+    """An instance of section `cls` from `data`, or None with the problems appended to `errors`."""
+    if not isinstance(data, dict):
+        errors.append(f"{key.rstrip('.') or '<top level>'}: expected a mapping of keys, got {data!r}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for unknown in sorted(set(data) - set(fields), key=str):
+        errors.append(f"{key}{unknown}: unknown key; allowed keys here: {', '.join(sorted(fields))}")
+    values, failed = {}, len(errors)
+    for name, field in fields.items():
+        if name in data:
+            values[name] = _convert(_hints(cls)[name], data[name], f"{key}{name}", field.metadata, errors)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            errors.append(f"{key}{name}: required")
+    if len(errors) > failed:
+        return None
+    try:
+        return cls(**values)
+    except ValueError as err:  # a rule across fields (__post_init__)
+        errors.append(f"{key.rstrip('.') or '<top level>'}: {err}")
+        return None
+
+
+def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], errors: list[str]) -> Any:
+    """`value` as type `hint` within `bounds`; appends to `errors` and returns None when it is not.
+
+    Lenient where YAML and KFP are: ints may come as 7.0 (protobuf Struct) and numbers as strings
+    ('3e-4', which YAML 1.1 reads as a string)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+
+    def fail(expected: str) -> None:
+        errors.append(f"{key}: {expected} (got {value!r})")
+
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.", errors)
+    if origin is Literal:
+        if value not in args:
+            return fail(f"must be one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return fail("must be a list")
+        if origin is tuple and len(value) != len(args):
+            return fail(f"must be a list of {len(args)} values")
+        items = [
+            _convert(args[i] if origin is tuple else args[0], item, f"{key}[{i}]", {}, errors)
+            for i, item in enumerate(value)
+        ]
+        if "min_length" in bounds and len(items) < bounds["min_length"]:
+            return fail("must not be empty" if bounds["min_length"] == 1 else f"needs {bounds['min_length']} entries")
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return fail("must be a mapping of strings to strings")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return value if isinstance(value, bool) else fail("must be true or false")
+    if hint is str:
+        if not isinstance(value, str):
+            return fail("must be a string")
+        if "pattern" in bounds and not re.fullmatch(bounds["pattern"], value):
+            return fail(f"must match {bounds['pattern']}")
+        return value
+    if hint in (int, float):
+        number = _number(value, hint)
+        if number is None:
+            return fail("must be an integer" if hint is int else "must be a number")
+        for bound, holds, says in (
+            ("ge", number.__ge__, ">="),
+            ("gt", number.__gt__, ">"),
+            ("le", number.__le__, "<="),
+        ):
+            if bound in bounds and not holds(bounds[bound]):
+                return fail(f"must be {says} {bounds[bound]}")
+        return number
+    raise TypeError(f"spec field {key} has a type parse_spec does not know: {hint!r}")
+
+
+def _number(value: Any, kind: type) -> int | float | None:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    if kind is int:
+        return int(value) if float(value).is_integer() else None
+    return float(value)
 
 
 def parse_spec(data: dict[str, Any], source: str = "<dict>") -> RunSpec:
     """Validate a spec dict; raise SpecError naming each bad key."""
-    if not isinstance(data, dict):
-        raise SpecError(f"invalid run spec {source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return RunSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(_format_errors(err, source)) from None
+    errors: list[str] = []
+    spec = _build(RunSpec, data, "", errors)
+    if errors:
+        raise SpecError("\n  ".join([f"invalid run spec {source}:", *errors]))
+    return spec
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
     """Read and validate a YAML run spec; `overrides` maps dotted keys to values."""
+    import yaml  # not at the top: the steps parse dicts and need not pay for it
+
     path = Path(path)
     if not path.exists():
         raise SpecError(f"run spec {path} does not exist")
@@ -358,10 +469,23 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunS
     return parse_spec(data, str(path))
 
 
+def section_dict(section_value: Any) -> dict[str, Any]:
+    """A section as a plain dict (tuples as lists), None values kept."""
+    return _plain(dataclasses.asdict(section_value), keep_none=True)
+
+
 def spec_to_dict(spec: RunSpec) -> dict[str, Any]:
     """Plain JSON-able dict (what KFP components receive); None values are dropped since KFP
     parameters cannot hold null, and parsing restores them as defaults."""
-    return spec.model_dump(mode="json", exclude_none=True)
+    return _plain(dataclasses.asdict(spec), keep_none=False)
+
+
+def _plain(value: Any, keep_none: bool) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v, keep_none) for k, v in value.items() if keep_none or v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, keep_none) for v in value]
+    return value
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import requests
-
-from rlpipe.local_servers import is_healthy
+from rlpipe.http_json import Unreachable, is_healthy, request_json
 from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.weight_store import WeightRef, as_ref
@@ -54,16 +52,17 @@ def post(spec: RunSpec, run_root: str, route: str, payload: dict, iteration: int
     for attempt in range(1, ATTEMPTS + 1):
         wait_for_trainer(url, run_root)
         try:
-            response = requests.post(f"{url}{route}", json=payload, timeout=(10, None))
+            status, body = request_json("POST", f"{url}{route}", payload)
             break
-        except requests.ConnectionError:  # it died mid-request; restarted, it reloads v(N) from storage
+        except Unreachable:  # it died mid-request; restarted, it reloads v(N) from storage
             if attempt == ATTEMPTS:
                 raise TrainerError(
                     f"resident trainer {url} died in {ATTEMPTS} attempts at {route} of iteration {iteration}; "
                     f"see its log ({run_root}/logs/trainer-0.log locally)"
                 ) from None
-    body = response.json()
-    if response.status_code != 200:
+    if status != 200:
+        if not (isinstance(body, dict) and "error" in body):
+            raise TrainerError(f"resident trainer {url}{route} answered HTTP {status} without an error body")
         raise TrainerError(f"resident trainer {url}{route}: {body['error']}: {body['message']}")
     return body
 

@@ -77,7 +77,7 @@ def test_bad_spec_fails_before_anything_runs(tmp_path: Path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
     result = _rlpipe("run", str(tmp_path / "bad.yaml"), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
-    assert "rollout.engine: Input should be 'torch'" in result.stderr
+    assert "rollout.engine: must be one of 'torch'" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

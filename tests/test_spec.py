@@ -35,7 +35,7 @@ def test_bad_choice_lists_the_allowed_values():
 
 
 def test_bad_number_names_the_bound():
-    with pytest.raises(SpecError, match=r"rollout.samples_per_prompt: Input should be greater than or equal to 2"):
+    with pytest.raises(SpecError, match=r"rollout.samples_per_prompt: must be >= 2 \(got 1\)"):
         parse_spec({"name": "x", "rollout": {"samples_per_prompt": 1}})
 
 
@@ -52,7 +52,7 @@ def test_reward_function_reference_format():
 
 
 def test_missing_name_and_missing_file(tmp_path: Path):
-    with pytest.raises(SpecError, match="name: Field required"):
+    with pytest.raises(SpecError, match="name: required"):
         parse_spec({})
     with pytest.raises(SpecError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")
@@ -97,5 +97,51 @@ def test_vllm_engines_refuse_truncated_sampling():
     with pytest.raises(SpecError, match="rollout.top_k: 0 and rollout.top_p: 1.0"):
         parse_spec({"name": "x", "rollout": {"engine": "sampler", "top_k": 5}})
     assert parse_spec({"name": "x", "rollout": {"engine": "torch", "top_k": 5}}).rollout.top_k == 5
-    with pytest.raises(SpecError, match="rollout.engine: .*allowed|Input should be 'torch', 'vllm' or 'sampler'"):
+    with pytest.raises(SpecError, match="rollout.engine: must be one of 'torch', 'vllm', 'sampler'"):
         parse_spec({"name": "x", "rollout": {"engine": "sglang"}})
+
+
+def test_values_as_yaml_and_kfp_give_them():
+    spec = parse_spec(
+        {
+            "name": "x",
+            "trainer": {"lr": "3e-4", "betas": [0.9, 0.95], "resident": "true"},  # YAML 1.1 reads 3e-4 as a string
+            "cluster": {"step": {"image": "i", "tolerations": [{"key": "gpu"}], "node_selector": {"pool": "cpu"}}},
+        }
+    )
+    assert spec.trainer.lr == 3e-4 and spec.trainer.betas == (0.9, 0.95) and spec.trainer.resident is True
+    assert spec.cluster.step.tolerations[0].effect == "NoSchedule"
+    assert parse_spec(spec_to_dict(spec)) == spec
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(SpecError) as err:
+        parse_spec(
+            {
+                "name": "has space",
+                "seed": 1.5,
+                "trainer": {"lr": float("nan"), "betas": [0.9], "resident": 3},
+                "reward": {"functions": []},
+                "cluster": {"step": {"image": "i", "tolerations": [{"operator": "Equal"}]}},
+            }
+        )
+    lines = str(err.value).splitlines()[1:]
+    expected = [
+        "name: must match",
+        "seed: must be an integer (got 1.5)",
+        "reward.functions: must not be empty",
+        "trainer.lr: must be a number (got nan)",
+        "trainer.betas: must be a list of 2 values",
+        "trainer.resident: must be true or false (got 3)",
+        "cluster.step.tolerations[0].key: required",
+    ]
+    assert len(lines) == len(expected)
+    for line, start in zip(lines, expected, strict=True):
+        assert line.strip().startswith(start), line
+
+
+def test_a_section_must_be_a_mapping():
+    with pytest.raises(SpecError, match=r"trainer: expected a mapping of keys, got 5"):
+        parse_spec({"name": "x", "trainer": 5})
+    with pytest.raises(SpecError, match=r"<top level>: expected a mapping"):
+        parse_spec(["name"])

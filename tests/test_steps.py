@@ -19,7 +19,7 @@ from rlpipe.objectives import token_logprobs
 from rlpipe.rewards import RewardError
 from rlpipe.rollouts import ROLLOUT_SCHEMA
 from rlpipe.run_store import read_state
-from rlpipe.spec import parse_spec
+from rlpipe.spec import parse_spec, spec_to_dict
 from rlpipe.weight_store import latest_version, local_path, read_ref
 
 
@@ -100,7 +100,7 @@ def test_failing_reward_function_names_itself(initialized_run, tmp_path: Path):
         ("tests.test_steps:missing", "has no function 'missing'"),
         ("no_such_module:f", "cannot import module 'no_such_module'"),
     ):
-        bad = parse_spec({**spec.model_dump(mode="json", exclude_none=True), "reward": {"functions": [ref]}})
+        bad = parse_spec({**spec_to_dict(spec), "reward": {"functions": [ref]}})
         with pytest.raises(RewardError, match=match):
             score_rollouts(bad, str(tmp_path / "r.parquet"), str(tmp_path / "s.parquet"))
         assert not (tmp_path / "s.parquet").exists()

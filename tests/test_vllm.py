@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from rlpipe.components.generate.step import generate_rollouts
-from rlpipe.spec import RunSpec, parse_spec
+from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
 from .conftest import tiny_spec_dict
 
@@ -79,7 +79,7 @@ def group_alive(pgid: int) -> bool:
 
 
 def service_spec(spec: RunSpec, fleet, engine: str = "sampler") -> RunSpec:
-    data = spec.model_dump(mode="json", exclude_none=True)
+    data = spec_to_dict(spec)
     data["rollout"]["engine"] = engine
     data["samplers"]["endpoints"] = fleet.urls if fleet else []
     return parse_spec(data)
@@ -260,7 +260,7 @@ def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):
         "from rlpipe.components.generate.step import generate_rollouts\n"
         "from rlpipe.spec import parse_spec\n"
         "from rlpipe.weight_store import read_ref\n"
-        f"spec = parse_spec(json.loads({json.dumps(json.dumps(service_spec(spec, fleet).model_dump(mode='json')))}))\n"
+        f"spec = parse_spec(json.loads({json.dumps(json.dumps(spec_to_dict(service_spec(spec, fleet))))}))\n"
         f"generate_rollouts(spec, {run_root!r}, read_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
         f"{cache!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

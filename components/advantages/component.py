@@ -18,10 +18,11 @@ def advantages(
     entered = time.time()
     from rlpipe.components.advantages.step import compute_advantages
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import import_overhead
+    from rlpipe.timing import exit_without_teardown, import_overhead
 
     values = import_overhead("advantages", entered)
     values |= compute_advantages(parse_spec(spec), scored.path, batch.path)
     for key, value in values.items():
         metrics.log_metric(key, value)
+    exit_without_teardown()
     return (values,)

@@ -12,7 +12,9 @@ def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: 
     entered = time.time()
     from rlpipe.components.evaluate.step import evaluation_pending
     from rlpipe.spec import parse_spec
+    from rlpipe.timing import exit_without_teardown
 
+    exit_without_teardown()
     run_spec = parse_spec(spec)
     if not evaluation_pending(run_spec, run_root, iteration):
         return

@@ -21,7 +21,7 @@ def generate(
     from rlpipe.components.generate.step import generate_rollouts
     from rlpipe.run_store import cache_root_for
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import import_overhead
+    from rlpipe.timing import exit_without_teardown, import_overhead
 
     run_spec = parse_spec(spec)
     values = import_overhead("generate", entered)
@@ -30,4 +30,5 @@ def generate(
     for key, value in values.items():
         metrics.log_metric(key, value)
     values["started_at"] = entered  # wall clock the iteration started (for sync)
+    exit_without_teardown()
     return (values,)

@@ -13,9 +13,6 @@ import random
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table
 from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec
 from rlpipe.weight_store import WeightRef, as_ref, local_path
@@ -137,6 +134,10 @@ def generate_rollouts(
         from rlpipe.trainer_client import request_generate
 
         return request_generate(spec, run_root, weights, iteration, out_path, cache_root)
+    import pyarrow.parquet as pq  # not at the top: the thin client above needs no pyarrow
+
+    from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table
+
     table = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1])
     order = prompt_indices(table.num_rows, spec.rollout.prompts_per_iteration, iteration, spec.seed)
     rows = table.take(order).to_pylist()

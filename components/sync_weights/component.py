@@ -23,7 +23,7 @@ def sync_weights(
     entered = time.time()
     from rlpipe.components.sync_weights.step import sync_weights
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import import_overhead
+    from rlpipe.timing import exit_without_teardown, import_overhead
 
     run_spec = parse_spec(spec)
     step_metrics = {**generate_metrics, **score_metrics, **advantages_metrics, **update_metrics}
@@ -31,4 +31,5 @@ def sync_weights(
     weights, values = sync_weights(run_spec, run_root, staged, iteration, step_metrics)
     for key, value in values.items():
         metrics.log_metric(key, value)
+    exit_without_teardown()
     return (weights, iteration + 1)

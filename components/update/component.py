@@ -20,7 +20,7 @@ def update(
     entered = time.time()
     from rlpipe.run_store import cache_root_for
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import import_overhead
+    from rlpipe.timing import exit_without_teardown, import_overhead
     from rlpipe.trainer_client import train_iteration
 
     run_spec = parse_spec(spec)
@@ -32,4 +32,5 @@ def update(
     values |= step_values
     for key, value in values.items():
         metrics.log_metric(key, value)
+    exit_without_teardown()
     return (staged, values)

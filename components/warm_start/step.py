@@ -17,15 +17,15 @@ import torch
 
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
 from rlpipe.run_store import filesystem, join
-from rlpipe.spec import RunSpec, WarmStartSpec
+from rlpipe.spec import RunSpec, WarmStartSpec, section_dict
 from rlpipe.weight_store import WeightRef, seal, staging_uri
 
 
 def cache_key(spec: RunSpec) -> str:
     """Everything that determines the warm-started weights."""
     parts = {
-        "model": spec.model.model_dump(mode="json"),
-        "task": spec.task.model_dump(mode="json"),
+        "model": section_dict(spec.model),
+        "task": section_dict(spec.task),
         "verifier": spec.reward.verifier,
         "max_new_tokens": spec.rollout.max_new_tokens,
         "seed": spec.seed,

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from rlpipe.spec import section_dict
 from rlpipe.tasks import addition
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ def task_rows(spec: RunSpec) -> tuple[list[dict[str, str]], list[dict[str, str]]
     """(train rows, eval rows) of the spec's task, seeded by task.seed (default: the run's seed);
     the eval rows are disjoint from the train rows."""
     make_rows = TASKS[spec.task.name]
-    options = spec.task.model_dump(exclude={"name", "train_size", "eval_size", "seed"})
+    options = {k: v for k, v in section_dict(spec.task).items() if k not in ("name", "train_size", "eval_size", "seed")}
     seed = spec.seed if spec.task.seed is None else spec.task.seed
     rows = make_rows(random.Random(seed), spec.task.train_size + spec.task.eval_size, **options)
     return rows[spec.task.eval_size :], rows[: spec.task.eval_size]
