@@ -1,6 +1,6 @@
 """Where an iteration's wall time goes under `rlpipe run`: step compute vs orchestration.
 
-    python benchmarks/iteration_breakdown.py RUN_DIR [--imports 3]
+    python benchmarks/iteration_breakdown.py RUN_DIR [--imports 3] [--before OLDER_RUN_DIR]
 
 Per step, averaged over the run's iterations: the task's wall time as the KFP local runner
 logged it (RUN_DIR/logs/kfp-local.log), and inside it the imports, model load and compute
@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -142,9 +141,12 @@ def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
 
 
 def main() -> None:
+    from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--imports", type=int, default=3, help="repeats of each side-by-side measurement")
+    parser.add_argument("--before", type=Path, help="a run of the same spec with older code, to compare with")
     args = parser.parse_args()
 
     table = average_breakdown(args.run_dir)
@@ -160,7 +162,7 @@ def main() -> None:
     lines = [
         f"# Iteration breakdown ({int(it['iterations'])} iterations of {args.run_dir.name})",
         "",
-        f"machine: {platform.machine()}, {platform.python_version()}, date {time.strftime('%Y-%m-%d')}",
+        f"machine: {describe_machine()}, date {time.strftime('%Y-%m-%d')}",
         "",
         "Seconds per iteration (evaluate runs when an eval is due and at the start of each pipeline run: amortized).",
         "",
@@ -173,10 +175,28 @@ def main() -> None:
             f"| {step} | {r['task_wall_s']:.2f} | {r['interpreter_and_executor_s']:.2f} | {r['import_s']:.2f} "
             f"| {r['load_s']:.2f} | {r['compute_s']:.2f} |"
         )
+    if args.before:
+        before = average_breakdown(args.before)
+        lines += [
+            "",
+            f"Orchestration (task wall - compute) per step: {args.before.name} (before) vs {args.run_dir.name}",
+            "",
+            "| step | before | now |",
+            "|---|---|---|",
+        ]
+        for step in STEPS:
+            was, now = (t[step]["task_wall_s"] - t[step]["compute_s"] for t in (before, table))
+            lines.append(f"| {step} | {was:.2f} | {now:.2f} |")
+        b = before["iteration"]
+        lines += [
+            "",
+            f"before: iteration wall {b['wall_s']:.1f} s = step compute {b['compute_s']:.1f} s + orchestration "
+            f"{b['orchestration_s']:.1f} s ({100 * b['orchestration_s'] / b['wall_s']:.1f}%)",
+        ]
     lines += [
         "",
         f"iteration wall {it['wall_s']:.1f} s = step compute {it['compute_s']:.1f} s + orchestration "
-        f"{it['orchestration_s']:.1f} s ({100 * it['orchestration_s'] / it['wall_s']:.0f}%: interpreter start/exit, "
+        f"{it['orchestration_s']:.1f} s ({100 * it['orchestration_s'] / it['wall_s']:.1f}%: interpreter start/exit, "
         "KFP executor, imports, model load)",
         "",
         f"torch-step imports: {visible:.2f} s with scikit-learn/scipy visible, {hidden:.2f} s hidden "
@@ -190,7 +210,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "iteration_breakdown.md").write_text(report + "\n")
     payload = {
+        "machine": describe_machine(),
         "breakdown": table,
+        "before": average_breakdown(args.before) if args.before else None,
         "imports_visible_s": visible,
         "imports_hidden_s": hidden,
         "cold_update_default_malloc_s": default_s,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -239,6 +238,8 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
 
 
 def main() -> None:
+    from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=4, help="pipeline iterations per engine (part 3)")
     parser.add_argument("--only-pipelines", action="store_true", help="rerun part 3; parts 1-2 from the last results")
@@ -271,7 +272,7 @@ def main() -> None:
     lines = [
         "# vLLM engines and long-lived samplers (benchmarks/samplers.py)",
         "",
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"machine: {describe_machine()}, "
         f"torch {torch.__version__}, vllm {__import__('vllm').__version__}, 1 thread per engine/server, "
         f"date {time.strftime('%Y-%m-%d')}, benchmark wall {time.time() - started:.0f} s"
         + (" (part 3 only: parts 1-2 from the previous results)" if args.only_pipelines else ""),

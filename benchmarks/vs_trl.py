@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -279,6 +278,8 @@ def _cell(value: float | None) -> str:
 
 
 def main() -> None:
+    from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
     parser.add_argument("--seeds", type=int, default=3)
@@ -365,9 +366,8 @@ def main() -> None:
     lines = [
         "# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py" + (" --quick)" if args.quick else ")"),
         "",
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, no GPU, 1 torch thread; Python "
-        f"{platform.python_version()}, torch {torch.__version__}, trl {trl.__version__}; {seeds} seed(s); "
-        f"date {time.strftime('%Y-%m-%d')}; benchmark wall {duration:.0f} s",
+        f"machine: {describe_machine()}, 1 torch thread; torch {torch.__version__}, trl {trl.__version__}; "
+        f"{seeds} seed(s); date {time.strftime('%Y-%m-%d')}; benchmark wall {duration:.0f} s",
         "",
         "rlpipe: `rlpipe run examples/addition.yaml` on kfp.local with "
         + ", ".join(f"{k}={v}" for k, v in settings.items())
