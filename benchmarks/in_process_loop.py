@@ -23,17 +23,17 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="dotted.key=value (YAML value)")
     args = parser.parse_args()
 
-    from rlpipe.components.advantages.step import compute_advantages
-    from rlpipe.components.evaluate.step import eval_due, evaluate_policy
-    from rlpipe.components.generate.step import generate_rollouts
-    from rlpipe.components.plan.step import plan_run
-    from rlpipe.components.prepare.step import prepare_data
-    from rlpipe.components.score.step import score_rollouts
-    from rlpipe.components.sync_weights.step import sync_weights
-    from rlpipe.components.update.step import update_policy
-    from rlpipe.components.warm_start.step import warm_start
-    from rlpipe.run_store import cache_root_for
+    from rlpipe.algorithms import compute_advantages
+    from rlpipe.data import prepare_data
+    from rlpipe.engines import generate_rollouts
+    from rlpipe.evaluation import eval_due, evaluate_policy
+    from rlpipe.loop import plan_run
+    from rlpipe.rewards import score_rollouts
     from rlpipe.spec import load_spec
+    from rlpipe.store.commit import sync_weights
+    from rlpipe.store.run_root import cache_root_for
+    from rlpipe.training.trainer import update_policy
+    from rlpipe.training.warm_start import warm_start
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     # every step function in this process: the resident trainer is this process

@@ -105,10 +105,10 @@ def import_seconds(hide_optional: bool, repeats: int) -> float:
 COLD_UPDATE = """
 import glob, json, shutil, sys, tempfile
 from pathlib import Path
-from rlpipe.components.update.step import update_policy
-from rlpipe.run_store import read_state
+from rlpipe.training.trainer import update_policy
+from rlpipe.store.run_root import read_state
 from rlpipe.spec import parse_spec
-from rlpipe.weight_store import read_ref
+from rlpipe.store.weights import read_ref
 source = Path(sys.argv[1])
 spec = parse_spec(json.loads((source / "spec.json").read_text()))
 version = read_state(str(source))["weights_version"]

@@ -69,10 +69,10 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     """Generated tokens/s of each engine on the same prompts (seconds exclude model loading)."""
     import torch
 
-    from rlpipe.components.generate.torch_engine import sample_in_batches
-    from rlpipe.components.generate.vllm_engine import sample_groups
+    from rlpipe.engines.torch_engine import sample_in_batches
+    from rlpipe.engines.vllm_engine import sample_groups
     from rlpipe.modeling import load_policy
-    from rlpipe.sampler_client import generate_groups
+    from rlpipe.services.sampler_client import generate_groups
 
     model, tokenizer = load_policy(str(model_dir))
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -104,8 +104,8 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
 
 def publish_and_reload(run_root: Path, model_dir: Path, url: str, version: int) -> dict[str, float]:
     """Stage a copy of `model_dir` as `version` (as update does), publish it, reload the sampler."""
-    from rlpipe.sampler_client import reload_replica
-    from rlpipe.weight_store import publish, seal, staging_uri
+    from rlpipe.services.sampler_client import reload_replica
+    from rlpipe.store.weights import publish, seal, staging_uri
 
     t = time.time()
     staged = staging_uri(str(run_root), version)
@@ -127,10 +127,10 @@ def save_seconds(tiny, dtype, vocab_size: int | None) -> float:
 
 def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_size: int | None = None) -> dict:
     """Two versions alternately published and reloaded into one sampler started on v0."""
-    from rlpipe.sampler_client import wait_ready
-    from rlpipe.sampler_fleet import LocalFleet
+    from rlpipe.services.sampler_client import wait_ready
+    from rlpipe.services.sampler_fleet import LocalFleet
     from rlpipe.spec import parse_spec
-    from rlpipe.weight_store import publish, seal, staging_uri
+    from rlpipe.store.weights import publish, seal, staging_uri
 
     run_root = work / f"reload-{label}"
     models = [build_model_dir(work / f"{label}-m{i}", tiny, i, dtype, vocab_size) for i in range(2)]
@@ -171,7 +171,7 @@ def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, rep
         f"loop.eval_every={iterations}",
         "trainer.resident=false",  # every step in its own process: what this part compares
     ]
-    command = [sys.executable, "-m", "rlpipe.cli", "run", str(REPO / "examples" / "addition.yaml")]
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(REPO / "examples" / "addition.yaml")]
     command += ["--run-dir", str(run_dir), "--iterations", str(iterations)]
     for item in overrides:
         command += ["--set", item]
@@ -189,13 +189,13 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     """Parts 1 and 2: generation tokens/s per engine, publish + reload per model size."""
     import torch
 
-    from rlpipe.components.generate.vllm_engine import load_engine
+    from rlpipe.data.addition import make_rows
+    from rlpipe.engines.vllm_engine import load_engine
     from rlpipe.modeling import configure_torch
-    from rlpipe.sampler_client import sync_replicas, wait_ready
-    from rlpipe.sampler_fleet import LocalFleet
+    from rlpipe.services.sampler_client import sync_replicas, wait_ready
+    from rlpipe.services.sampler_fleet import LocalFleet
     from rlpipe.spec import TinyModelSpec, parse_spec
-    from rlpipe.tasks.addition import make_rows
-    from rlpipe.weight_store import publish, seal, staging_uri
+    from rlpipe.store.weights import publish, seal, staging_uri
 
     # 1. throughput: same model, same prompts
     model_dir = build_model_dir(work / "gen-model", spec.model.tiny, seed=0)

@@ -6,7 +6,7 @@
 
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
 character tokenizer, the same addition data (rlpipe's prepare step), the same reward
-(`rlpipe.tasks.addition:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
+(`rlpipe.rewards.verifiers:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
 top_k 0, 5 new tokens, 1 torch thread. rlpipe runs as the demo does (512 prompts x 8 per
 iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`, its on-policy GRPO at the settings
 that learn best here (64 prompts x 8 per step, generate every step), and `trl_same_batch`, rlpipe's
@@ -71,10 +71,10 @@ def demo_spec(seed: int, work: Path, overrides: dict | None = None):
 
 def prepare_reference(spec, work: Path) -> tuple[str, str]:
     """Data and the warm-started v0 that both systems start from: (run root, v0 directory)."""
-    from rlpipe.components.prepare.step import prepare_data
-    from rlpipe.components.sync_weights.step import sync_weights
-    from rlpipe.components.warm_start.step import warm_start
-    from rlpipe.weight_store import read_ref
+    from rlpipe.data import prepare_data
+    from rlpipe.store.commit import sync_weights
+    from rlpipe.store.weights import read_ref
+    from rlpipe.training.warm_start import warm_start
 
     run_root = str(work / "reference" / f"seed{spec.seed}")
     prepare_data(spec, run_root)
@@ -84,7 +84,7 @@ def prepare_reference(spec, work: Path) -> tuple[str, str]:
     return run_root, read_ref(run_root, 0)["uri"]
 
 
-VERIFIER = "rlpipe.tasks.addition:exact_match"
+VERIFIER = "rlpipe.rewards.verifiers:exact_match"
 
 
 def run_trl(args: argparse.Namespace) -> None:
@@ -95,9 +95,9 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlpipe.components.evaluate.step import greedy_accuracy
+    from rlpipe.data.addition import exact_match
+    from rlpipe.evaluation import greedy_accuracy
     from rlpipe.modeling import load_tokenizer
-    from rlpipe.tasks.addition import exact_match
 
     torch.set_num_threads(1)
     run_root, model_dir = args.run_root, args.model_dir
@@ -221,7 +221,14 @@ def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path
     its eval metrics files, with every evaluate task's wall time taken off the clock."""
     run_dir = work / f"rlpipe-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
-    command = [sys.executable, "-m", "rlpipe.cli", "run", str(REPO / "examples" / "addition.yaml"), "--run-dir"]
+    command = [
+        sys.executable,
+        "-m",
+        "rlpipe.pipelines.cli",
+        "run",
+        str(REPO / "examples" / "addition.yaml"),
+        "--run-dir",
+    ]
     command += [str(run_dir), "--iterations", str(iterations)]
     for key, value in {
         "seed": seed,

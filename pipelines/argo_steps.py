@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from rlpipe.run_store import cache_root_for, filesystem, join, read_json, read_state, write_json
 from rlpipe.spec import RunSpec, parse_spec
+from rlpipe.store.run_root import cache_root_for, filesystem, join, read_json, read_state, write_json
 
 ITERATION_STEPS = ("generate", "score", "advantages", "update", "sync_weights")
 STEPS = ("init", *ITERATION_STEPS, "evaluate", "track")
@@ -32,9 +32,9 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     if step == "init":
         if read_state(run_root) is not None:
             return "initialized already"
-        from rlpipe.components.prepare.step import prepare_data
-        from rlpipe.components.sync_weights.step import sync_weights
-        from rlpipe.components.warm_start.step import warm_start
+        from rlpipe.data import prepare_data
+        from rlpipe.store.commit import sync_weights
+        from rlpipe.training.warm_start import warm_start
 
         prepare_data(spec, run_root)
         staged, metrics = warm_start(spec, run_root, cache)
@@ -49,11 +49,11 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     state = read_state(run_root) or {}
     if "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the init step must run first")
-    from rlpipe.weight_store import read_ref
+    from rlpipe.store.weights import read_ref
 
     weights = read_ref(run_root, state["weights_version"])
     if step == "evaluate":
-        from rlpipe.components.evaluate.step import evaluate_policy, evaluation_pending
+        from rlpipe.evaluation import evaluate_policy, evaluation_pending
 
         if not evaluation_pending(spec, run_root, state["iteration"]):
             return "no eval due"
@@ -67,24 +67,24 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     metrics_uri = _work(run_root, iteration, f"{step}_metrics.json")
     local = {name: filesystem(uri)[1] for name, uri in (("rollouts", rollouts), ("scored", scored), ("batch", batch))}
     if step == "generate":
-        from rlpipe.components.generate.step import generate_rollouts
+        from rlpipe.engines import generate_rollouts
 
         write_json(metrics_uri, generate_rollouts(spec, run_root, weights, iteration, local["rollouts"], cache))
     elif step == "score":
-        from rlpipe.components.score.step import score_rollouts
+        from rlpipe.rewards import score_rollouts
 
         write_json(metrics_uri, score_rollouts(spec, local["rollouts"], local["scored"]))
     elif step == "advantages":
-        from rlpipe.components.advantages.step import compute_advantages
+        from rlpipe.algorithms import compute_advantages
 
         write_json(metrics_uri, compute_advantages(spec, local["scored"], local["batch"]))
     elif step == "update":
-        from rlpipe.trainer_client import train_iteration
+        from rlpipe.services.trainer_client import train_iteration
 
         staged, metrics = train_iteration(spec, run_root, weights, local["batch"], iteration, cache)
         write_json(metrics_uri, {"staged": staged, "metrics": metrics})
     elif step == "sync_weights":
-        from rlpipe.components.sync_weights.step import sync_weights
+        from rlpipe.store.commit import sync_weights
 
         updated = read_json(_work(run_root, iteration, "update_metrics.json"))
         merged = {}

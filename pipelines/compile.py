@@ -5,8 +5,8 @@ from pathlib import Path
 
 from kfp import compiler
 
-from rlpipe.run_store import run_root_for
 from rlpipe.spec import RunSpec, spec_to_dict, thin_client_steps
+from rlpipe.store.run_root import run_root_for
 
 
 def default_cluster_run_root(spec: RunSpec) -> str:

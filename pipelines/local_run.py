@@ -21,8 +21,8 @@ from rich.live import Live
 from rich.table import Table
 
 from rlpipe.preflight import preflight
-from rlpipe.run_store import filesystem, join, list_metrics, read_json, read_state, run_root_for, write_json
 from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.store.run_root import filesystem, join, list_metrics, read_json, read_state, run_root_for, write_json
 from rlpipe.tracking import run_url
 
 # Steps are separate processes: keep each to one thread and quiet library progress bars.
@@ -176,14 +176,14 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     spec_arg = spec_to_dict(spec)
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
-        from rlpipe.sampler_fleet import LocalFleet
+        from rlpipe.services.sampler_fleet import LocalFleet
 
         fleet = LocalFleet(spec, run_root)
         spec_arg["samplers"]["endpoints"] = fleet.urls
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
     trainer = None
     if spec.trainer.resident and not spec.trainer.endpoint:
-        from rlpipe.trainer_service import LocalTrainer
+        from rlpipe.services.trainer_service import LocalTrainer
 
         trainer = LocalTrainer(run_root)
         spec_arg["trainer"]["endpoint"] = trainer.urls[0]

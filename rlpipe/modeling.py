@@ -130,7 +130,7 @@ def load_weights(
     weights: dict, cache_root: str | Path, threads: int
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a published weights version (a WeightRef) for a torch step, on `threads` CPU threads."""
-    from rlpipe.weight_store import local_path
+    from rlpipe.store.weights import local_path
 
     configure_torch(threads)
     return load_policy(local_path(weights, cache_root))

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec
+from rlpipe.store.run_root import filesystem, join
 
 
 class CheckFailed(ValueError):
@@ -26,7 +26,7 @@ class PreflightError(ValueError):
 
 def check_run_root(spec: RunSpec, run_root: str) -> str:
     """The run root (and the warm-start cache) can be written."""
-    from rlpipe.run_store import cache_root_for
+    from rlpipe.store.run_root import cache_root_for
 
     probe = join(run_root, f".preflight-{uuid.uuid4().hex[:8]}")
     try:
@@ -51,7 +51,7 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
 
 def check_data(spec: RunSpec) -> str:
     """The task makes the rows the spec asks for."""
-    from rlpipe.tasks import task_rows
+    from rlpipe.data import task_rows
 
     try:
         train, held_out = task_rows(spec)
@@ -93,7 +93,7 @@ def check_model(spec: RunSpec) -> str:
 def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list], list[dict]]:
     """A few train rows laid out as the score step hands them to reward functions (rollout columns),
     with a correct and a wrong completion each; and a few held-out rows for the verifier."""
-    from rlpipe.tasks import task_rows
+    from rlpipe.data import task_rows
 
     train, held_out = task_rows(spec)
     rows = [row for row in train[:2] for _ in range(2)]
@@ -156,7 +156,7 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     if uri.startswith(("http://", "https://")):
-        from rlpipe.http_json import Unreachable, request_json
+        from rlpipe.services.http_json import Unreachable, request_json
 
         try:
             status, _ = request_json("GET", uri.rstrip("/") + "/health", connect_timeout_s=5, read_timeout_s=5)

@@ -58,7 +58,7 @@ def read_table(path: str | Path) -> pa.Table:
     """A Parquet table from a local path or an fsspec URI (gs://, s3://, ...)."""
     if "://" not in str(path):
         return pq.read_table(str(path))
-    from rlpipe.run_store import filesystem  # fsspec: score and advantages read local artifacts only
+    from rlpipe.store.run_root import filesystem  # fsspec: score and advantages read local artifacts only
 
     fs, remote = filesystem(str(path))
     with fs.open(remote, "rb") as f:

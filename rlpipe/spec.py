@@ -103,13 +103,13 @@ class TaskSpec:
 @section
 class RewardSpec:
     functions: list[str] = setting(
-        default_factory=lambda: ["rlpipe.tasks.addition:exact_match"],
+        default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
         min_length=1,
         doc="Reward functions as 'module:function'; rewards are summed with `weights`.",
     )
     weights: list[float] | None = None
     verifier: str = setting(
-        "rlpipe.tasks.addition:exact_match",
+        "rlpipe.rewards.verifiers:exact_match",
         doc="'module:function' (reward signature) scoring held-out evaluation and the warm start's "
         "stop check; 1.0 = correct, accuracy = its mean",
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlpipe.run_store import commit_state, is_local, list_metrics, read_state
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
+from rlpipe.store.run_root import commit_state, is_local, list_metrics, read_state
 
 RUN_TAG = "rlpipe.run_uid"
 

@@ -50,9 +50,9 @@ def tiny_spec(tmp_path: Path) -> RunSpec:
 @pytest.fixture
 def initialized_run(tmp_path: Path, tiny_spec: RunSpec) -> tuple[RunSpec, str, str]:
     """(spec, run_root, cache_root) with data, v0 published and state.json at iteration 0."""
-    from rlpipe.components.prepare.step import prepare_data
-    from rlpipe.components.sync_weights.step import sync_weights
-    from rlpipe.components.warm_start.step import warm_start
+    from rlpipe.data import prepare_data
+    from rlpipe.store.commit import sync_weights
+    from rlpipe.training.warm_start import warm_start
 
     run_root = str(tmp_path / "runs" / "tiny")
     cache = str(tmp_path / "cache")

@@ -12,7 +12,7 @@ import yaml
 from hera.workflows import models as m
 
 from rlpipe.pipelines.argo_steps import run_step
-from rlpipe.run_store import read_state
+from rlpipe.store.run_root import read_state
 
 from .conftest import REPO
 
@@ -37,7 +37,7 @@ def exported(tmp_path_factory) -> list[dict]:
         [
             sys.executable,
             "-m",
-            "rlpipe.cli",
+            "rlpipe.pipelines.cli",
             "compile",
             str(REPO / "examples" / "addition-gke.yaml"),
             "--target",

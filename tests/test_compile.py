@@ -18,7 +18,7 @@ def test_compiled_yaml_parses_strictly(tmp_path: Path):
         [
             sys.executable,
             "-m",
-            "rlpipe.cli",
+            "rlpipe.pipelines.cli",
             "compile",
             str(REPO / "examples" / "addition.yaml"),
             "-o",
@@ -51,7 +51,15 @@ def _compile_gke(tmp_path: Path) -> tuple[str, dict, dict]:
     out = tmp_path / "gke.yaml"
     env = {**os.environ, "MLFLOW_TRACKING_PASSWORD": "hunter2-not-in-yaml", "HF_TOKEN": "hf_secret_value_xyz"}
     subprocess.run(
-        [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml"), "-o", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "rlpipe.pipelines.cli",
+            "compile",
+            str(REPO / "examples" / "addition-gke.yaml"),
+            "-o",
+            str(out),
+        ],
         check=True,
         env=env,
     )
@@ -115,7 +123,7 @@ def test_local_storage_without_pvc_is_refused(tmp_path: Path):
         [
             sys.executable,
             "-m",
-            "rlpipe.cli",
+            "rlpipe.pipelines.cli",
             "compile",
             str(REPO / "examples" / "addition.yaml"),
             "-o",
@@ -129,7 +137,7 @@ def test_local_storage_without_pvc_is_refused(tmp_path: Path):
 
 
 def test_sampler_engine_on_a_cluster_needs_endpoints(tmp_path: Path):
-    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
     result = subprocess.run(
         command + ["-o", str(tmp_path / "x.yaml"), "--set", "rollout.engine=sampler"], capture_output=True, text=True
     )
@@ -140,7 +148,7 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
     """With rollout.engine sampler, generate is an HTTP client: step image, CPU pool, no GPU."""
     out = tmp_path / "gke-samplers.yaml"
     endpoints = '["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]'
-    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(out), "--set", "rollout.engine=sampler", "--set", f"samplers.endpoints={endpoints}"]
     subprocess.run(command, check=True)
     pipeline, platform = list(yaml.safe_load_all(out.read_text()))
@@ -157,7 +165,7 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
 def test_resident_trainer_on_a_cluster(tmp_path: Path):
     """trainer.resident needs the trainer Service's URL; update, evaluate (and generate, torch
     engine: the trainer samples) then run on the light image."""
-    command = [sys.executable, "-m", "rlpipe.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(tmp_path / "x.yaml"), "--set", "trainer.resident=true"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode != 0 and "needs trainer.endpoint" in result.stderr and "trainer.yaml" in result.stderr

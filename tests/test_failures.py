@@ -56,7 +56,9 @@ def reward(prompts, completions, reference, **_):
 
 def _rlpipe(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
-    return subprocess.run([sys.executable, "-m", "rlpipe.cli", *args], capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, env=env
+    )
 
 
 def _spec(tmp_path: Path, name: str = "spec.yaml", **sections) -> Path:

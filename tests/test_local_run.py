@@ -22,7 +22,9 @@ def _write_spec(tmp_path: Path, **sections) -> Path:
 
 
 def _rlpipe(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlpipe.cli", *args], capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, **kwargs
+    )
 
 
 def _mlflow_steps(run_root: Path, key: str) -> list[int]:
@@ -106,7 +108,7 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlpipe.cli", "run", str(spec), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -355,7 +355,7 @@ def test_sampler(build):
     c = _container(dep, "sampler")
     assert c["image"] == "ghcr.io/rlpipe/sampler:0.1.0"
     argv = c["command"] + c.get("args", [])
-    assert argv[:3] == ["python", "-m", "rlpipe.sampler_fleet"]  # waits for the run's weights, execs vLLM
+    assert argv[:3] == ["python", "-m", "rlpipe.services.sampler_fleet"]  # waits for the run's weights, execs vLLM
     flags = _flags(argv)
     assert flags["--host"] == "0.0.0.0" and flags["--port"] == "8000"
     env = _env(c)
@@ -471,7 +471,7 @@ def test_resident_trainer(build):
     c = _container(dep, "trainer")
     assert c["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
     argv = c["command"] + c.get("args", [])
-    assert argv[:3] == ["python", "-m", "rlpipe.trainer_service"]
+    assert argv[:3] == ["python", "-m", "rlpipe.services.trainer_service"]
     assert _flags(argv)["--port"] == "8001"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     weights = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "rlpipe-weights"]

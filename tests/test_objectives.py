@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlpipe.objectives import STD_EPS, clipped_policy_loss, group_advantages
+from rlpipe.algorithms.grpo import STD_EPS, clipped_policy_loss, group_advantages
 
 
 def test_group_advantages_by_hand():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.sampler_client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
-from rlpipe.sampler_fleet import serve
+from rlpipe.services.sampler_client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
+from rlpipe.services.sampler_fleet import serve
 
 
 def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, monkeypatch):
@@ -20,15 +20,15 @@ def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, 
         (run_root / "weights" / "v000000").mkdir(parents=True)
         (run_root / "weights" / "LATEST").write_text("v000000")
 
-    monkeypatch.setattr("rlpipe.sampler_fleet.time.sleep", publish_while_waiting)
-    monkeypatch.setattr("rlpipe.sampler_fleet.os.execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr("rlpipe.services.sampler_fleet.time.sleep", publish_while_waiting)
+    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.execv", lambda exe, argv: calls.append(argv))
     monkeypatch.setenv("RLPIPE_RUN_ROOT", str(run_root))
     serve(["--port", "8000", "--max-num-seqs", "512"])
     (argv,) = calls
-    assert argv[1:3] == ["-m", "rlpipe.vllm_server"]
+    assert argv[1:3] == ["-m", "rlpipe.services.vllm_server"]
     flags = dict(zip(argv[3::1], argv[4::1]))
     assert flags["--model"] == str(run_root / "weights" / "v000000")
-    assert flags["--worker-extension-cls"] == "rlpipe.sampler_worker.PolicyReload"
+    assert flags["--worker-extension-cls"] == "rlpipe.services.sampler_worker.PolicyReload"
     assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in argv
     assert flags["--max-num-seqs"] == "512"  # extra args go to vLLM
 

@@ -72,7 +72,7 @@ def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
 
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
     from rlpipe.pipelines.local_run import check_spec_unchanged
-    from rlpipe.run_store import commit_state
+    from rlpipe.store.run_root import commit_state
 
     run_root = str(tmp_path / "run")
     (tmp_path / "run" / "data").mkdir(parents=True)

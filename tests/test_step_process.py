@@ -12,7 +12,7 @@ def _step(fail: bool, out: dsl.Output[dsl.Dataset]) -> int:
     import atexit
     from pathlib import Path
 
-    from rlpipe.timing import exit_without_teardown
+    from rlpipe.components import exit_without_teardown
 
     atexit.register(lambda: print("teardown ran"))  # registered first, so it runs after the fast exit: never
     exit_without_teardown()

@@ -9,18 +9,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlpipe.components.advantages.step import compute_advantages
-from rlpipe.components.generate.step import generate_rollouts, prompt_indices
-from rlpipe.components.score.step import score_rollouts
-from rlpipe.components.sync_weights.step import sync_weights
-from rlpipe.components.update.step import NonFiniteLossError, pack, update_policy
+from rlpipe.algorithms import compute_advantages
+from rlpipe.algorithms.grpo import token_logprobs
+from rlpipe.engines import generate_rollouts, prompt_indices
 from rlpipe.modeling import load_policy
-from rlpipe.objectives import token_logprobs
-from rlpipe.rewards import RewardError
+from rlpipe.rewards import RewardError, score_rollouts
 from rlpipe.rollouts import ROLLOUT_SCHEMA
-from rlpipe.run_store import read_state
 from rlpipe.spec import parse_spec, spec_to_dict
-from rlpipe.weight_store import latest_version, local_path, read_ref
+from rlpipe.store.commit import sync_weights
+from rlpipe.store.run_root import read_state
+from rlpipe.store.weights import latest_version, local_path, read_ref
+from rlpipe.training.trainer import NonFiniteLossError, pack, update_policy
 
 
 def bad_reward(prompts, completions, **_):
@@ -34,9 +33,9 @@ def nan_reward(prompts, completions, **_):
 def test_light_steps_do_not_import_torch():
     code = (
         "import sys\n"
-        "import rlpipe.components.score.step, rlpipe.components.advantages.step\n"
-        "import rlpipe.components.sync_weights.step, rlpipe.components.plan.step, rlpipe.components.prepare.step\n"
-        "import rlpipe.components.evaluate.step, rlpipe.tracking\n"
+        "import rlpipe.rewards, rlpipe.algorithms\n"
+        "import rlpipe.store.commit, rlpipe.loop, rlpipe.data\n"
+        "import rlpipe.evaluation, rlpipe.tracking\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -124,7 +123,7 @@ def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: 
 
 def test_task_seed_fixes_the_data_across_run_seeds(tmp_path: Path):
     """task.seed pins the problems and the train/eval split; by default they follow the run's seed."""
-    from rlpipe.components.prepare.step import prepare_data
+    from rlpipe.data import prepare_data
 
     def eval_prompts(name: str, **task) -> list[str]:
         spec = parse_spec({"name": name, "seed": int(name[-1]), "task": {"train_size": 50, "eval_size": 20, **task}})

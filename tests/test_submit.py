@@ -17,7 +17,7 @@ def _rlpipe(*args: str, **env) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "rlpipe.cli", *args], capture_output=True, text=True, env={**os.environ, **env}
+        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, env={**os.environ, **env}
     )
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from rlpipe.run_store import commit_state, eval_metrics_uri, iteration_metrics_uri, write_json
 from rlpipe.spec import parse_spec
+from rlpipe.store.run_root import commit_state, eval_metrics_uri, iteration_metrics_uri, write_json
 from rlpipe.tracking import flush_metrics, tracking_uri
 
 from .conftest import tiny_spec_dict

@@ -1,4 +1,4 @@
-"""The resident trainer (rlpipe.trainer_service) against the per-step update it replaces."""
+"""The resident trainer (rlpipe.services.trainer_service) against the per-step update it replaces."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlpipe.components.advantages.step import compute_advantages
-from rlpipe.components.evaluate.step import evaluate_policy
-from rlpipe.components.generate.step import generate_rollouts
-from rlpipe.components.score.step import score_rollouts
-from rlpipe.components.sync_weights.step import sync_weights
-from rlpipe.components.update.step import update_policy
+from rlpipe.algorithms import compute_advantages
+from rlpipe.engines import generate_rollouts
+from rlpipe.evaluation import evaluate_policy
+from rlpipe.rewards import score_rollouts
 from rlpipe.rollouts import read_table
+from rlpipe.services.trainer_client import TrainerError, request_update
+from rlpipe.services.trainer_service import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
-from rlpipe.trainer_client import TrainerError, request_update
-from rlpipe.trainer_service import LocalTrainer, make_server
-from rlpipe.weight_store import read_ref
+from rlpipe.store.commit import sync_weights
+from rlpipe.store.weights import read_ref
+from rlpipe.training.trainer import update_policy
 
 
 def _in_step(spec: RunSpec) -> RunSpec:
@@ -101,7 +101,7 @@ def test_unreachable_trainer_names_what_to_check(initialized_run, tmp_path: Path
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
     data["trainer"] |= {"resident": True, "endpoint": "http://127.0.0.1:9"}
-    monkeypatch.setattr("rlpipe.trainer_client.READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("rlpipe.services.trainer_client.READY_TIMEOUT_S", 1.0)
     (tmp_path / "none.parquet").write_bytes(b"")
     with pytest.raises(TrainerError, match="not ready after 1 s.*trainer.endpoint.*trainer.resident: false"):
         request_update(parse_spec(data), run_root, read_ref(run_root, 0), str(tmp_path / "none.parquet"), 1, cache)
@@ -131,7 +131,7 @@ def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initi
 
 
 def test_update_client_does_not_import_torch():
-    code = "import sys, rlpipe.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    code = "import sys, rlpipe.services.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from rlpipe.components.generate.step import generate_rollouts
+from rlpipe.engines import generate_rollouts
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
 from .conftest import tiny_spec_dict
@@ -33,9 +33,9 @@ SAMPLES = 4
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     """A tiny run with data and v0 published (the fleet loads v0 at start)."""
-    from rlpipe.components.prepare.step import prepare_data
-    from rlpipe.components.sync_weights.step import sync_weights
-    from rlpipe.components.warm_start.step import warm_start
+    from rlpipe.data import prepare_data
+    from rlpipe.store.commit import sync_weights
+    from rlpipe.training.warm_start import warm_start
 
     tmp = tmp_path_factory.mktemp("vllm")
     spec = parse_spec(
@@ -54,8 +54,8 @@ def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
 
 @pytest.fixture(scope="module")
 def fleet(run):
-    from rlpipe.sampler_client import wait_ready
-    from rlpipe.sampler_fleet import LocalFleet
+    from rlpipe.services.sampler_client import wait_ready
+    from rlpipe.services.sampler_fleet import LocalFleet
 
     spec, run_root, _ = run
     fleet = LocalFleet(spec, run_root)
@@ -88,7 +88,7 @@ def service_spec(spec: RunSpec, fleet, engine: str = "sampler") -> RunSpec:
 def publish_random_version(run, version: int, seed: int) -> dict:
     """Publish a random-init model with the run's shape as `version` (what update + sync would do)."""
     from rlpipe.modeling import build_char_tokenizer, build_tiny_model
-    from rlpipe.weight_store import publish, seal, stage_pretrained
+    from rlpipe.store.weights import publish, seal, stage_pretrained
 
     spec, run_root, cache = run
     tokenizer = build_char_tokenizer()
@@ -98,7 +98,7 @@ def publish_random_version(run, version: int, seed: int) -> dict:
 
 
 def torch_greedy(weights_dir: str, prompt_ids: list[int], tokens: int) -> list[int]:
-    from rlpipe.components.generate.torch_engine import sample
+    from rlpipe.engines.torch_engine import sample
     from rlpipe.modeling import load_policy
 
     model, tokenizer = load_policy(weights_dir)
@@ -135,7 +135,7 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
     import torch
 
     from rlpipe.modeling import load_policy
-    from rlpipe.weight_store import read_ref
+    from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = run
     vllm_spec = service_spec(spec, None, engine="vllm")
@@ -154,7 +154,7 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
 
 
 def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Path):
-    from rlpipe.weight_store import read_ref
+    from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = run
     weights = read_ref(run_root, 0)
@@ -180,7 +180,7 @@ def _served_requests(url: str) -> float:
 def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
     from tokenizers import Tokenizer
 
-    from rlpipe.sampler_client import generate_groups, wait_ready
+    from rlpipe.services.sampler_client import generate_groups, wait_ready
 
     spec, run_root, _ = run
     tokenizer = Tokenizer.from_file(str(Path(run_root) / "weights" / "v000000" / "tokenizer.json"))
@@ -210,8 +210,8 @@ def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
 def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fleet):
     """sync_weights' reload: greedy output becomes the new version's torch greedy output on every
     replica; a reload that fails (half-loaded engine) or finds its replica dead recovers."""
-    from rlpipe.components.sync_weights.step import reload_samplers
-    from rlpipe.sampler_client import SamplerError, reload_replica, wait_ready, weight_version
+    from rlpipe.services.sampler_client import SamplerError, reload_replica, wait_ready, weight_version
+    from rlpipe.store.commit import reload_samplers
 
     spec, run_root, _ = run
     spec = service_spec(spec, fleet)
@@ -257,9 +257,9 @@ def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):
     spec, run_root, cache = run
     code = (
         "import json, sys\n"
-        "from rlpipe.components.generate.step import generate_rollouts\n"
+        "from rlpipe.engines import generate_rollouts\n"
         "from rlpipe.spec import parse_spec\n"
-        "from rlpipe.weight_store import read_ref\n"
+        "from rlpipe.store.weights import read_ref\n"
         f"spec = parse_spec(json.loads({json.dumps(json.dumps(spec_to_dict(service_spec(spec, fleet))))}))\n"
         f"generate_rollouts(spec, {run_root!r}, read_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
         f"{cache!r})\n"

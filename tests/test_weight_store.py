@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe import weight_store as ws
+from rlpipe.store import weights as ws
 
 
 def _stage(run_root: str, version: int, size_mb: int = 4) -> ws.WeightRef:

@@ -16,9 +16,9 @@ def advantages(
     import time
 
     entered = time.time()
-    from rlpipe.components.advantages.step import compute_advantages
+    from rlpipe.algorithms import compute_advantages
+    from rlpipe.components import exit_without_teardown, import_overhead
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown, import_overhead
 
     values = import_overhead("advantages", entered)
     values |= compute_advantages(parse_spec(spec), scored.path, batch.path)

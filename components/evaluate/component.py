@@ -10,17 +10,17 @@ def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: 
     import time
 
     entered = time.time()
-    from rlpipe.components.evaluate.step import evaluation_pending
+    from rlpipe.components import exit_without_teardown
+    from rlpipe.evaluation import evaluation_pending
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown
 
     exit_without_teardown()
     run_spec = parse_spec(spec)
     if not evaluation_pending(run_spec, run_root, iteration):
         return
-    from rlpipe.components.evaluate.step import evaluate_policy
-    from rlpipe.run_store import cache_root_for
-    from rlpipe.timing import import_overhead
+    from rlpipe.components import import_overhead
+    from rlpipe.evaluation import evaluate_policy
+    from rlpipe.store.run_root import cache_root_for
 
     overhead = import_overhead("evaluate", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)

@@ -18,10 +18,10 @@ def generate(
     import time
 
     entered = time.time()
-    from rlpipe.components.generate.step import generate_rollouts
-    from rlpipe.run_store import cache_root_for
+    from rlpipe.components import exit_without_teardown, import_overhead
+    from rlpipe.engines import generate_rollouts
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown, import_overhead
+    from rlpipe.store.run_root import cache_root_for
 
     run_spec = parse_spec(spec)
     values = import_overhead("generate", entered)

@@ -11,7 +11,7 @@ def plan(spec: dict, run_root: str) -> NamedTuple(
 ):
     """Read state.json: the committed iteration and the weights it published; eval_phase and
     iterations_left say which of this run's iterations are due an eval."""
-    from rlpipe.components.plan.step import plan_run
+    from rlpipe.loop import plan_run
     from rlpipe.spec import parse_spec
 
     run_spec = parse_spec(spec)
@@ -23,7 +23,7 @@ def plan(spec: dict, run_root: str) -> NamedTuple(
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
 def iterations_todo(spec: dict, run_root: str) -> int:
     """How many iterations this pipeline run does (gates the unrolled iterations)."""
-    from rlpipe.components.plan.step import plan_run
+    from rlpipe.loop import plan_run
     from rlpipe.spec import parse_spec
 
     return plan_run(parse_spec(spec), run_root)[2]

@@ -16,9 +16,9 @@ def score(
     import time
 
     entered = time.time()
-    from rlpipe.components.score.step import score_rollouts
+    from rlpipe.components import exit_without_teardown, import_overhead
+    from rlpipe.rewards import score_rollouts
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown, import_overhead
 
     values = import_overhead("score", entered)
     values |= score_rollouts(parse_spec(spec), rollouts.path, scored.path)

@@ -21,9 +21,9 @@ def sync_weights(
     import time
 
     entered = time.time()
-    from rlpipe.components.sync_weights.step import sync_weights
+    from rlpipe.components import exit_without_teardown, import_overhead
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown, import_overhead
+    from rlpipe.store.commit import sync_weights
 
     run_spec = parse_spec(spec)
     step_metrics = {**generate_metrics, **score_metrics, **advantages_metrics, **update_metrics}

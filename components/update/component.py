@@ -18,14 +18,14 @@ def update(
     import time
 
     entered = time.time()
-    from rlpipe.run_store import cache_root_for
+    from rlpipe.components import exit_without_teardown, import_overhead
+    from rlpipe.services.trainer_client import train_iteration
     from rlpipe.spec import parse_spec
-    from rlpipe.timing import exit_without_teardown, import_overhead
-    from rlpipe.trainer_client import train_iteration
+    from rlpipe.store.run_root import cache_root_for
 
     run_spec = parse_spec(spec)
     if not run_spec.trainer.resident:
-        import rlpipe.components.update.step  # noqa: F401 (torch + transformers: timed as this step's import)
+        import rlpipe.training.trainer  # noqa: F401 (torch + transformers: timed as this step's import)
     values = import_overhead("update", entered)
     cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
     staged, step_values = train_iteration(run_spec, run_root, weights, batch.path, iteration, cache)

@@ -17,8 +17,3 @@ def make_rows(rng: random.Random, n: int, digits: int = 2) -> list[dict[str, str
         a, b = divmod(index, limit)
         rows.append({"prompt": f"{a}+{b}=", "reference": str(a + b)})
     return rows
-
-
-def exact_match(prompts: list[str], completions: list[str], reference: list[str], **_: object) -> list[float]:
-    """1.0 when the completion (stripped) is exactly the sum, else 0.0."""
-    return [float(c.strip() == r) for c, r in zip(completions, reference, strict=True)]

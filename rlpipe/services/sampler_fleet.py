@@ -7,7 +7,7 @@ restarts one that exits (as a Deployment would), and stops them all by PID when 
 `<run root>/samplers/fleet.json` records URL, PID, state and log of each, so a later
 `rlpipe run` can stop servers an earlier, killed driver left behind.
 
-Cluster: `python -m rlpipe.sampler_fleet --run-root /mnt/rlpipe/runs/<name>` (the sampler
+Cluster: `python -m rlpipe.services.sampler_fleet --run-root /mnt/rlpipe/runs/<name>` (the sampler
 image's entrypoint) waits for the run's first published version, then execs the same vLLM
 server on the latest one; sync_weights then reloads it in place at the steps' paths, so the
 Deployment mounts the PVC where the steps do.
@@ -21,12 +21,12 @@ import shutil
 import sys
 import time
 
-from rlpipe.local_servers import LocalServers
-from rlpipe.run_store import filesystem
+from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import latest_version, version_uri
+from rlpipe.store.run_root import filesystem
+from rlpipe.store.weights import latest_version, version_uri
 
-SERVER_MODULE = "rlpipe.vllm_server"  # vLLM's api_server behind the import guard
+SERVER_MODULE = "rlpipe.services.vllm_server"  # vLLM's api_server behind the import guard
 # Dev mode exposes /pause, /resume, /collective_rpc and the weight-version endpoints.
 SERVER_ENVIRONMENT = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -49,7 +49,7 @@ def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str
         "--seed", str(seed),
         "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + log-probs + versions out
         "--logprobs-mode", "processed_logprobs",  # log-probs at the sampling temperature
-        "--worker-extension-cls", "rlpipe.sampler_worker.PolicyReload",
+        "--worker-extension-cls", "rlpipe.services.sampler_worker.PolicyReload",
         *extra,
     ]  # fmt: skip
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlpipe.algorithms.grpo import clipped_policy_loss, token_logprobs, token_logprobs_and_entropy
 from rlpipe.modeling import load_weights
-from rlpipe.objectives import clipped_policy_loss, token_logprobs, token_logprobs_and_entropy
 from rlpipe.rollouts import read_table
-from rlpipe.run_store import filesystem, join, move
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref, read_ref, seal, stage_pretrained
+from rlpipe.store.run_root import filesystem, join, move
+from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -13,9 +13,9 @@ import random
 import time
 from pathlib import Path
 
-from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref, local_path
+from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.weights import WeightRef, as_ref, local_path
 
 
 def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int) -> list[int]:
@@ -46,7 +46,7 @@ def sample_torch(
 ):
     import torch
 
-    from rlpipe.components.generate.torch_engine import sample_in_batches
+    from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.modeling import load_weights
 
     model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
@@ -73,7 +73,7 @@ def sample_torch(
 
 
 def sample_vllm(spec: RunSpec, weights: WeightRef, cache_root: str, prompts: list[str], iteration: int):
-    from rlpipe.components.generate.vllm_engine import load_engine, sample_groups
+    from rlpipe.engines.vllm_engine import load_engine, sample_groups
 
     llm = load_engine(local_path(weights, cache_root), spec.seed, gpu=False)
     tokenizer = llm.get_tokenizer()
@@ -91,7 +91,7 @@ def sample_service(
 ):
     from tokenizers import Tokenizer
 
-    from rlpipe.sampler_client import ensure_version, generate_groups, ready_replicas, sampler_weights_dir
+    from rlpipe.services.sampler_client import ensure_version, generate_groups, ready_replicas, sampler_weights_dir
 
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
@@ -131,7 +131,7 @@ def generate_rollouts(
     t0 = time.time()
     weights = as_ref(weights)
     if spec.rollout.engine == "torch" and spec.trainer.resident and policy is None:
-        from rlpipe.trainer_client import request_generate
+        from rlpipe.services.trainer_client import request_generate
 
         return request_generate(spec, run_root, weights, iteration, out_path, cache_root)
     import pyarrow.parquet as pq  # not at the top: the thin client above needs no pyarrow

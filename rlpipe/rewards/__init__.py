@@ -1,4 +1,5 @@
-"""Reward functions and verifiers: resolved from 'module:function' and called with one contract.
+"""Rewards: the score step, and reward functions and verifiers resolved from 'module:function'
+and called with one contract.
 
 A reward function has TRL's batch signature
     fn(prompts: list[str], completions: list[str], **columns) -> list[float]
@@ -10,8 +11,16 @@ from __future__ import annotations
 
 import importlib
 import math
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlpipe.rollouts import read_table, validate_rollouts, write_table
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
 
 
 class RewardError(RuntimeError):
@@ -66,3 +75,27 @@ def call_reward(
             )
         rewards.append(number)
     return rewards
+
+
+def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str, float]:
+    """Add `reward` (weighted sum) and `reward/<fn>` columns; return reward statistics."""
+    started = time.time()
+    table = read_table(rollouts_path)
+    validate_rollouts(table)
+    columns = table.to_pydict()
+    extra = {k: v for k, v in columns.items() if k not in ("prompt", "completion")}
+    weights = spec.reward.weights or [1.0] * len(spec.reward.functions)
+    total = np.zeros(table.num_rows)
+    for ref, weight in zip(spec.reward.functions, weights, strict=True):
+        values = call_reward(ref, columns["prompt"], columns["completion"], extra, "reward.functions")
+        columns[f"reward/{ref.rsplit(':', 1)[1]}"] = values
+        total += weight * np.asarray(values)
+    columns["reward"] = total.tolist()
+    write_table(columns, out_path)
+    return {
+        "reward/mean": float(total.mean()),
+        "reward/std": float(total.std()),
+        "reward/min": float(total.min()),
+        "reward/max": float(total.max()),
+        "time/score_s": time.time() - started,
+    }

@@ -1,4 +1,4 @@
-"""The steps' side of the resident trainer (rlpipe.trainer_service); torch-free.
+"""The steps' side of the resident trainer (rlpipe.services.trainer_service); torch-free.
 
 train_iteration   the update step's logic: on the resident trainer when trainer.resident,
                   else in this process (components/update/step.py)
@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlpipe.http_json import Unreachable, is_healthy, request_json
-from rlpipe.run_store import filesystem, join
+from rlpipe.services.http_json import Unreachable, is_healthy, request_json
 from rlpipe.spec import RunSpec, spec_to_dict
-from rlpipe.weight_store import WeightRef, as_ref
+from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.weights import WeightRef, as_ref
 
 READY_TIMEOUT_S = 600.0
 ATTEMPTS = 3
@@ -121,6 +121,6 @@ def train_iteration(
     """Train on the batch from v(N); returns the staged v(N+1) and the update's metrics."""
     if spec.trainer.resident:
         return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
-    from rlpipe.components.update.step import update_policy
+    from rlpipe.training.trainer import update_policy
 
     return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)

@@ -42,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from rlpipe.preflight import PreflightError, preflight
-    from rlpipe.run_store import run_root_for
+    from rlpipe.store.run_root import run_root_for
 
     spec = _spec(args)
     run_root = str(Path(args.run_dir).resolve()) if args.run_dir else run_root_for(spec.storage.root, spec.name)

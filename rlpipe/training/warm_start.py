@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import torch
 
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
-from rlpipe.run_store import filesystem, join
 from rlpipe.spec import RunSpec, WarmStartSpec, section_dict
-from rlpipe.weight_store import WeightRef, seal, staging_uri
+from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.weights import WeightRef, seal, staging_uri
 
 
 def cache_key(spec: RunSpec) -> str:
@@ -59,7 +59,7 @@ def supervised_warm_start(
     """Next-token cross-entropy on answers until greedy accuracy on the first `ws.validation_size`
     rows (held out of the SFT batches) reaches `ws.target_accuracy`, checked every `ws.check_every`
     steps, for at most `ws.max_steps` steps. Returns the warm start's metrics."""
-    from rlpipe.components.evaluate.step import greedy_accuracy
+    from rlpipe.evaluation import greedy_accuracy
 
     validation, train = rows[: ws.validation_size], rows[ws.validation_size :]
     if len(train) < ws.batch_size:

@@ -1,5 +1,5 @@
 """vLLM's OpenAI-compatible server with rlpipe's import guard (rlpipe.optional_imports): the
-sampler servers run `python -m rlpipe.vllm_server <vLLM server flags>`, so an environment
+sampler servers run `python -m rlpipe.services.vllm_server <vLLM server flags>`, so an environment
 where pip put CUDA builds of torchvision/torchaudio beside torch+cpu still serves."""
 
 import runpy

@@ -25,10 +25,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
-from rlpipe.http_json import is_healthy
 from rlpipe.rollouts import Completions
+from rlpipe.services.http_json import is_healthy
 
-RELOAD_METHOD = "reload_policy"  # rlpipe.sampler_worker.PolicyReload
+RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
 
 
 class SamplerError(RuntimeError):

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import time
 
-from rlpipe.run_store import commit_state, filesystem, iteration_metrics_uri, join, read_state, write_json
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, prune, publish, read_ref
+from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, join, read_state, write_json
+from rlpipe.store.weights import WeightRef, prune, publish, read_ref
 
 
 def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
     """Swap the published version into every running sampler in place (no restart, no model load).
     Samplers still starting are not waited for: they load LATEST, and generate labels them."""
-    from rlpipe.sampler_client import is_healthy, replica_urls, sampler_weights_dir, sync_replicas
+    from rlpipe.services.sampler_client import is_healthy, replica_urls, sampler_weights_dir, sync_replicas
 
     s = spec.samplers
     urls = [url for url in replica_urls(s.endpoints) if is_healthy(url)]

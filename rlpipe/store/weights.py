@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TypedDict
 
-from rlpipe.run_store import atomic_write_text, filesystem, is_local, join, move
+from rlpipe.store.run_root import atomic_write_text, filesystem, is_local, join, move
 
 MANIFEST = "manifest.json"
 

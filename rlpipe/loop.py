@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rlpipe.run_store import read_state
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, read_ref
+from rlpipe.store.run_root import read_state
+from rlpipe.store.weights import WeightRef, read_ref
 
 
 def plan_run(spec: RunSpec, run_root: str) -> tuple[WeightRef, int, int]:

@@ -35,7 +35,7 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
         model=model_dir,
         seed=seed,
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="rlpipe.sampler_worker.PolicyReload",
+        worker_extension_cls="rlpipe.services.sampler_worker.PolicyReload",
         **options,
     )
 

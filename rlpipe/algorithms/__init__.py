@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from rlpipe.objectives import group_advantages
+from rlpipe.algorithms.grpo import group_advantages
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.spec import RunSpec
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlpipe.http_json import is_healthy
-from rlpipe.run_store import filesystem, join
+from rlpipe.services.http_json import is_healthy
+from rlpipe.store.run_root import filesystem, join
 
 MAX_RESTARTS = 5
 # port -> (argv, extra environment)

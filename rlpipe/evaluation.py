@@ -9,9 +9,9 @@ import time
 
 import pyarrow.parquet as pq
 
-from rlpipe.run_store import eval_metrics_uri, filesystem, join, read_state, write_json
 from rlpipe.spec import RunSpec
-from rlpipe.weight_store import WeightRef, as_ref
+from rlpipe.store.run_root import eval_metrics_uri, filesystem, join, read_state, write_json
+from rlpipe.store.weights import WeightRef, as_ref
 
 
 def eval_due(spec: RunSpec, iteration: int) -> bool:
@@ -30,7 +30,7 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
 def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_tokens: int, batch_size: int) -> float:
     """Greedy-decode every row's prompt; accuracy = mean of the verifier over the completions. The
     verifier gets every other column of the rows as keyword lists (the reward signature)."""
-    from rlpipe.components.generate.torch_engine import sample_in_batches
+    from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.rewards import call_reward
 
     was_training = model.training
@@ -60,7 +60,7 @@ def evaluate_policy(
     t0 = time.time()
     weights = as_ref(weights)
     if spec.trainer.resident and policy is None:
-        from rlpipe.trainer_client import request_evaluate
+        from rlpipe.services.trainer_client import request_evaluate
 
         return request_evaluate(spec, run_root, weights, iteration, cache_root)
     from rlpipe.modeling import load_weights

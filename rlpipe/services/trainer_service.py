@@ -16,7 +16,7 @@ drops what it holds: a failed batch may have applied some of its optimizer steps
     GET  /health  -> {weights: WeightRef | null}
 
 Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint) and
-restarts it if it exits. Cluster: `python -m rlpipe.trainer_service --port 8001` in the
+restarts it if it exits. Cluster: `python -m rlpipe.services.trainer_service --port 8001` in the
 trainer image (manifests/base/trainer.yaml), with the PVC mounted where the steps mount it.
 """
 
@@ -30,7 +30,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rlpipe.local_servers import LocalServers
+from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
 TRAINING_SECTIONS = ("seed", "model", "rollout", "algorithm", "trainer")
@@ -45,8 +45,8 @@ def training_settings(spec: RunSpec) -> str:
 def hold(request: dict[str, Any], held: dict[str, Any]) -> tuple[Any, bool]:
     """The trainer at the request's weights version: the one held, or loaded from the weight store.
     Returns (trainer, whether it was loaded); `held` is empty until the caller succeeds."""
-    from rlpipe.components.update.step import load_trainer
-    from rlpipe.weight_store import as_ref
+    from rlpipe.store.weights import as_ref
+    from rlpipe.training.trainer import load_trainer
 
     spec = parse_spec(request["spec"])
     run_root, weights = request["run_root"], as_ref(request["weights"])
@@ -71,8 +71,8 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
     """Sample the iteration's rollouts with the held policy (torch engine) into request["rollouts_uri"]."""
     import tempfile
 
-    from rlpipe.components.generate.step import generate_rollouts
-    from rlpipe.run_store import filesystem
+    from rlpipe.engines import generate_rollouts
+    from rlpipe.store.run_root import filesystem
 
     started = time.time()
     trainer, reloaded = hold(request, held)
@@ -98,7 +98,7 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
 
 def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
     """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
-    from rlpipe.components.evaluate.step import evaluate_policy
+    from rlpipe.evaluation import evaluate_policy
 
     started = time.time()
     trainer, reloaded = hold(request, held)
@@ -113,7 +113,7 @@ def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
 
 def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
     """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
-    from rlpipe.components.update.step import save_trained, train_on_batch
+    from rlpipe.training.trainer import save_trained, train_on_batch
 
     started = time.time()
     trainer, reloaded = hold(request, held)
@@ -182,10 +182,12 @@ def LocalTrainer(run_root: str) -> LocalServers:  # noqa: N802 (reads as the thi
     """One resident trainer on loopback; `<run root>/trainers/fleet.json` records it."""
 
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
-        return [sys.executable, "-m", "rlpipe.trainer_service", "--host", "127.0.0.1", "--port", str(port)], {}
+        return [sys.executable, "-m", "rlpipe.services.trainer_service", "--host", "127.0.0.1", "--port", str(port)], {}
 
     # started at once: its imports overlap the warm start
-    return LocalServers("trainer", run_root, 1, launch, marker="rlpipe.trainer_service", wait_for_weights=False)
+    return LocalServers(
+        "trainer", run_root, 1, launch, marker="rlpipe.services.trainer_service", wait_for_weights=False
+    )
 
 
 def serve(argv: list[str] | None = None) -> None:
@@ -194,7 +196,7 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args(argv)
-    import rlpipe.components.update.step  # noqa: F401 (torch + transformers before the first request)
+    import rlpipe.training.trainer  # noqa: F401 (torch + transformers before the first request)
 
     server = make_server(args.host, args.port)
     print(f"rlpipe trainer: serving on http://{args.host}:{args.port}", flush=True)

@@ -1,0 +1,80 @@
+"""The step table: the one place that lists rlpipe's steps.
+
+The KFP DAG (pipelines/rl_pipeline.py), the Argo DAG and its entrypoints (pipelines/argo_*),
+cluster placement (which image, whether the run root is mounted), the spec's step names
+(cluster.secrets[].steps) and the benchmarks all derive from STEPS. Each step's logic is the
+plain function named in `function` (rlpipe/loop.py for the iteration's steps).
+
+Whether a step computes in its own process or asks a long-lived service is decided here, in
+`service_for`: generate asks the resident trainer (torch engine) and is itself the client of the
+samplers (sampler engine); update and evaluate ask the resident trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # KFP task, Argo template (with - for _), spec name
+    does: str
+    phase: Literal["init", "iteration", "exit"]
+    function: str  # module:function, the step's plain logic
+    torch: bool  # computes with torch: the trainer image and GPU on a cluster, unless a thin client
+    run_root: bool  # reads or writes the run root (mounts the shared volume); False: KFP artifacts only
+    inputs: tuple[str, ...] = ()  # KFP artifacts it reads
+    outputs: tuple[str, ...] = ()  # KFP artifacts it writes
+
+
+STEPS: tuple[Step, ...] = (
+    Step("prepare", "write the task's train rows and fixed held-out rows", "init", "rlpipe.data:prepare_data",
+         torch=False, run_root=True),
+    Step("warm_start", "SFT the initial policy to model.warm_start.target_accuracy (cached)", "init",
+         "rlpipe.training.warm_start:warm_start", torch=True, run_root=True),
+    Step("publish_warm_start", "publish v0 and commit iteration 0", "init", "rlpipe.store.commit:sync_weights",
+         torch=False, run_root=True),
+    Step("plan", "read state.json: the weights and iteration this pipeline run starts from", "init",
+         "rlpipe.loop:plan_run", torch=False, run_root=True),
+    Step("iterations_todo", "how many iterations this pipeline run does", "init", "rlpipe.loop:plan_run",
+         torch=False, run_root=True),
+    Step("generate", "sample G completions per prompt with v(N)", "iteration", "rlpipe.loop:generate",
+         torch=True, run_root=True, outputs=("rollouts",)),
+    Step("score", "reward every completion", "iteration", "rlpipe.loop:score",
+         torch=False, run_root=False, inputs=("rollouts",), outputs=("scored",)),
+    Step("advantages", "the algorithm's advantage per completion", "iteration", "rlpipe.loop:advantages",
+         torch=False, run_root=False, inputs=("scored",), outputs=("batch",)),
+    Step("update", "train v(N) on the batch; stage v(N+1)", "iteration", "rlpipe.loop:update",
+         torch=True, run_root=True, inputs=("batch",)),
+    Step("sync_weights", "publish v(N+1), record metrics, commit state.json", "iteration",
+         "rlpipe.loop:sync_weights", torch=False, run_root=True),
+    Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
+         torch=True, run_root=True),
+    Step("track", "copy committed metrics to MLflow (exit handler)", "exit", "rlpipe.tracking:flush_metrics",
+         torch=False, run_root=True),
+)  # fmt: skip
+
+BY_NAME = {step.name: step for step in STEPS}
+STEP_NAMES = tuple(BY_NAME)
+ITERATION_STEPS = tuple(step.name for step in STEPS if step.phase == "iteration")
+# evaluate runs after sync_weights only when an eval is due; the rest run every iteration, in order
+EVERY_ITERATION = tuple(name for name in ITERATION_STEPS if name != "evaluate")
+
+
+def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler"] | None:
+    """The long-lived service that computes `step` for this spec, or None: it computes in its own
+    process. A step with a service is a thin client: no torch, the light image, no GPU."""
+    if step == "generate" and spec.rollout.engine == "sampler":
+        return "sampler"
+    if step in ("generate", "update", "evaluate") and spec.trainer.resident:
+        return "trainer" if step != "generate" or spec.rollout.engine == "torch" else None
+    return None
+
+
+def uses_trainer_image(step: str, spec: RunSpec) -> bool:
+    """Torch steps run on the trainer image (and GPU), unless a service computes them."""
+    return BY_NAME[step].torch and service_for(step, spec) is None
