@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ("generate", "score", "advantages", "update", "sync_weights", "evaluate")
+from rlpipe.steps import ITERATION_STEPS as STEPS
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

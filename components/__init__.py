@@ -8,18 +8,40 @@ process's own bookkeeping.
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 TRAINER_IMAGE = "ghcr.io/rlpipe/trainer:0.1.0"  # torch + transformers + rlpipe (generate, update, ...)
 STEP_IMAGE = "ghcr.io/rlpipe/step:0.1.0"  # rlpipe without torch (score, advantages, sync, ...)
 
+if TYPE_CHECKING:
+    from kfp.dsl import Metrics
 
-def import_overhead(step: str, entered_at: float) -> dict[str, float]:
-    """overhead/<step>_import_s: component body entered -> step function imported (torch, transformers, ...)."""
-    return {f"overhead/{step}_import_s": time.time() - entered_at}
+    from rlpipe.spec import RunSpec
+
+
+def start(step: str, spec: dict, entered_at: float) -> tuple[RunSpec, dict[str, float]]:
+    """The parsed spec, after importing what `step` computes with (rlpipe.steps.modules_for: torch,
+    transformers, or only a service's client); overhead/<step>_import_s times it from `entered_at`."""
+    from rlpipe.spec import parse_spec
+    from rlpipe.steps import modules_for
+
+    run_spec = parse_spec(spec)
+    for module in modules_for(step, run_spec):
+        importlib.import_module(module)
+    return run_spec, {f"overhead/{step}_import_s": time.time() - entered_at}
+
+
+def finish(metrics: Metrics, values: dict[str, float]) -> None:
+    """Log the step's metrics to its KFP Metrics artifact (the KFP UI shows them), then let the
+    process exit fast once the executor has written the outputs."""
+    for key, value in values.items():
+        metrics.log_metric(key, value)
+    exit_without_teardown()
 
 
 def exit_without_teardown() -> None:

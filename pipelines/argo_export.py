@@ -15,7 +15,8 @@ import yaml
 from hera.workflows import models as m
 
 from rlpipe.pipelines.compile import cluster_spec_and_root
-from rlpipe.spec import PodSpec, RunSpec, spec_to_dict, thin_client_steps, uses_trainer_image
+from rlpipe.spec import PodSpec, RunSpec, spec_to_dict
+from rlpipe.steps import EVERY_ITERATION, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -23,7 +24,8 @@ VOLUME = "run-root"
 
 def _template(name: str, step: str, spec: RunSpec) -> m.Template:
     cluster = spec.cluster
-    pod: PodSpec = cluster.trainer if uses_trainer_image(step, thin_client_steps(spec)) else cluster.step
+    computes = "warm_start" if step == "init" else step  # init runs prepare, warm_start and publish_warm_start
+    pod: PodSpec = cluster.trainer if uses_trainer_image(computes, spec) else cluster.step
     requests = {"cpu": pod.cpu, "memory": pod.memory}
     limits = {key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value}
     if pod.gpus:
@@ -68,16 +70,17 @@ def _dag(iterations_per_run: int) -> m.Template:
     tasks = [m.DAGTask(name="init", template="init"), m.DAGTask(name="evaluate-0", template="evaluate", depends="init")]
     previous = "evaluate-0"
     for k in range(1, iterations_per_run + 1):
-        for step in ("generate", "score", "advantages", "update", "sync-weights", "evaluate"):
-            tasks.append(m.DAGTask(name=f"{step}-{k}", template=step, depends=previous))
-            previous = f"{step}-{k}"
+        for step in (*EVERY_ITERATION, "evaluate"):
+            template = step.replace("_", "-")
+            tasks.append(m.DAGTask(name=f"{template}-{k}", template=template, depends=previous))
+            previous = f"{template}-{k}"
     return m.Template(name="loop", dag=m.DAGTemplate(tasks=tasks))
 
 
 def build_argo(spec: RunSpec, run_root: str | None = None) -> tuple[m.WorkflowTemplate, m.CronWorkflow]:
     spec, run_root = cluster_spec_and_root(spec, run_root)
     name = f"rlpipe-{spec.name}".lower().replace("_", "-").replace(".", "-")
-    steps = ("init", "generate", "score", "advantages", "update", "sync_weights", "evaluate", "track")
+    steps = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: the init phase's steps in one pod
     templates = [_dag(spec.loop.iterations_per_run)] + [_template(s.replace("_", "-"), s, spec) for s in steps]
     cluster = spec.cluster
     workflow_spec = m.WorkflowSpec(

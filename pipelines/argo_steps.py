@@ -12,33 +12,30 @@ import argparse
 import json
 import sys
 
+from rlpipe import loop
 from rlpipe.spec import RunSpec, parse_spec
-from rlpipe.store.run_root import cache_root_for, filesystem, join, read_json, read_state, write_json
+from rlpipe.steps import EVERY_ITERATION
+from rlpipe.store.run_root import filesystem, join, read_json, read_state, write_json
 
-ITERATION_STEPS = ("generate", "score", "advantages", "update", "sync_weights")
-STEPS = ("init", *ITERATION_STEPS, "evaluate", "track")
+STEPS = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: prepare, warm_start, publish_warm_start
 
 
 def _work(run_root: str, iteration: int, name: str) -> str:
+    """A local path for the iteration's file `name` under <run root>/work/ (the shared filesystem)."""
     uri = join(run_root, "work", f"iter_{iteration:06d}", name)
     fs, path = filesystem(uri)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    return uri
+    return path
 
 
 def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     """Run one step against the run root's state; returns what it did (for the pod log)."""
-    cache = cache_root_for(spec.storage.root, spec.storage.cache)
     if step == "init":
         if read_state(run_root) is not None:
             return "initialized already"
-        from rlpipe.data import prepare_data
-        from rlpipe.store.commit import sync_weights
-        from rlpipe.training.warm_start import warm_start
-
-        prepare_data(spec, run_root)
-        staged, metrics = warm_start(spec, run_root, cache)
-        sync_weights(spec, run_root, staged, 0, metrics)
+        loop.prepare(spec, run_root)
+        staged, metrics = loop.warm_start(spec, run_root, spec.cache_root)
+        loop.sync_weights(spec, run_root, staged, 0, metrics)
         return "published v0"
     if step == "track":
         from rlpipe.tracking import flush_metrics
@@ -46,52 +43,34 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         run_id, logged = flush_metrics(spec, run_root)
         return f"MLflow run {run_id}: {logged} new points"
 
-    state = read_state(run_root) or {}
-    if "iteration" not in state:
-        raise RuntimeError(f"{run_root} has no state.json: the init step must run first")
-    from rlpipe.store.weights import read_ref
-
-    weights = read_ref(run_root, state["weights_version"])
+    start = loop.plan(spec, run_root)
     if step == "evaluate":
-        from rlpipe.evaluation import evaluate_policy, evaluation_pending
-
-        if not evaluation_pending(spec, run_root, state["iteration"]):
-            return "no eval due"
-        accuracy = evaluate_policy(spec, run_root, weights, state["iteration"], cache)["eval/accuracy_greedy"]
-        return f"eval/accuracy_greedy {accuracy:.3f}"
-
-    iteration = state["iteration"] + 1
+        values = loop.evaluate(spec, run_root, start.weights, start.iteration, spec.cache_root)
+        return f"eval/accuracy_greedy {values['eval/accuracy_greedy']:.3f}" if values else "no eval due"
+    iteration = start.iteration + 1
     if iteration > spec.loop.iterations:
-        return f"loop done at iteration {state['iteration']}"
+        return f"loop done at iteration {start.iteration}"
     rollouts, scored, batch = (_work(run_root, iteration, f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
-    metrics_uri = _work(run_root, iteration, f"{step}_metrics.json")
-    local = {name: filesystem(uri)[1] for name, uri in (("rollouts", rollouts), ("scored", scored), ("batch", batch))}
+
+    def step_metrics(name: str) -> str:
+        return join(run_root, "work", f"iter_{iteration:06d}", f"{name}_metrics.json")
+
     if step == "generate":
-        from rlpipe.engines import generate_rollouts
-
-        write_json(metrics_uri, generate_rollouts(spec, run_root, weights, iteration, local["rollouts"], cache))
+        values = loop.generate(spec, run_root, start.weights, iteration, rollouts, spec.cache_root)
     elif step == "score":
-        from rlpipe.rewards import score_rollouts
-
-        write_json(metrics_uri, score_rollouts(spec, local["rollouts"], local["scored"]))
+        values = loop.score(spec, rollouts, scored)
     elif step == "advantages":
-        from rlpipe.algorithms import compute_advantages
-
-        write_json(metrics_uri, compute_advantages(spec, local["scored"], local["batch"]))
+        values = loop.advantages(spec, scored, batch)
     elif step == "update":
-        from rlpipe.services.trainer_client import train_iteration
-
-        staged, metrics = train_iteration(spec, run_root, weights, local["batch"], iteration, cache)
-        write_json(metrics_uri, {"staged": staged, "metrics": metrics})
-    elif step == "sync_weights":
-        from rlpipe.store.commit import sync_weights
-
-        updated = read_json(_work(run_root, iteration, "update_metrics.json"))
-        merged = {}
-        for name in ("generate", "score", "advantages"):
-            merged |= read_json(_work(run_root, iteration, f"{name}_metrics.json")) or {}
-        merged |= updated["metrics"]
-        sync_weights(spec, run_root, updated["staged"], iteration, merged)
+        staged, metrics = loop.update(spec, run_root, start.weights, batch, iteration, spec.cache_root)
+        values = {"staged": staged, "metrics": metrics}
+    else:  # sync_weights
+        updated = read_json(step_metrics("update"))
+        before_update = EVERY_ITERATION[: EVERY_ITERATION.index("update")]
+        earlier = [read_json(step_metrics(name)) or {} for name in before_update]
+        loop.sync_weights(spec, run_root, updated["staged"], iteration, *earlier, updated["metrics"])
+        return f"{step} iteration {iteration}"
+    write_json(step_metrics(step), values)
     return f"{step} iteration {iteration}"
 
 

@@ -7,21 +7,18 @@ The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=
 
 from kfp import dsl, kubernetes
 
-from rlpipe.spec import ClusterSpec, uses_trainer_image
-
-# steps that never read or write the run root (their inputs and outputs are KFP artifacts)
-ARTIFACT_ONLY_STEPS = ("score", "advantages")
+from rlpipe.spec import RunSpec
+from rlpipe.steps import BY_NAME, uses_trainer_image
 
 
-def place(
-    task: dsl.PipelineTask, step: str, cluster: ClusterSpec | None, thin: frozenset[str] = frozenset()
-) -> dsl.PipelineTask:
-    """Configure `task` (the `step` component) for the cluster; results are never cached:
-    every step reads or changes run state."""
+def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.PipelineTask:
+    """Configure `task` (the `step` component) for the cluster `spec` describes (None: the local
+    runner); results are never cached: every step reads or changes run state."""
     task.set_caching_options(False)
-    if cluster is None:
+    if spec is None:
         return task
-    pod = cluster.trainer if uses_trainer_image(step, thin) else cluster.step
+    cluster = spec.cluster
+    pod = cluster.trainer if uses_trainer_image(step, spec) else cluster.step
     task.set_container_image(pod.image)
     task.set_cpu_request(pod.cpu).set_memory_request(pod.memory)
     if pod.cpu_limit:
@@ -37,7 +34,7 @@ def place(
             task, key=toleration.key, operator=toleration.operator, value=toleration.value, effect=toleration.effect
         )
     kubernetes.set_timeout(task, pod.timeout_s)
-    if cluster.pvc and step not in ARTIFACT_ONLY_STEPS:
+    if cluster.pvc and BY_NAME[step].run_root:
         kubernetes.mount_pvc(task, pvc_name=cluster.pvc, mount_path=cluster.mount_path)
     for secret in cluster.secrets:
         if secret.steps is None or step in secret.steps:

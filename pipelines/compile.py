@@ -5,7 +5,7 @@ from pathlib import Path
 
 from kfp import compiler
 
-from rlpipe.spec import RunSpec, spec_to_dict, thin_client_steps
+from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.store.run_root import run_root_for
 
 
@@ -54,9 +54,7 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
     output.parent.mkdir(parents=True, exist_ok=True)
     spec, run_root = cluster_spec_and_root(spec, run_root)
     compiler.Compiler().compile(
-        pipeline_func=build_run_pipeline(
-            spec.loop.iterations_per_run, spec.loop.eval_every, spec.cluster, thin_client_steps(spec)
-        ),
+        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement=spec),
         package_path=str(output),
         pipeline_parameters={
             "spec": spec_to_dict(spec),

@@ -166,7 +166,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
-    pipeline = build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every)
+    pipeline = build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement=None)
     progress = Progress(total=spec.loop.iterations)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup

@@ -20,7 +20,7 @@ iterations_left), so an iteration that is not due starts no evaluate task at all
 """
 
 from contextlib import ExitStack
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from kfp import dsl
 
@@ -35,14 +35,44 @@ from rlpipe.components.track.component import track
 from rlpipe.components.update.component import update
 from rlpipe.components.warm_start.component import publish_warm_start, warm_start
 from rlpipe.pipelines.cluster_settings import place
-from rlpipe.spec import ClusterSpec
+from rlpipe.spec import RunSpec
+from rlpipe.steps import EVERY_ITERATION, STEP_NAMES
+
+COMPONENTS = {
+    "prepare": prepare,
+    "warm_start": warm_start,
+    "publish_warm_start": publish_warm_start,
+    "plan": plan,
+    "iterations_todo": iterations_todo,
+    "generate": generate,
+    "score": score,
+    "advantages": advantages,
+    "update": update,
+    "sync_weights": sync_weights,
+    "evaluate": evaluate,
+    "track": track,
+}
+assert tuple(COMPONENTS) == STEP_NAMES, "one KFP component per step of rlpipe.steps.STEPS, in its order"
 
 
-def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()) -> Callable:
-    """One GRPO iteration as a pipeline (nested in the run pipeline, or run on its own).
-    `thin` (spec.thin_client_steps) puts generate / update on the light image on the cluster."""
+def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
+    """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
+    and earlier tasks' outputs), placed for the cluster; its outputs join `available` (a step's
+    `step_metrics` as `<step>_metrics`)."""
+    component = COMPONENTS[step]
+    task = component(**{name: available[name] for name in component.component_spec.inputs})
+    for name in component.component_spec.outputs or {}:
+        if name != "metrics":
+            available[f"{step}_metrics" if name == "step_metrics" else name] = task.outputs[name]
+    return place(task, step, placement)
 
-    @dsl.pipeline(name="rlpipe-iteration", description="One GRPO iteration: weights v(N) in, v(N+1) published.")
+
+def build_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
+    """One iteration as a pipeline (nested in the run pipeline, or run on its own): the steps of
+    rlpipe.steps.EVERY_ITERATION in order, then evaluate when due. `placement`: the spec whose
+    cluster section places the tasks (None: the local runner)."""
+
+    @dsl.pipeline(name="rlpipe-iteration", description="One RL iteration: weights v(N) in, v(N+1) published.")
     def rl_iteration(
         spec: dict,
         run_root: str,
@@ -55,66 +85,34 @@ def build_iteration_pipeline(cluster: ClusterSpec | None = None, thin: frozenset
     ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
         """The run's `position`-th iteration; it evaluates v(N+1) when eval_phase == due_phase (N+1 is a
         multiple of loop.eval_every) or iterations_left == position (the loop's last iteration)."""
-        rollouts = place(
-            generate(spec=spec, run_root=run_root, weights=weights, iteration=iteration), "generate", cluster, thin
-        )
-        scored = place(score(spec=spec, rollouts=rollouts.outputs["rollouts"]), "score", cluster)
-        batch = place(advantages(spec=spec, scored=scored.outputs["scored"]), "advantages", cluster)
-        updated = place(
-            update(spec=spec, run_root=run_root, weights=weights, iteration=iteration, batch=batch.outputs["batch"]),
-            "update",
-            cluster,
-            thin,
-        )
-        synced = place(
-            sync_weights(
-                spec=spec,
-                run_root=run_root,
-                staged=updated.outputs["staged"],
-                iteration=iteration,
-                generate_metrics=rollouts.outputs["step_metrics"],
-                score_metrics=scored.outputs["step_metrics"],
-                advantages_metrics=batch.outputs["step_metrics"],
-                update_metrics=updated.outputs["step_metrics"],
-            ),
-            "sync_weights",
-            cluster,
-        )
-
-        def evaluate_new_version() -> None:
-            place(
-                evaluate(spec=spec, run_root=run_root, weights=synced.outputs["weights"], iteration=iteration),
-                "evaluate",
-                cluster,
-                thin,
-            )
-
+        available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
+        for step in EVERY_ITERATION:
+            add_task(step, available, placement)
+        # sync_weights put the published v(N+1) in available["weights"]
         with dsl.If(eval_phase == due_phase, name="eval-due"):
-            evaluate_new_version()
+            add_task("evaluate", dict(available), placement)
         with dsl.Elif(iterations_left == position, name="last-iteration"):
-            evaluate_new_version()
+            add_task("evaluate", dict(available), placement)
         outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
-        return outputs(weights=synced.outputs["weights"], next_iteration=synced.outputs["next_iteration"])
+        return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
 
     return rl_iteration
 
 
-def build_run_pipeline(
-    iterations_per_run: int, eval_every: int, cluster: ClusterSpec | None = None, thin: frozenset[str] = frozenset()
-) -> Callable:
+def build_run_pipeline(iterations_per_run: int, eval_every: int, placement: RunSpec | None = None) -> Callable:
     """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations,
     evaluating every `eval_every` iterations (loop settings of the spec it is built for)."""
-    rl_iteration = build_iteration_pipeline(cluster, thin)
+    rl_iteration = build_iteration_pipeline(placement)
 
     @dsl.pipeline(
         name="rlpipe-run",
-        description=f"GRPO loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
+        description=f"RL loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
     )
     def rl_run(spec: dict, run_root: str):
-        flush = place(track(spec=spec, run_root=run_root), "track", cluster)
+        flush = place(track(spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
-            data = place(prepare(spec=spec, run_root=run_root), "prepare", cluster)
-            initial = place(warm_start(spec=spec, run_root=run_root).after(data), "warm_start", cluster)
+            data = place(prepare(spec=spec, run_root=run_root), "prepare", placement)
+            initial = place(warm_start(spec=spec, run_root=run_root).after(data), "warm_start", placement)
             published = place(
                 publish_warm_start(
                     spec=spec,
@@ -123,17 +121,16 @@ def build_run_pipeline(
                     step_metrics=initial.outputs["step_metrics"],
                 ),
                 "publish_warm_start",
-                cluster,
+                placement,
             )
-            start = place(plan(spec=spec, run_root=run_root).after(published), "plan", cluster)
-            todo = place(iterations_todo(spec=spec, run_root=run_root).after(published), "iterations_todo", cluster)
+            start = place(plan(spec=spec, run_root=run_root).after(published), "plan", placement)
+            todo = place(iterations_todo(spec=spec, run_root=run_root).after(published), "iterations_todo", placement)
             pending = place(
                 evaluate(
                     spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
                 ),
                 "evaluate",
-                cluster,
-                thin,
+                placement,
             )
             weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
             with ExitStack() as nested:

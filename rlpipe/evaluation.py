@@ -59,10 +59,6 @@ def evaluate_policy(
     step asks the resident trainer, which evaluates the policy it holds."""
     t0 = time.time()
     weights = as_ref(weights)
-    if spec.trainer.resident and policy is None:
-        from rlpipe.services.trainer_client import request_evaluate
-
-        return request_evaluate(spec, run_root, weights, iteration, cache_root)
     from rlpipe.modeling import load_weights
 
     model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)

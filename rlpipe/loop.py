@@ -1,19 +1,169 @@
-"""plan: read state.json and say where this pipeline run starts (no torch)."""
+"""One RL iteration in plain Python: start reading rlpipe here.
+
+    weights v(N) --generate--> rollouts --score--> scored --advantages--> batch
+                 --update--> staged v(N+1) --sync_weights--> v(N+1) published, state.json committed
+                 (--evaluate--> held-out accuracy, when due)
+
+`run_iteration` calls the steps in that order in one process (the tests and
+benchmarks/in_process_loop.py). On KFP each step is its own task (pipelines/rl_pipeline.py,
+built from the step table in rlpipe/steps.py) whose component calls the same function; on plain
+Argo, pipelines/argo_steps.py does. Between steps only Parquet files and small dicts travel;
+weights stay in the weight store and travel as {uri, version, sha256} references.
+
+Each step imports what it computes with inside its function: a light step's process (score,
+advantages, sync_weights) never imports torch, and a thin client (rlpipe.steps.service_for)
+never imports what its service computes with.
+"""
 
 from __future__ import annotations
 
-from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import read_state
-from rlpipe.store.weights import WeightRef, read_ref
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlpipe.steps import service_for
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
 
 
-def plan_run(spec: RunSpec, run_root: str) -> tuple[WeightRef, int, int]:
-    """(current weights, committed iteration, iterations this pipeline run does).
-    The run's k-th iteration is due an eval when (iteration + k) % loop.eval_every == 0, or
-    iteration + k == loop.iterations (components/evaluate/step.py: eval_due)."""
+def prepare(spec: RunSpec, run_root: str) -> dict[str, int]:
+    """data/train.parquet and data/eval.parquet, made by the task once per run."""
+    from rlpipe.data import prepare_data
+
+    return prepare_data(spec, run_root)
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a pipeline run starts: the committed iteration and the weights it published."""
+
+    weights: WeightRef
+    iteration: int
+    todo: int  # iterations this pipeline run does
+    eval_phase: int  # iteration % loop.eval_every: which of the run's iterations are due an eval
+    iterations_left: int  # in the whole loop: the run's last iteration is evaluated too
+
+
+def plan(spec: RunSpec, run_root: str) -> Start:
+    """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
+    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.eval_due)."""
+    from rlpipe.store.run_root import read_state
+    from rlpipe.store.weights import read_ref
+
     state = read_state(run_root)
     if state is None or "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the warm_start and publish_warm_start steps must run first")
     iteration = state["iteration"]
-    todo = max(0, min(spec.loop.iterations_per_run, spec.loop.iterations - iteration))
-    return read_ref(run_root, state["weights_version"]), iteration, todo
+    left = spec.loop.iterations - iteration
+    return Start(
+        weights=read_ref(run_root, state["weights_version"]),
+        iteration=iteration,
+        todo=max(0, min(spec.loop.iterations_per_run, left)),
+        eval_phase=iteration % spec.loop.eval_every,
+        iterations_left=left,
+    )
+
+
+def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef | dict, dict[str, float]]:
+    """Stage v0: the base model, SFT-warm-started (cached). ({}, {}) once the run is initialized,
+    decided before importing torch."""
+    from rlpipe.store.run_root import read_state
+
+    if read_state(run_root) is not None:
+        return {}, {}
+    from rlpipe.training.warm_start import warm_start as stage_warm_started
+
+    return stage_warm_started(spec, run_root, cache_root)
+
+
+def generate(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, rollouts_path: str, cache_root: str
+) -> dict[str, float]:
+    """Sample rollout.samples_per_prompt completions for each of the iteration's prompts with
+    v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`."""
+    if service_for("generate", spec) == "trainer":
+        from rlpipe.services.trainer_client import request_generate
+
+        return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
+    from rlpipe.engines import generate_rollouts
+
+    return generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+
+
+def score(spec: RunSpec, rollouts_path: str, scored_path: str) -> dict[str, float]:
+    """reward = sum_i w_i * reward_function_i(prompts, completions, **columns)."""
+    from rlpipe.rewards import score_rollouts
+
+    return score_rollouts(spec, rollouts_path, scored_path)
+
+
+def advantages(spec: RunSpec, scored_path: str, batch_path: str) -> dict[str, float]:
+    """The algorithm's advantage for every completion (GRPO: normalized within its group)."""
+    from rlpipe.algorithms import compute_advantages
+
+    return compute_advantages(spec, scored_path, batch_path)
+
+
+def update(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train v(N) on the batch (mini-batch policy-gradient steps); stage and seal v(N+1)."""
+    if service_for("update", spec) == "trainer":
+        from rlpipe.services.trainer_client import request_update
+
+        return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
+    from rlpipe.training.trainer import update_policy
+
+    return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)
+
+
+def sync_weights(
+    spec: RunSpec, run_root: str, staged: WeightRef, iteration: int, *step_metrics: dict[str, float]
+) -> tuple[WeightRef, dict[str, float]]:
+    """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json."""
+    from rlpipe.store.commit import sync_weights as publish_and_commit
+
+    merged: dict[str, float] = {}
+    for metrics in step_metrics:
+        merged |= metrics
+    return publish_and_commit(spec, run_root, staged, iteration, merged)
+
+
+def evaluate(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
+) -> dict[str, float] | None:
+    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
+    iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch)."""
+    from rlpipe.evaluation import evaluation_pending
+
+    if not evaluation_pending(spec, run_root, iteration):
+        return None
+    if service_for("evaluate", spec) == "trainer":
+        from rlpipe.services.trainer_client import request_evaluate
+
+        return request_evaluate(spec, run_root, weights, iteration, cache_root)
+    from rlpipe.evaluation import evaluate_policy
+
+    return evaluate_policy(spec, run_root, weights, iteration, cache_root)
+
+
+def run_iteration(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, work_dir: str | Path, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """Iteration `iteration`: v(N) = `weights` in, v(N+1) published and committed; its metrics (and
+    the held-out evaluation's, when one was due). The artifacts (rollouts, scored, batch) are Parquet
+    files in `work_dir`."""
+    rollouts, scored, batch = (str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "batch"))
+    begun = {"started_at": time.time()}  # sync_weights records the iteration's wall time from here
+    generated = generate(spec, run_root, weights, iteration, rollouts, cache_root)
+    scores = score(spec, rollouts, scored)
+    advantage_stats = advantages(spec, scored, batch)
+    staged, trained = update(spec, run_root, weights, batch, iteration, cache_root)
+    published, metrics = sync_weights(
+        spec, run_root, staged, iteration, begun, generated, scores, advantage_stats, trained
+    )
+    evaluated = evaluate(spec, run_root, published, iteration, cache_root)
+    return published, metrics | (evaluated or {})

@@ -250,34 +250,6 @@ class SecretEnv:
     steps: list[str] | None = setting(None, doc="Steps that get it (e.g. [track]); None = every step")
 
 
-TRAINER_STEPS = ("warm_start", "generate", "update", "evaluate")
-STEP_NAMES = TRAINER_STEPS + (
-    "prepare",
-    "publish_warm_start",
-    "plan",
-    "iterations_todo",
-    "score",
-    "advantages",
-    "sync_weights",
-    "track",
-)
-
-
-def thin_client_steps(spec: "RunSpec") -> frozenset[str]:
-    """Steps that only talk to long-lived servers: generate with the sampler engine; update and
-    evaluate (and generate with the torch engine) with a resident trainer. They import no torch
-    and run on the light step image with no GPU."""
-    thin = {"generate"} if spec.rollout.engine == "sampler" else set()
-    if spec.trainer.resident:
-        thin |= {"update", "evaluate"} | ({"generate"} if spec.rollout.engine == "torch" else set())
-    return frozenset(thin)
-
-
-def uses_trainer_image(step: str, thin: frozenset[str] = frozenset()) -> bool:
-    """Torch steps run on the trainer image (and GPU), unless they are thin clients."""
-    return step in TRAINER_STEPS and step not in thin
-
-
 @section
 class ClusterSpec:
     """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
@@ -295,6 +267,8 @@ class ClusterSpec:
     run_as_user: int = 1000
 
     def __post_init__(self) -> None:
+        from rlpipe.steps import STEP_NAMES
+
         for secret in self.secrets:
             unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))
             if unknown:
@@ -316,6 +290,13 @@ class RunSpec:
     storage: StorageSpec = setting(default_factory=StorageSpec)
     tracking: TrackingSpec = setting(default_factory=TrackingSpec)
     cluster: ClusterSpec = setting(default_factory=ClusterSpec)
+
+    @property
+    def cache_root(self) -> str:
+        """Local cache for warm starts and copies of remote weights (rlpipe.store.run_root.cache_root_for)."""
+        from rlpipe.store.run_root import cache_root_for
+
+        return cache_root_for(self.storage.root, self.storage.cache)
 
     def __post_init__(self) -> None:
         sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt

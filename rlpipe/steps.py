@@ -27,35 +27,36 @@ class Step:
     function: str  # module:function, the step's plain logic
     torch: bool  # computes with torch: the trainer image and GPU on a cluster, unless a thin client
     run_root: bool  # reads or writes the run root (mounts the shared volume); False: KFP artifacts only
+    computes_with: tuple[str, ...] = ()  # modules its process imports when it computes the step itself
     inputs: tuple[str, ...] = ()  # KFP artifacts it reads
     outputs: tuple[str, ...] = ()  # KFP artifacts it writes
 
 
 STEPS: tuple[Step, ...] = (
-    Step("prepare", "write the task's train rows and fixed held-out rows", "init", "rlpipe.data:prepare_data",
-         torch=False, run_root=True),
-    Step("warm_start", "SFT the initial policy to model.warm_start.target_accuracy (cached)", "init",
-         "rlpipe.training.warm_start:warm_start", torch=True, run_root=True),
-    Step("publish_warm_start", "publish v0 and commit iteration 0", "init", "rlpipe.store.commit:sync_weights",
-         torch=False, run_root=True),
+    Step("prepare", "write the task's train rows and fixed held-out rows", "init", "rlpipe.loop:prepare",
+         torch=False, run_root=True, computes_with=("rlpipe.data",)),
+    Step("warm_start", "SFT the initial policy to model.warm_start.target_accuracy (cached); stage v0", "init",
+         "rlpipe.loop:warm_start", torch=True, run_root=True, computes_with=("rlpipe.training.warm_start",)),
+    Step("publish_warm_start", "publish v0 and commit iteration 0", "init", "rlpipe.loop:sync_weights",
+         torch=False, run_root=True, computes_with=("rlpipe.store.commit",)),
     Step("plan", "read state.json: the weights and iteration this pipeline run starts from", "init",
-         "rlpipe.loop:plan_run", torch=False, run_root=True),
-    Step("iterations_todo", "how many iterations this pipeline run does", "init", "rlpipe.loop:plan_run",
+         "rlpipe.loop:plan", torch=False, run_root=True),
+    Step("iterations_todo", "how many iterations this pipeline run does", "init", "rlpipe.loop:plan",
          torch=False, run_root=True),
     Step("generate", "sample G completions per prompt with v(N)", "iteration", "rlpipe.loop:generate",
-         torch=True, run_root=True, outputs=("rollouts",)),
+         torch=True, run_root=True, computes_with=("rlpipe.engines",), outputs=("rollouts",)),
     Step("score", "reward every completion", "iteration", "rlpipe.loop:score",
-         torch=False, run_root=False, inputs=("rollouts",), outputs=("scored",)),
+         torch=False, run_root=False, computes_with=("rlpipe.rewards",), inputs=("rollouts",), outputs=("scored",)),
     Step("advantages", "the algorithm's advantage per completion", "iteration", "rlpipe.loop:advantages",
-         torch=False, run_root=False, inputs=("scored",), outputs=("batch",)),
+         torch=False, run_root=False, computes_with=("rlpipe.algorithms",), inputs=("scored",), outputs=("batch",)),
     Step("update", "train v(N) on the batch; stage v(N+1)", "iteration", "rlpipe.loop:update",
-         torch=True, run_root=True, inputs=("batch",)),
-    Step("sync_weights", "publish v(N+1), record metrics, commit state.json", "iteration",
-         "rlpipe.loop:sync_weights", torch=False, run_root=True),
+         torch=True, run_root=True, computes_with=("rlpipe.training.trainer",), inputs=("batch",)),
+    Step("sync_weights", "publish v(N+1), record the iteration's metrics, commit state.json", "iteration",
+         "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",)),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
-         torch=True, run_root=True),
+         torch=True, run_root=True, computes_with=("rlpipe.evaluation",)),
     Step("track", "copy committed metrics to MLflow (exit handler)", "exit", "rlpipe.tracking:flush_metrics",
-         torch=False, run_root=True),
+         torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
 )  # fmt: skip
 
 BY_NAME = {step.name: step for step in STEPS}
@@ -73,6 +74,13 @@ def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler"] | Non
     if step in ("generate", "update", "evaluate") and spec.trainer.resident:
         return "trainer" if step != "generate" or spec.rollout.engine == "torch" else None
     return None
+
+
+def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
+    """What the step's process imports to compute it: its own modules, or its service's client."""
+    if service_for(step, spec) == "trainer":
+        return ("rlpipe.services.trainer_client",)
+    return BY_NAME[step].computes_with
 
 
 def uses_trainer_image(step: str, spec: RunSpec) -> bool:

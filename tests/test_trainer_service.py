@@ -19,7 +19,7 @@ from rlpipe.engines import generate_rollouts
 from rlpipe.evaluation import evaluate_policy
 from rlpipe.rewards import score_rollouts
 from rlpipe.rollouts import read_table
-from rlpipe.services.trainer_client import TrainerError, request_update
+from rlpipe.services.trainer_client import TrainerError, request_evaluate, request_generate, request_update
 from rlpipe.services.trainer_service import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 from rlpipe.store.commit import sync_weights
@@ -140,7 +140,7 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     holds; rollouts and accuracy equal the steps' own, and the next update reuses that policy."""
     spec, run_root, cache = served
     v0 = read_ref(run_root, 0)
-    metrics = generate_rollouts(spec, run_root, v0, 1, str(tmp_path / "resident.parquet"), cache)
+    metrics = request_generate(spec, run_root, v0, 1, str(tmp_path / "resident.parquet"), cache)
     assert metrics["trainer/reloaded"] == 1.0 and metrics["rollout/completion_tokens_mean"] > 0
     generate_rollouts(_in_step(spec), run_root, v0, 1, str(tmp_path / "step.parquet"), cache)
     resident, step = read_table(tmp_path / "resident.parquet"), read_table(tmp_path / "step.parquet")
@@ -148,7 +148,7 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     assert not list(Path(run_root, "trainer").glob("*.parquet"))
 
     # evaluate: the trainer's greedy accuracy of the policy it holds equals the evaluate step's own
-    resident_eval = evaluate_policy(spec, run_root, v0, 0, cache)
+    resident_eval = request_evaluate(spec, run_root, v0, 0, cache)
     assert resident_eval["trainer/reloaded"] == 0.0
     assert evaluate_policy(_in_step(spec), run_root, v0, 0, cache)["eval/accuracy_greedy"] == pytest.approx(
         resident_eval["eval/accuracy_greedy"]

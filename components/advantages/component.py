@@ -12,17 +12,15 @@ def advantages(
     batch: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", step_metrics=dict):
-    """GRPO group-normalized advantages per completion."""
+    """The algorithm's advantage for every completion (rlpipe.loop.advantages)."""
     import time
 
     entered = time.time()
-    from rlpipe.algorithms import compute_advantages
-    from rlpipe.components import exit_without_teardown, import_overhead
-    from rlpipe.spec import parse_spec
+    from rlpipe.components import finish, start
 
-    values = import_overhead("advantages", entered)
-    values |= compute_advantages(parse_spec(spec), scored.path, batch.path)
-    for key, value in values.items():
-        metrics.log_metric(key, value)
-    exit_without_teardown()
+    run_spec, values = start("advantages", spec, entered)
+    from rlpipe import loop
+
+    values |= loop.advantages(run_spec, scored.path, batch.path)
+    finish(metrics, values)
     return (values,)

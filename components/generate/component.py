@@ -14,21 +14,16 @@ def generate(
     rollouts: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", step_metrics=dict):
-    """Sample G completions per prompt with the policy `weights`; rollouts as Parquet."""
+    """Sample G completions per prompt with the policy `weights`; rollouts as Parquet (rlpipe.loop.generate)."""
     import time
 
     entered = time.time()
-    from rlpipe.components import exit_without_teardown, import_overhead
-    from rlpipe.engines import generate_rollouts
-    from rlpipe.spec import parse_spec
-    from rlpipe.store.run_root import cache_root_for
+    from rlpipe.components import finish, start
 
-    run_spec = parse_spec(spec)
-    values = import_overhead("generate", entered)
-    cache = cache_root_for(run_spec.storage.root, run_spec.storage.cache)
-    values |= generate_rollouts(run_spec, run_root, weights, iteration, rollouts.path, cache)
-    for key, value in values.items():
-        metrics.log_metric(key, value)
+    run_spec, values = start("generate", spec, entered)
+    from rlpipe import loop
+
+    values |= loop.generate(run_spec, run_root, weights, iteration, rollouts.path, run_spec.cache_root)
+    finish(metrics, values)
     values["started_at"] = entered  # wall clock the iteration started (for sync)
-    exit_without_teardown()
     return (values,)

@@ -10,20 +10,18 @@ def plan(spec: dict, run_root: str) -> NamedTuple(
     "Outputs", weights=dict, iteration=int, next_iteration=int, eval_phase=int, iterations_left=int
 ):
     """Read state.json: the committed iteration and the weights it published; eval_phase and
-    iterations_left say which of this run's iterations are due an eval."""
-    from rlpipe.loop import plan_run
+    iterations_left say which of this run's iterations are due an eval (rlpipe.loop.plan)."""
+    from rlpipe import loop
     from rlpipe.spec import parse_spec
 
-    run_spec = parse_spec(spec)
-    weights, iteration, _ = plan_run(run_spec, run_root)
-    left = run_spec.loop.iterations - iteration
-    return (weights, iteration, iteration + 1, iteration % run_spec.loop.eval_every, left)
+    start = loop.plan(parse_spec(spec), run_root)
+    return (start.weights, start.iteration, start.iteration + 1, start.eval_phase, start.iterations_left)
 
 
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
 def iterations_todo(spec: dict, run_root: str) -> int:
     """How many iterations this pipeline run does (gates the unrolled iterations)."""
-    from rlpipe.loop import plan_run
+    from rlpipe import loop
     from rlpipe.spec import parse_spec
 
-    return plan_run(parse_spec(spec), run_root)[2]
+    return loop.plan(parse_spec(spec), run_root).todo

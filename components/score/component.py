@@ -12,17 +12,15 @@ def score(
     scored: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", step_metrics=dict):
-    """Apply the spec's reward functions to each completion."""
+    """Reward every completion with the spec's reward functions (rlpipe.loop.score)."""
     import time
 
     entered = time.time()
-    from rlpipe.components import exit_without_teardown, import_overhead
-    from rlpipe.rewards import score_rollouts
-    from rlpipe.spec import parse_spec
+    from rlpipe.components import finish, start
 
-    values = import_overhead("score", entered)
-    values |= score_rollouts(parse_spec(spec), rollouts.path, scored.path)
-    for key, value in values.items():
-        metrics.log_metric(key, value)
-    exit_without_teardown()
+    run_spec, values = start("score", spec, entered)
+    from rlpipe import loop
+
+    values |= loop.score(run_spec, rollouts.path, scored.path)
+    finish(metrics, values)
     return (values,)

@@ -17,19 +17,16 @@ def sync_weights(
     update_metrics: dict,
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
-    """Publish v(N+1) atomically, record the iteration's metrics, commit state.json."""
+    """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights)."""
     import time
 
     entered = time.time()
-    from rlpipe.components import exit_without_teardown, import_overhead
-    from rlpipe.spec import parse_spec
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.components import finish, start
 
-    run_spec = parse_spec(spec)
-    step_metrics = {**generate_metrics, **score_metrics, **advantages_metrics, **update_metrics}
-    step_metrics |= import_overhead("sync_weights", entered)
-    weights, values = sync_weights(run_spec, run_root, staged, iteration, step_metrics)
-    for key, value in values.items():
-        metrics.log_metric(key, value)
-    exit_without_teardown()
+    run_spec, overhead = start("sync_weights", spec, entered)
+    from rlpipe import loop
+
+    step_metrics = (generate_metrics, score_metrics, advantages_metrics, update_metrics, overhead)
+    weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics)
+    finish(metrics, values)
     return (weights, iteration + 1)

@@ -130,10 +130,6 @@ def generate_rollouts(
     trainer to sample with the policy it holds: no model load and no weight sync."""
     t0 = time.time()
     weights = as_ref(weights)
-    if spec.rollout.engine == "torch" and spec.trainer.resident and policy is None:
-        from rlpipe.services.trainer_client import request_generate
-
-        return request_generate(spec, run_root, weights, iteration, out_path, cache_root)
     import pyarrow.parquet as pq  # not at the top: the thin client above needs no pyarrow
 
     from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table

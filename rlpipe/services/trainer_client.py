@@ -1,7 +1,5 @@
 """The steps' side of the resident trainer (rlpipe.services.trainer_service); torch-free.
 
-train_iteration   the update step's logic: on the resident trainer when trainer.resident,
-                  else in this process (components/update/step.py)
 request_update    copy the batch into the run root (the trainer may be another pod), POST /update
 request_generate  rollout.engine torch: POST /generate; the trainer samples with the policy it
                   holds and writes the rollouts into the run root; copy them out
@@ -113,14 +111,3 @@ def request_update(
     served_s = metrics["overhead/update_load_s"] + metrics["time/update_s"]
     metrics["overhead/update_request_s"] = time.time() - started - served_s
     return as_ref(body["staged"]), metrics
-
-
-def train_iteration(
-    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
-) -> tuple[WeightRef, dict[str, float]]:
-    """Train on the batch from v(N); returns the staged v(N+1) and the update's metrics."""
-    if spec.trainer.resident:
-        return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
-    from rlpipe.training.trainer import update_policy
-
-    return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)

@@ -1,0 +1,88 @@
+"""The shape the code holds to: the core never imports the KFP layers, the step table is the only
+list of steps, and every step the table names has its function and its KFP component."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlpipe.spec import parse_spec
+from rlpipe.steps import STEP_NAMES, STEPS, modules_for, service_for
+
+from .conftest import REPO
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (REPO / folder).rglob("*.py"))
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_core_never_imports_components_or_pipelines():
+    offenders = {
+        str(path.relative_to(REPO)): sorted(m for m in _imported_modules(path) if m.startswith(layer))
+        for path in _python_files("rlpipe")
+        for layer in ("rlpipe.components", "rlpipe.pipelines")
+        if any(m.startswith(layer) for m in _imported_modules(path))
+    }
+    assert not offenders, f"rlpipe/ imports the KFP layers: {offenders}"
+
+
+def test_the_step_table_is_the_only_list_of_steps():
+    """No tuple, list or set literal outside rlpipe/steps.py names three or more steps."""
+    steps = set(STEP_NAMES)
+    found = []
+    for path in _python_files("rlpipe", "components", "pipelines", "benchmarks"):
+        if path == REPO / "rlpipe" / "steps.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                named = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in steps]
+                if len(named) >= 3:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {named}")
+    assert not found, "steps listed outside rlpipe/steps.py:\n" + "\n".join(found)
+
+
+def test_every_step_has_its_function_and_component():
+    from rlpipe.pipelines.rl_pipeline import COMPONENTS
+
+    assert tuple(COMPONENTS) == STEP_NAMES
+    for step in STEPS:
+        module, _, function = step.function.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), step.name
+        for imported in step.computes_with:
+            importlib.import_module(imported)
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_light_steps_and_thin_clients_do_not_import_torch(resident: bool):
+    """A step that does not compute with torch, or whose service does, imports no torch."""
+    spec = parse_spec({"name": "x", "trainer": {"resident": resident}})
+    light = [s.name for s in STEPS if not s.torch or service_for(s.name, spec)]
+    assert {"score", "advantages", "sync_weights"} <= set(light)
+    if resident:
+        assert {"generate", "update", "evaluate"} <= set(light)
+    modules = sorted({m for step in light for m in modules_for(step, spec)} | {"rlpipe.loop", "rlpipe.steps"})
+    code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nassert 'torch' not in sys.modules, 'torch'\n"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_newcomer_follows_one_iteration_in_at_most_8_files():
+    """The files README's "How to read the code" lists for one iteration exist, and there are <= 8."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## How to read the code", 1)[1].split("\n## ", 1)[0]
+    listed = [line.split("`")[1] for line in section.splitlines() if line.startswith(tuple("12345678")) and "`" in line]
+    assert 0 < len(listed) <= 8, listed
+    for name in listed:
+        assert (REPO / name).exists(), name
