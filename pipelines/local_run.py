@@ -22,7 +22,16 @@ from rich.table import Table
 
 from rlpipe.preflight import preflight
 from rlpipe.spec import RunSpec, spec_to_dict
-from rlpipe.store.run_root import filesystem, join, list_metrics, read_json, read_state, run_root_for, write_json
+from rlpipe.store.run_root import (
+    data_uri,
+    filesystem,
+    join,
+    list_metrics,
+    read_json,
+    read_state,
+    run_root_for,
+    write_json,
+)
 from rlpipe.tracking import run_url
 
 # Steps are separate processes: keep each to one thread and quiet library progress bars.
@@ -127,7 +136,7 @@ def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
     current = spec_to_dict(spec)
     if saved is None or read_state(run_root) is None:
         if saved is not None and saved != current:
-            fs, data_dir = filesystem(join(run_root, "data"))
+            fs, data_dir = filesystem(data_uri(run_root, "train").rsplit("/", 1)[0])
             if fs.exists(data_dir):
                 fs.rm(data_dir, recursive=True)
         write_json(join(run_root, "spec.json"), current)

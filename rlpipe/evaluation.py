@@ -10,7 +10,7 @@ import time
 import pyarrow.parquet as pq
 
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import eval_metrics_uri, filesystem, join, read_state, write_json
+from rlpipe.store.run_root import data_uri, eval_metrics_uri, filesystem, read_state, write_json
 from rlpipe.store.weights import WeightRef, as_ref
 
 
@@ -63,7 +63,7 @@ def evaluate_policy(
 
     model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
     loaded = time.time()
-    rows = pq.read_table(filesystem(join(run_root, "data", "eval.parquet"))[1]).to_pylist()
+    rows = pq.read_table(filesystem(data_uri(run_root, "eval"))[1]).to_pylist()
     accuracy = greedy_accuracy(
         model, tokenizer, rows, spec.reward.verifier, spec.rollout.max_new_tokens, spec.rollout.batch_size
     )

@@ -51,8 +51,12 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
 
 def check_data(spec: RunSpec) -> str:
     """The task makes the rows the spec asks for."""
-    from rlpipe.data import task_rows
+    from rlpipe.data import get_source, task_rows
 
+    try:
+        get_source(spec.task.name)
+    except ValueError as err:
+        raise CheckFailed(str(err)) from None
     try:
         train, held_out = task_rows(spec)
     except ValueError as err:
@@ -64,6 +68,17 @@ def check_data(spec: RunSpec) -> str:
             f"batch of {ws.batch_size}; raise task.train_size or lower them"
         )
     return f"task {spec.task.name}: {len(train)} train rows, {len(held_out)} held-out rows"
+
+
+def check_algorithm(spec: RunSpec) -> str:
+    """algorithm.name is registered (or its module registers it)."""
+    from rlpipe.algorithms import get_algorithm
+
+    try:
+        algorithm = get_algorithm(spec.algorithm.name)
+    except ValueError as err:
+        raise CheckFailed(str(err)) from None
+    return f"algorithm {algorithm.name}"
 
 
 def check_model(spec: RunSpec) -> str:
@@ -202,6 +217,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
         lambda: check_installed(spec),
         lambda: check_run_root(spec, run_root),
         lambda: check_data(spec),
+        lambda: check_algorithm(spec),
         lambda: check_model(spec),
         lambda: check_rewards(spec),
         lambda: check_tracking(spec, run_root),

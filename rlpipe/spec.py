@@ -91,7 +91,9 @@ class ModelSpec:
 
 @section
 class TaskSpec:
-    name: Literal["addition"] = "addition"
+    name: str = setting(
+        "addition", doc="A registered data source (rlpipe.data), or 'package.module:name' for one that module registers"
+    )
     digits: int = setting(2, ge=1, le=6)
     train_size: int = setting(9500, ge=1)
     eval_size: int = setting(500, ge=1, doc="Fixed held-out set, disjoint from train")
@@ -102,10 +104,11 @@ class TaskSpec:
 
 @section
 class RewardSpec:
-    functions: list[str] = setting(
+    functions: list[str | dict[str, Any]] = setting(
         default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
         min_length=1,
-        doc="Reward functions as 'module:function'; rewards are summed with `weights`.",
+        doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature), or "
+        "{type: <a registered reward type>, ...its options} (rlpipe.rewards.REWARD_TYPES)",
     )
     weights: list[float] | None = None
     verifier: str = setting(
@@ -118,6 +121,10 @@ class RewardSpec:
         if self.verifier.count(":") != 1 or not all(self.verifier.split(":")):
             raise ValueError(f"reward.verifier {self.verifier!r} must look like 'package.module:function'")
         for ref in self.functions:
+            if isinstance(ref, dict):
+                if not isinstance(ref.get("type"), str):
+                    raise ValueError(f"reward.functions entry {ref!r} needs a `type`: a registered reward type")
+                continue
             if ref.count(":") != 1 or not all(ref.split(":")):
                 raise ValueError(f"reward.functions entry {ref!r} must look like 'package.module:function'")
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -166,7 +173,9 @@ class SamplersSpec:
 
 @section
 class AlgorithmSpec:
-    name: Literal["grpo"] = "grpo"
+    name: str = setting(
+        "grpo", doc="A registered algorithm (rlpipe.algorithms), or 'package.module:name' for one that module registers"
+    )
     scale_rewards: Literal["group", "batch", "none"] = "group"
     clip_eps: float = setting(0.2, gt=0)
     kl_coef: float = setting(0.0, ge=0, doc="beta for the k3 KL to the frozen reference (v0)")
@@ -355,7 +364,17 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (hint,) = [a for a in args if a is not type(None)]
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) > 1:  # the first arm the value fits, e.g. str | dict[str, Any]
+            for arm in arms:
+                scratch: list[str] = []
+                converted = _convert(arm, value, key, bounds, scratch)
+                if not scratch:
+                    return converted
+            kinds = " or ".join(getattr(typing.get_origin(a) or a, "__name__", str(a)) for a in arms)
+            errors.append(f"{key}: must be a {kinds} (got {value!r})")
+            return None
+        (hint,) = arms
         origin, args = typing.get_origin(hint), typing.get_args(hint)
 
     def fail(expected: str) -> None:
@@ -380,8 +399,11 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
             return fail("must not be empty" if bounds["min_length"] == 1 else f"needs {bounds['min_length']} entries")
         return tuple(items) if origin is tuple else items
     if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            return fail("must be a mapping of strings to strings")
+        values_any = args[1] is Any
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and (values_any or isinstance(v, str)) for k, v in value.items()
+        ):
+            return fail("must be a mapping" + ("" if values_any else " of strings to strings"))
         return dict(value)
     if hint is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):

@@ -1,7 +1,7 @@
-"""The RL math in one place: group advantages, the clipped policy-gradient loss, KL.
+"""GRPO: group-normalized advantages and the clipped policy-gradient loss with a k3 KL.
 
 Advantages use numpy only (the advantages step stays torch-free); the loss imports torch
-when called (only the update step calls it).
+when called (only the update calls it).
 """
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from rlpipe.algorithms import Algorithm, register_algorithm
+
 if TYPE_CHECKING:
     import torch
+
+    from rlpipe.spec import AlgorithmSpec
 
 STD_EPS = 1e-4  # as TRL: keeps (r - mean) / (std + eps) finite for tiny spreads
 
@@ -50,27 +54,6 @@ def group_advantages(
     else:
         raise ValueError(f"algorithm.scale_rewards must be group, batch or none, got {scale!r}")
     return advantages, zero_variance
-
-
-def token_logprobs(logits: "torch.Tensor", targets: "torch.Tensor", temperature: float) -> "torch.Tensor":
-    """log pi(target_t | prefix) under softmax(logits / T), for each position."""
-    import torch
-
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def token_logprobs_and_entropy(
-    logits: "torch.Tensor", targets: "torch.Tensor", temperature: float
-) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (no gradient),
-    from one log-softmax over the vocabulary."""
-    import torch
-
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def clipped_policy_loss(
@@ -121,3 +104,32 @@ def clipped_policy_loss(
             "ratio": (ratio * mask).sum() / tokens,
         }
     return loss, stats
+
+
+def grpo_advantages(
+    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    return group_advantages(rewards, group_ids, options.scale_rewards)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    options: AlgorithmSpec,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return clipped_policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps=options.clip_eps,
+        ref_logprobs=ref_logprobs,
+        kl_coef=options.kl_coef,
+        aggregation=options.loss_aggregation,
+    )
+
+
+GRPO = register_algorithm(Algorithm("grpo", frozenset({"groups"}), grpo_advantages, grpo_loss))

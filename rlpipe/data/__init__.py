@@ -1,31 +1,55 @@
-"""Data: the prepare step writes a run's train prompts and fixed held-out set, made by its task.
+"""Data: the prepare step writes a run's train rows and fixed held-out rows, made by its source.
 
-A task is a function making rows of {prompt, reference, ...}: `make_rows(rng, n, **options)`.
-Adding one = one module and one entry in TASKS.
+A data source makes rows: dicts with a "prompt" and any other columns (e.g. "reference"), which
+reach the reward functions and the verifier as keyword lists.
+    make_rows(rng: random.Random, n: int, **options) -> list[dict]
+`options` are the spec's `task` section besides name, sizes and seed. Register one with
+`register_source`; `task.name` is a registered name, or 'package.module:name' for one that module
+registers (imported first, in every step's process).
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from rlpipe.data import addition
 from rlpipe.spec import section_dict
-from rlpipe.store.run_root import filesystem, join, move
+from rlpipe.store.run_root import data_uri, filesystem, move
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
 
-TASKS: dict[str, Callable[..., list[dict[str, str]]]] = {
-    "addition": addition.make_rows,
-}
+Rows = list[dict[str, Any]]
+SOURCES: dict[str, Callable[..., Rows]] = {}
 
 
-def task_rows(spec: RunSpec) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def register_source(name: str, make_rows: Callable[..., Rows]) -> Callable[..., Rows]:
+    SOURCES[name] = make_rows
+    return make_rows
+
+
+def get_source(name: str) -> Callable[..., Rows]:
+    """The data source `name` ('addition', or 'package.module:name') names; a clear error otherwise."""
+    module, _, short = name.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # ImportError, or the module failing at import
+            raise ValueError(f"task.name {name!r}: cannot import {module!r} ({type(err).__name__}: {err})") from None
+    if short not in SOURCES:
+        raise ValueError(
+            f"task.name {name!r} is not a registered data source; registered: {', '.join(sorted(SOURCES))} "
+            "(or 'package.module:name' for one that module registers with rlpipe.data.register_source)"
+        )
+    return SOURCES[short]
+
+
+def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:
     """(train rows, eval rows) of the spec's task, seeded by task.seed (default: the run's seed);
     the eval rows are disjoint from the train rows."""
-    make_rows = TASKS[spec.task.name]
+    make_rows = get_source(spec.task.name)
     options = {k: v for k, v in section_dict(spec.task).items() if k not in ("name", "train_size", "eval_size", "seed")}
     seed = spec.seed if spec.task.seed is None else spec.task.seed
     rows = make_rows(random.Random(seed), spec.task.train_size + spec.task.eval_size, **options)
@@ -36,14 +60,19 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
     """Write data/train.parquet and data/eval.parquet with `datasets`; skip if present."""
     from datasets import Dataset
 
-    train_uri, eval_uri = join(run_root, "data", "train.parquet"), join(run_root, "data", "eval.parquet")
+    train_uri, eval_uri = data_uri(run_root, "train"), data_uri(run_root, "eval")
     fs, _ = filesystem(run_root)
     if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):
         train, held_out = task_rows(spec)
-        fs.makedirs(filesystem(join(run_root, "data"))[1], exist_ok=True)
+        fs.makedirs(filesystem(data_uri(run_root, "train"))[1].rsplit("/", 1)[0], exist_ok=True)
         for uri, part in ((eval_uri, held_out), (train_uri, train)):
             tmp = f"{uri}.tmp"
             with fs.open(filesystem(tmp)[1], "wb") as f:
                 Dataset.from_list(part).to_parquet(f)
             move(tmp, uri)
     return {"data/train_rows": spec.task.train_size, "data/eval_rows": spec.task.eval_size}
+
+
+from rlpipe.data import addition  # noqa: E402 (registers the built-in sources; needs register_source above)
+
+register_source("addition", addition.make_rows)

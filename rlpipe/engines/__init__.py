@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.run_root import data_uri, filesystem
 from rlpipe.store.weights import WeightRef, as_ref, local_path
 
 
@@ -134,7 +134,7 @@ def generate_rollouts(
 
     from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table
 
-    table = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1])
+    table = pq.read_table(filesystem(data_uri(run_root, "train"))[1])
     order = prompt_indices(table.num_rows, spec.rollout.prompts_per_iteration, iteration, spec.seed)
     rows = table.take(order).to_pylist()
     group = spec.rollout.samples_per_prompt

@@ -1,10 +1,14 @@
-"""Rewards: the score step, and reward functions and verifiers resolved from 'module:function'
-and called with one contract.
+"""Rewards: the score step (`score_rollouts`), and the reward functions it calls, resolved one way.
 
 A reward function has TRL's batch signature
     fn(prompts: list[str], completions: list[str], **columns) -> list[float]
 where `columns` are every other column of the rows (reference, prompt_id, ...). A verifier is a
 reward function whose 1.0 means "correct" (held-out accuracy = its mean).
+
+A `reward.functions` entry is 'module:function', or a mapping {type: <reward type>, ...options}
+that a registered reward type builds into a reward function (`register_reward_type`; a type
+'package.module:name' is registered by that module, imported first). Built in: `function`
+({type: function, function: 'module:function'}); reward models and sandboxed code come next.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ from rlpipe.rollouts import read_table, validate_rollouts, write_table
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
+
+RewardFunction = Callable[..., Sequence[float]]
+# a reward type: (the entry's options, the spec key naming it) -> a reward function
+REWARD_TYPES: dict[str, Callable[[dict[str, Any], str], RewardFunction]] = {}
+
+
+def register_reward_type(name: str, build: Callable[[dict[str, Any], str], RewardFunction]) -> None:
+    REWARD_TYPES[name] = build
 
 
 class RewardError(RuntimeError):
@@ -45,12 +57,48 @@ def load_reward_function(ref: str, key: str = "reward.functions") -> Callable[..
     return fn
 
 
+def load_reward(entry: str | dict[str, Any], key: str = "reward.functions") -> tuple[str, RewardFunction]:
+    """(name, reward function) for a `reward.functions` entry or the verifier (see the module doc)."""
+    if isinstance(entry, str):
+        return entry.rsplit(":", 1)[-1], load_reward_function(entry, key)
+    kind = str(entry.get("type"))
+    module, _, short = kind.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # ImportError, or the module failing at import
+            raise RewardError(f"{key}: cannot import {module!r} for reward type {kind!r} ({err})") from None
+    if short not in REWARD_TYPES:
+        raise RewardError(
+            f"{key}: reward type {kind!r} is not registered; registered: {', '.join(sorted(REWARD_TYPES))} "
+            "(or 'package.module:name' for one that module registers with rlpipe.rewards.register_reward_type)"
+        )
+    options = {k: v for k, v in entry.items() if k not in ("type", "name")}
+    return str(entry.get("name", short)), REWARD_TYPES[short](options, key)
+
+
 def call_reward(
-    ref: str, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, Sequence[Any]], key: str
+    entry: str | dict[str, Any],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: dict[str, Sequence[Any]],
+    key: str,
 ) -> list[float]:
-    """Call the function behind `ref` on a batch and check what it returns: one finite number per
-    completion. Every failure raises RewardError naming `ref` and the spec key."""
-    fn = load_reward_function(ref, key)
+    """Call the reward `entry` names on a batch and check what it returns: one finite number per
+    completion. Every failure raises RewardError naming the reward and the spec key."""
+    name, fn = load_reward(entry, key)
+    return checked_rewards(entry if isinstance(entry, str) else name, fn, prompts, completions, columns, key)
+
+
+def checked_rewards(
+    ref: str,
+    fn: RewardFunction,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: dict[str, Sequence[Any]],
+    key: str,
+) -> list[float]:
+    """fn's rewards for the batch, checked: one finite number per completion (RewardError naming `ref`)."""
     try:
         values = fn(list(prompts), list(completions), **columns)
     except Exception as err:  # a user function: say which one, keep storage untouched
@@ -86,9 +134,11 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     extra = {k: v for k, v in columns.items() if k not in ("prompt", "completion")}
     weights = spec.reward.weights or [1.0] * len(spec.reward.functions)
     total = np.zeros(table.num_rows)
-    for ref, weight in zip(spec.reward.functions, weights, strict=True):
-        values = call_reward(ref, columns["prompt"], columns["completion"], extra, "reward.functions")
-        columns[f"reward/{ref.rsplit(':', 1)[1]}"] = values
+    for entry, weight in zip(spec.reward.functions, weights, strict=True):
+        name, fn = load_reward(entry, "reward.functions")
+        ref = entry if isinstance(entry, str) else name
+        values = checked_rewards(ref, fn, columns["prompt"], columns["completion"], extra, "reward.functions")
+        columns[f"reward/{name}"] = values
         total += weight * np.asarray(values)
     columns["reward"] = total.tolist()
     write_table(columns, out_path)
@@ -99,3 +149,13 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
         "reward/max": float(total.max()),
         "time/score_s": time.time() - started,
     }
+
+
+def _function_reward(options: dict[str, Any], key: str) -> RewardFunction:
+    """{type: function, function: 'module:function'}: the same as the string form."""
+    if not isinstance(options.get("function"), str):
+        raise RewardError(f"{key}: a reward of type function needs `function: 'package.module:function'`")
+    return load_reward_function(options["function"], key)
+
+
+register_reward_type("function", _function_reward)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, join, read_state, write_json
+from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref
 
 
@@ -64,7 +64,7 @@ def sync_weights(
         data_cursor=iteration * spec.rollout.prompts_per_iteration,
     )
     prune(run_root, spec.storage.keep_versions, ref["version"])
-    fs, opt_dir = filesystem(join(run_root, "optimizer"))
+    fs, opt_dir = filesystem(optimizer_dir(run_root))
     if fs.exists(opt_dir):
         for path in fs.ls(opt_dir, detail=False):
             name = path.rsplit("/", 1)[-1]

@@ -100,6 +100,20 @@ def write_json(uri: str, data: Any) -> None:
 # --- state.json: the commit point of the loop -------------------------------------------
 
 
+def data_uri(run_root: str, split: str) -> str:
+    """data/train.parquet and data/eval.parquet: the rows the prepare step wrote."""
+    return join(run_root, "data", f"{split}.parquet")
+
+
+def optimizer_dir(run_root: str) -> str:
+    return join(run_root, "optimizer")
+
+
+def optimizer_uri(run_root: str, version: int) -> str:
+    """The trainer's optimizer state after training weights v(version), beside that version."""
+    return join(optimizer_dir(run_root), f"v{version:06d}.pt")
+
+
 def state_uri(run_root: str) -> str:
     return join(run_root, "state.json")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpipe.algorithms.grpo import clipped_policy_loss, token_logprobs, token_logprobs_and_entropy
+from rlpipe.algorithms import get_algorithm
 from rlpipe.modeling import load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import filesystem, join, move
+from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
 
 
@@ -27,8 +27,21 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient went NaN/inf; nothing was published."""
 
 
-def optimizer_uri(run_root: str, version: int) -> str:
-    return join(run_root, "optimizer", f"v{version:06d}.pt")
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(target_t | prefix) under softmax(logits / T), for each position."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (no gradient),
+    from one log-softmax over the vocabulary."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -97,6 +110,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     """One iteration of mini-batch steps on the batch; the trainer's policy and optimizer move on
     in place. Raises NonFiniteLossError before the step that would apply a NaN/inf gradient."""
     spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
+    algorithm = get_algorithm(spec.algorithm.name)
     started = time.time()
     rows = read_table(batch_path).to_pylist()
     random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
@@ -123,15 +137,8 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 with torch.no_grad():
                     ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
                     ref_logprobs = token_logprobs(ref_logits, targets, temperature)
-            loss, stats = clipped_policy_loss(
-                logprobs,
-                mb["old_logprobs"],
-                mb["advantages"],
-                mb["completion_mask"],
-                clip_eps=spec.algorithm.clip_eps,
-                ref_logprobs=ref_logprobs,
-                kl_coef=spec.algorithm.kl_coef,
-                aggregation=spec.algorithm.loss_aggregation,
+            loss, stats = algorithm.loss(
+                logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, spec.algorithm
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -17,7 +17,7 @@ import torch
 
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
 from rlpipe.spec import RunSpec, WarmStartSpec, section_dict
-from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.run_root import data_uri, filesystem
 from rlpipe.store.weights import WeightRef, seal, staging_uri
 
 
@@ -115,7 +115,7 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
             model = build_tiny_model(spec.model.tiny, tokenizer, spec.seed)
         ws = spec.model.warm_start
         if ws.max_steps:
-            rows = pq.read_table(filesystem(join(run_root, "data", "train.parquet"))[1]).to_pylist()
+            rows = pq.read_table(filesystem(data_uri(run_root, "train"))[1]).to_pylist()
             metrics |= supervised_warm_start(
                 model, tokenizer, rows, ws, spec.seed, spec.reward.verifier, spec.rollout.max_new_tokens
             )

@@ -1,0 +1,41 @@
+"""A toy algorithm, data source and reward type, registered from outside the rlpipe package.
+
+Each is one function plus its registration; a spec names them as 'tests.toy_plugins:<name>'.
+"""
+
+import random
+
+import numpy as np
+
+from rlpipe.algorithms import Algorithm, register_algorithm
+from rlpipe.algorithms.grpo import grpo_loss
+from rlpipe.data import register_source
+from rlpipe.rewards import register_reward_type
+
+
+def sign_advantages(rewards: np.ndarray, group_ids: np.ndarray, options) -> tuple[np.ndarray, np.ndarray]:
+    """A_i = sign(r_i - mean of its group): +1 above the group's mean, -1 below, 0 at it."""
+    means = {g: rewards[group_ids == g].mean() for g in np.unique(group_ids)}
+    centered = rewards - np.array([means[g] for g in group_ids])
+    zero_variance = np.array([np.all(rewards[group_ids == g] == rewards[group_ids == g][0]) for g in group_ids])
+    return np.sign(centered), zero_variance
+
+
+register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, grpo_loss))
+
+
+def doubling_rows(rng: random.Random, n: int, **_: object) -> list[dict[str, str]]:
+    """'12*2=' -> '24': n distinct problems."""
+    return [{"prompt": f"{a}*2=", "reference": str(2 * a)} for a in rng.sample(range(1000), n)]
+
+
+register_source("doubling", doubling_rows)
+
+
+def build_length_reward(options: dict, key: str):
+    """{type: tests.toy_plugins:length, target: N}: 1.0 for completions of exactly N characters."""
+    target = int(options["target"])
+    return lambda prompts, completions, **_: [float(len(c.strip()) == target) for c in completions]
+
+
+register_reward_type("length", build_length_reward)
