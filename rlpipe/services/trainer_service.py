@@ -71,7 +71,7 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
     """Sample the iteration's rollouts with the held policy (torch engine) into request["rollouts_uri"]."""
     import tempfile
 
-    from rlpipe.engines import generate_rollouts
+    from rlpipe.engines import Policy, generate_rollouts
     from rlpipe.store.run_root import filesystem
 
     started = time.time()
@@ -86,7 +86,7 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
             int(request["iteration"]),
             local,
             request["cache_root"],
-            policy=(trainer.policy, trainer.tokenizer),
+            policy=Policy(trainer.policy, trainer.tokenizer),
         )
         fs, remote = filesystem(request["rollouts_uri"])
         fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
@@ -98,12 +98,13 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
 
 def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
     """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
+    from rlpipe.engines import Policy
     from rlpipe.evaluation import evaluate_policy
 
     started = time.time()
     trainer, reloaded = hold(request, held)
     loaded = time.time()
-    policy = (trainer.policy, trainer.tokenizer)
+    policy = Policy(trainer.policy, trainer.tokenizer)
     metrics = evaluate_policy(
         trainer.spec, trainer.run_root, trainer.weights, int(request["iteration"]), request["cache_root"], policy
     )

@@ -1,0 +1,53 @@
+"""The sampler engine: long-lived vLLM servers (rlpipe.services.sampler_client); the generate
+step is an HTTP client and imports no torch."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlpipe.engines import Policy, Sampled, sample_seed
+from rlpipe.store.weights import local_path
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
+
+
+def sample_prompts(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    cache_root: str,
+    prompts: list[str],
+    iteration: int,
+    policy: Policy | None = None,
+) -> Sampled:
+    """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
+    ready replica serves `weights` (reloaded in place when it does not)."""
+    from tokenizers import Tokenizer
+
+    from rlpipe.services.sampler_client import ensure_version, generate_groups, ready_replicas, sampler_weights_dir
+
+    s = spec.samplers
+    urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
+    metrics = ensure_version(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s)
+    tokenizer = Tokenizer.from_file(str(Path(local_path(weights, cache_root)) / "tokenizer.json"))
+    loaded = time.time()
+    prompt_ids = [tokenizer.encode(p).ids for p in prompts]
+    r = spec.rollout
+    sampling = {"max_tokens": r.max_new_tokens, "temperature": r.temperature}
+    completions, client_metrics = generate_groups(
+        urls,
+        prompt_ids,
+        r.samples_per_prompt,
+        sampling,
+        sample_seed(spec.seed, iteration),
+        weights["version"],
+        s.requests_per_replica,
+        s.request_timeout_s,
+    )
+    texts = tokenizer.decode_batch(completions.token_ids, skip_special_tokens=True)
+    metrics |= client_metrics | {"samplers/ready": float(len(urls))}
+    return Sampled(prompt_ids, completions, texts, loaded, metrics)
