@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from rlpipe.metric_keys import EVAL_ACCURACY
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,7 +56,7 @@ def main() -> None:
             f"clip {metrics['policy/clip_fraction']:.3f} gen {metrics['time/generate_s']:.2f}s "
             f"upd {metrics['time/update_s']:.2f}s"
         )
-        if "eval/accuracy_greedy" in metrics:
+        if EVAL_ACCURACY in metrics:
             line += f" eval {metrics['eval/accuracy_greedy']:.3f}"
         print(line, flush=True)
     print(f"total {time.time() - started:.1f}s, run root {run_root}")

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 # rlpipe's settings besides the demo spec. colocated: the resident trainer also samples (torch
@@ -253,7 +255,7 @@ def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path
     }
     iters = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/iter_*.json"))[1:]]
     curve = [
-        {"samples": i * 4096, "wall_s": mtime - started - eval_s_before(mtime), "acc": m["eval/accuracy_greedy"]}
+        {"samples": i * 4096, "wall_s": mtime - started - eval_s_before(mtime), "acc": m[EVAL_ACCURACY]}
         for i, (m, mtime) in sorted(evals.items())
     ]
     curve[0]["wall_s"] = 0.0  # v0's accuracy: before any training
@@ -265,8 +267,8 @@ def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path
         "prompt_tokens": 7 * 4096 * iterations,
         "generate_s": sum(m["time/generate_s"] for m in iters),
         "update_s": sum(m["time/update_s"] for m in iters),
-        "orchestration_s_per_iteration": statistics.fmean(m["overhead/iteration_s"] for m in iters),
-        "iteration_wall_s": statistics.fmean(m["time/iteration_wall_s"] for m in iters),
+        "orchestration_s_per_iteration": statistics.fmean(m[ITERATION_OVERHEAD] for m in iters),
+        "iteration_wall_s": statistics.fmean(m[ITERATION_WALL] for m in iters),
         "peak_rss_gb": peak,
         "warm_start_cached": json.loads((run_dir / "metrics" / "iter_000000.json").read_text())["warm_start/cached"],
     }

@@ -15,8 +15,11 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-TRAINER_IMAGE = "ghcr.io/rlpipe/trainer:0.1.0"  # torch + transformers + rlpipe (generate, update, ...)
-STEP_IMAGE = "ghcr.io/rlpipe/step:0.1.0"  # rlpipe without torch (score, advantages, sync, ...)
+from rlpipe.spec import ClusterSpec
+
+# the images the components name; `cluster.trainer.image` / `cluster.step.image` replace them at compile time
+TRAINER_IMAGE = ClusterSpec().trainer.image  # torch + transformers + rlpipe (generate, update, ...)
+STEP_IMAGE = ClusterSpec().step.image  # rlpipe without torch (score, advantages, sync, ...)
 
 if TYPE_CHECKING:
     from kfp.dsl import Metrics

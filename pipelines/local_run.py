@@ -20,8 +20,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
-from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.spec import RESUMABLE_KEYS, RunSpec, spec_to_dict, without
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -74,7 +75,7 @@ class Progress:
         self.iteration = state.get("iteration", 0)
         if iterations:
             self.latest = iterations[max(iterations)]
-        self.evals = {i: m["eval/accuracy_greedy"] for i, m in list_metrics(run_root, "eval").items()}
+        self.evals = {i: m[EVAL_ACCURACY] for i, m in list_metrics(run_root, "eval").items()}
         if log_path.exists():
             with log_path.open("rb") as f:
                 f.seek(max(0, log_path.stat().st_size - 8192))
@@ -141,18 +142,8 @@ def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
                 fs.rm(data_dir, recursive=True)
         write_json(join(run_root, "spec.json"), current)
         return
-    ignored = ("loop", "storage", "cluster", "samplers")
-    where_computed = {"rollout": ("engine",), "trainer": ("resident", "endpoint")}
-
-    def compared(data: dict, key: str):
-        value = data.get(key)
-        if key not in where_computed or not value:
-            return value
-        return {k: v for k, v in value.items() if k not in where_computed[key]}
-
-    changed = sorted(
-        k for k in set(saved) | set(current) if k not in ignored and compared(saved, k) != compared(current, k)
-    )
+    saved, compared = without(saved, RESUMABLE_KEYS), without(current, RESUMABLE_KEYS)
+    changed = sorted(k for k in set(saved) | set(compared) if saved.get(k) != compared.get(k))
     if changed:
         raise ValueError(
             f"{run_root} was started with a different spec (sections {', '.join(changed)} differ); "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
+from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import data_uri, eval_metrics_uri, filesystem, read_state, write_json
 from rlpipe.store.weights import WeightRef, as_ref
@@ -74,7 +75,7 @@ def evaluate_policy(
         model, tokenizer, rows, spec.reward.verifier, spec.rollout.max_new_tokens, spec.rollout.batch_size
     )
     metrics = {
-        "eval/accuracy_greedy": accuracy,
+        EVAL_ACCURACY: accuracy,
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlpipe.metric_keys import STARTED_AT
 from rlpipe.steps import service_for
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def run_iteration(
     the held-out evaluation's, when one was due). The artifacts (rollouts, scored, batch) are Parquet
     files in `work_dir`."""
     rollouts, scored, batch = (str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "batch"))
-    begun = {"started_at": time.time()}  # sync_weights records the iteration's wall time from here
+    begun = {STARTED_AT: time.time()}  # sync_weights records the iteration's wall time from here
     generated = generate(spec, run_root, weights, iteration, rollouts, cache_root)
     scores = score(spec, rollouts, scored)
     advantage_stats = advantages(spec, scored, batch)

@@ -267,7 +267,6 @@ class ClusterSpec:
         default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi", gpus=1)
     )
     step: PodSpec = setting(default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/step:0.1.0"))
-    sampler_image: str = "ghcr.io/rlpipe/sampler:0.1.0"
     pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
     mount_path: str = "/mnt/rlpipe"
     secrets: list[SecretEnv] = setting(default_factory=list)
@@ -475,6 +474,36 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunS
 def section_dict(section_value: Any) -> dict[str, Any]:
     """A section as a plain dict (tuples as lists), None values kept."""
     return _plain(dataclasses.asdict(section_value), keep_none=True)
+
+
+# What the spec's keys affect, decided here once (dotted keys; a section name covers the section).
+TRAINING_KEYS = ("seed", "model", "rollout", "algorithm", "trainer")  # what an update computes with
+# free to change when a run resumes: how far it goes, where it stores, how steps are placed and where
+# rollouts and updates are computed (every engine samples the same policy; the resident trainer
+# computes the per-step update)
+RESUMABLE_KEYS = ("loop", "storage", "cluster", "samplers", "rollout.engine", "trainer.resident", "trainer.endpoint")
+WARM_START_KEYS = ("seed", "model", "task", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
+
+
+def pick(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """{dotted key: its value in `data`} for `keys` (absent keys: None)."""
+    picked = {}
+    for key in keys:
+        node: Any = data
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        picked[key] = node
+    return picked
+
+
+def without(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`data` (nested) without the dotted `keys`."""
+    kept = {k: v for k, v in data.items() if k not in keys}
+    for key in keys:
+        section, _, rest = key.partition(".")
+        if rest and isinstance(kept.get(section), dict):
+            kept[section] = without(kept[section], (rest,))
+    return kept
 
 
 def spec_to_dict(spec: RunSpec) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.run_root import commit_state, is_local, list_metrics, read_state
 
@@ -68,7 +69,7 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
     client = MlflowClient()
     committed = state.get("iteration", -1)
     logged = 0
-    for kind, marker in (("iter", "reward/mean"), ("eval", "eval/accuracy_greedy")):
+    for kind, marker in (("iter", REWARD_MEAN), ("eval", EVAL_ACCURACY)):
         have = {m.step for m in client.get_metric_history(run_id, marker)}
         for iteration, values in sorted(list_metrics(run_root, kind).items()):
             if iteration > committed or iteration in have:

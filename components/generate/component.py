@@ -25,5 +25,7 @@ def generate(
 
     values |= loop.generate(run_spec, run_root, weights, iteration, rollouts.path, run_spec.cache_root)
     finish(metrics, values)
-    values["started_at"] = entered  # wall clock the iteration started (for sync)
+    from rlpipe.metric_keys import STARTED_AT
+
+    values[STARTED_AT] = entered  # the iteration began: sync_weights records its wall time
     return (values,)

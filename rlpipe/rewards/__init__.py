@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlpipe.metric_keys import REWARD_MEAN
 from rlpipe.rollouts import read_table, validate_rollouts, write_table
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     columns["reward"] = total.tolist()
     write_table(columns, out_path)
     return {
-        "reward/mean": float(total.mean()),
+        REWARD_MEAN: float(total.mean()),
         "reward/std": float(total.std()),
         "reward/min": float(total.min()),
         "reward/max": float(total.max()),

@@ -27,47 +27,54 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlpipe.services.local_servers import LocalServers
-from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
+from rlpipe.spec import TRAINING_KEYS, RunSpec, parse_spec, pick, spec_to_dict
 
-TRAINING_SECTIONS = ("seed", "model", "rollout", "algorithm", "trainer")
+if TYPE_CHECKING:
+    from rlpipe.training.trainer import Trainer
 
 
 def training_settings(spec: RunSpec) -> str:
-    """The spec sections that change what an update computes (a held trainer is reused only for these)."""
-    data = spec_to_dict(spec)
-    return json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True)
+    """The spec keys that change what an update computes (a held trainer is reused only for these)."""
+    return json.dumps(pick(spec_to_dict(spec), TRAINING_KEYS), sort_keys=True)
 
 
-def hold(request: dict[str, Any], held: dict[str, Any]) -> tuple[Any, bool]:
+@dataclass
+class Held:
+    """What the service holds between requests: a trainer and the (run root, version, sha256,
+    training settings) it is exactly at; empty while a request runs, until it succeeds."""
+
+    trainer: Trainer | None = None
+    key: tuple[str, int, str, str] | None = None
+
+
+def hold(request: dict[str, Any], held: Held) -> tuple[Trainer, bool]:
     """The trainer at the request's weights version: the one held, or loaded from the weight store.
-    Returns (trainer, whether it was loaded); `held` is empty until the caller succeeds."""
+    Returns (trainer, whether it was loaded)."""
     from rlpipe.store.weights import as_ref
     from rlpipe.training.trainer import load_trainer
 
     spec = parse_spec(request["spec"])
     run_root, weights = request["run_root"], as_ref(request["weights"])
     wanted = (run_root, weights["version"], weights["sha256"], training_settings(spec))
-    trainer = held.get("trainer")
-    loaded = trainer is None or held.get("key") != wanted
-    held.clear()
+    trainer, loaded = held.trainer, held.trainer is None or held.key != wanted
+    held.trainer = held.key = None
     if loaded:
         trainer = load_trainer(spec, run_root, weights, request["cache_root"])
     return trainer, loaded
 
 
-def keep(held: dict[str, Any], trainer: Any) -> None:
+def keep(held: Held, trainer: Trainer) -> None:
     weights = trainer.weights
-    held.update(
-        trainer=trainer,
-        key=(trainer.run_root, weights["version"], weights["sha256"], training_settings(trainer.spec)),
-    )
+    held.trainer = trainer
+    held.key = (trainer.run_root, weights["version"], weights["sha256"], training_settings(trainer.spec))
 
 
-def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """Sample the iteration's rollouts with the held policy (torch engine) into request["rollouts_uri"]."""
     import tempfile
 
@@ -96,7 +103,7 @@ def serve_generate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
 
-def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
     from rlpipe.engines import Policy
     from rlpipe.evaluation import evaluate_policy
@@ -112,7 +119,7 @@ def serve_evaluate(request: dict[str, Any], held: dict[str, Any]) -> dict[str, A
     return {"metrics": metrics | {"overhead/evaluate_load_s": loaded - started, "trainer/reloaded": float(reloaded)}}
 
 
-def serve_update(request: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
     from rlpipe.training.trainer import save_trained, train_on_batch
 
@@ -139,7 +146,7 @@ ROUTES = {"/generate": serve_generate, "/evaluate": serve_evaluate, "/update": s
 
 def make_server(host: str, port: int) -> ThreadingHTTPServer:
     """The HTTP server; requests run one at a time, /health answers during one."""
-    held: dict[str, Any] = {}
+    held = Held()
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -154,7 +161,7 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path != "/health":
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
-            trainer = held.get("trainer")
+            trainer = held.trainer
             self._reply(200, {"weights": trainer.weights if trainer is not None else None})
 
         def do_POST(self) -> None:  # noqa: N802

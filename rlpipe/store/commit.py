@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref
@@ -50,18 +51,17 @@ def sync_weights(
     if spec.rollout.engine == "sampler":
         metrics |= reload_samplers(spec, ref)
     metrics["time/sync_weights_s"] = time.time() - started
-    if "started_at" in metrics:  # wall clock from the generate step's process start to here
-        wall = time.time() - metrics.pop("started_at")
+    if STARTED_AT in metrics:  # wall clock from the generate step's process start to here
+        wall = time.time() - metrics.pop(STARTED_AT)
         compute = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s"))
-        metrics["time/iteration_wall_s"] = wall
-        metrics["overhead/iteration_s"] = max(0.0, wall - compute)
+        metrics[ITERATION_WALL] = wall
+        metrics[ITERATION_OVERHEAD] = max(0.0, wall - compute)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
     commit_state(
         run_root,
         iteration=iteration,
         weights_version=ref["version"],
         weights_sha256=ref["sha256"],
-        data_cursor=iteration * spec.rollout.prompts_per_iteration,
     )
     prune(run_root, spec.storage.keep_versions, ref["version"])
     fs, opt_dir = filesystem(optimizer_dir(run_root))

@@ -16,20 +16,14 @@ import pyarrow.parquet as pq
 import torch
 
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
-from rlpipe.spec import RunSpec, WarmStartSpec, section_dict
+from rlpipe.spec import WARM_START_KEYS, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_uri, filesystem
 from rlpipe.store.weights import WeightRef, seal, staging_uri
 
 
 def cache_key(spec: RunSpec) -> str:
     """Everything that determines the warm-started weights."""
-    parts = {
-        "model": section_dict(spec.model),
-        "task": section_dict(spec.task),
-        "verifier": spec.reward.verifier,
-        "max_new_tokens": spec.rollout.max_new_tokens,
-        "seed": spec.seed,
-    }
+    parts = pick(section_dict(spec), WARM_START_KEYS)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
