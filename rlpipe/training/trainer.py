@@ -11,9 +11,9 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpipe.algorithms import get_algorithm
 from rlpipe.modeling import load_weights
@@ -21,6 +21,9 @@ from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
+
+if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class NonFiniteLossError(FloatingPointError):
