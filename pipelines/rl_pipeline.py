@@ -19,40 +19,20 @@ Which iterations evaluate is known when the run starts (plan's eval_phase = N0 %
 iterations_left), so an iteration that is not due starts no evaluate task at all.
 """
 
+import importlib
 from contextlib import ExitStack
 from typing import Any, Callable, NamedTuple
 
 from kfp import dsl
 
-from rlpipe.components.advantages.component import advantages
-from rlpipe.components.evaluate.component import evaluate
-from rlpipe.components.generate.component import generate
-from rlpipe.components.plan.component import iterations_todo, plan
-from rlpipe.components.prepare.component import prepare
-from rlpipe.components.score.component import score
-from rlpipe.components.sync_weights.component import sync_weights
-from rlpipe.components.track.component import track
-from rlpipe.components.update.component import update
-from rlpipe.components.warm_start.component import publish_warm_start, warm_start
 from rlpipe.pipelines.cluster_settings import place
 from rlpipe.spec import RunSpec
 from rlpipe.steps import EVERY_ITERATION, STEP_NAMES
 
+# the KFP component of every step in the table: rlpipe.components.<step>.component:<step>
 COMPONENTS = {
-    "prepare": prepare,
-    "warm_start": warm_start,
-    "publish_warm_start": publish_warm_start,
-    "plan": plan,
-    "iterations_todo": iterations_todo,
-    "generate": generate,
-    "score": score,
-    "advantages": advantages,
-    "update": update,
-    "sync_weights": sync_weights,
-    "evaluate": evaluate,
-    "track": track,
+    step: getattr(importlib.import_module(f"rlpipe.components.{step}.component"), step) for step in STEP_NAMES
 }
-assert tuple(COMPONENTS) == STEP_NAMES, "one KFP component per step of rlpipe.steps.STEPS, in its order"
 
 
 def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
@@ -109,12 +89,12 @@ def build_run_pipeline(iterations_per_run: int, eval_every: int, placement: RunS
         description=f"RL loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
     )
     def rl_run(spec: dict, run_root: str):
-        flush = place(track(spec=spec, run_root=run_root), "track", placement)
+        flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
-            data = place(prepare(spec=spec, run_root=run_root), "prepare", placement)
-            initial = place(warm_start(spec=spec, run_root=run_root).after(data), "warm_start", placement)
+            data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
+            initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
             published = place(
-                publish_warm_start(
+                COMPONENTS["publish_warm_start"](
                     spec=spec,
                     run_root=run_root,
                     staged=initial.outputs["staged"],
@@ -123,10 +103,14 @@ def build_run_pipeline(iterations_per_run: int, eval_every: int, placement: RunS
                 "publish_warm_start",
                 placement,
             )
-            start = place(plan(spec=spec, run_root=run_root).after(published), "plan", placement)
-            todo = place(iterations_todo(spec=spec, run_root=run_root).after(published), "iterations_todo", placement)
+            start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(published), "plan", placement)
+            todo = place(
+                COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(published),
+                "iterations_todo",
+                placement,
+            )
             pending = place(
-                evaluate(
+                COMPONENTS["evaluate"](
                     spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
                 ),
                 "evaluate",

@@ -16,12 +16,3 @@ def plan(spec: dict, run_root: str) -> NamedTuple(
 
     start = loop.plan(parse_spec(spec), run_root)
     return (start.weights, start.iteration, start.iteration + 1, start.eval_phase, start.iterations_left)
-
-
-@dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
-def iterations_todo(spec: dict, run_root: str) -> int:
-    """How many iterations this pipeline run does (gates the unrolled iterations)."""
-    from rlpipe import loop
-    from rlpipe.spec import parse_spec
-
-    return loop.plan(parse_spec(spec), run_root).todo
