@@ -55,7 +55,8 @@ def average_breakdown(run_dir: Path, skip: int = 0) -> dict[str, dict[str, float
     def mean(key: str) -> float:
         return statistics.fmean(r.get(key, 0.0) for r in rows)
 
-    walls = {step: times[skip:] for step, times in task_walls(run_dir / "logs" / "kfp-local.log").items()}
+    logged = task_walls(run_dir / "logs" / "kfp-local.log")
+    walls = {step: times[skip:] for step, times in logged.items()}
     table: dict[str, dict[str, float]] = {}
     for step in STEPS:
         row = {
@@ -69,7 +70,7 @@ def average_breakdown(run_dir: Path, skip: int = 0) -> dict[str, dict[str, float
             # waits for the resident trainer to start), as the iterations leave out iter_000000
             evals = [json.loads(f.read_text()) for f in sorted((run_dir / "metrics").glob("eval_*.json"))[1:]]
             per_iteration = 1 / len(rows)
-            row["task_wall_s"] = sum(task_walls(run_dir / "logs" / "kfp-local.log").get(step, [])[1:]) * per_iteration
+            row["task_wall_s"] = sum(logged.get(step, [])[1:]) * per_iteration
             row["import_s"] = 0.0
             row["load_s"] = sum(e.get("overhead/evaluate_load_s", 0.0) for e in evals) * per_iteration
             row["compute_s"] = sum(e.get("time/evaluate_s", 0.0) for e in evals) * per_iteration

@@ -14,7 +14,6 @@ where `options` is the spec's `algorithm` section. Register one with `register_a
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlpipe.plugins import look_up
 from rlpipe.rollouts import read_table, write_table
 
 if TYPE_CHECKING:
@@ -46,20 +46,7 @@ def register_algorithm(algorithm: Algorithm) -> Algorithm:
 
 def get_algorithm(name: str) -> Algorithm:
     """The algorithm `name` ('grpo', or 'package.module:name') names; a clear error otherwise."""
-    module, _, short = name.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except Exception as err:  # ImportError, or the module failing at import
-            raise ValueError(
-                f"algorithm.name {name!r}: cannot import {module!r} ({type(err).__name__}: {err})"
-            ) from None
-    if short not in ALGORITHMS:
-        raise ValueError(
-            f"algorithm.name {name!r} is not a registered algorithm; registered: {', '.join(sorted(ALGORITHMS))} "
-            "(or 'package.module:name' for one that module registers with rlpipe.algorithms.register_algorithm)"
-        )
-    return ALGORITHMS[short]
+    return look_up(name, ALGORITHMS, "algorithm.name", "algorithm", "rlpipe.algorithms.register_algorithm")[1]
 
 
 def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[str, float]:

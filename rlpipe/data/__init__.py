@@ -10,11 +10,11 @@ registers (imported first, in every step's process).
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rlpipe.plugins import look_up
 from rlpipe.spec import section_dict
 from rlpipe.store.run_root import data_uri, filesystem, move
 
@@ -32,18 +32,7 @@ def register_source(name: str, make_rows: Callable[..., Rows]) -> Callable[..., 
 
 def get_source(name: str) -> Callable[..., Rows]:
     """The data source `name` ('addition', or 'package.module:name') names; a clear error otherwise."""
-    module, _, short = name.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except Exception as err:  # ImportError, or the module failing at import
-            raise ValueError(f"task.name {name!r}: cannot import {module!r} ({type(err).__name__}: {err})") from None
-    if short not in SOURCES:
-        raise ValueError(
-            f"task.name {name!r} is not a registered data source; registered: {', '.join(sorted(SOURCES))} "
-            "(or 'package.module:name' for one that module registers with rlpipe.data.register_source)"
-        )
-    return SOURCES[short]
+    return look_up(name, SOURCES, "task.name", "data source", "rlpipe.data.register_source")[1]
 
 
 def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:

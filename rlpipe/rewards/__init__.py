@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlpipe.metric_keys import REWARD_MEAN
+from rlpipe.plugins import look_up
 from rlpipe.rollouts import read_table, validate_rollouts, write_table
 
 if TYPE_CHECKING:
@@ -62,20 +63,14 @@ def load_reward(entry: str | dict[str, Any], key: str = "reward.functions") -> t
     """(name, reward function) for a `reward.functions` entry or the verifier (see the module doc)."""
     if isinstance(entry, str):
         return entry.rsplit(":", 1)[-1], load_reward_function(entry, key)
-    kind = str(entry.get("type"))
-    module, _, short = kind.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except Exception as err:  # ImportError, or the module failing at import
-            raise RewardError(f"{key}: cannot import {module!r} for reward type {kind!r} ({err})") from None
-    if short not in REWARD_TYPES:
-        raise RewardError(
-            f"{key}: reward type {kind!r} is not registered; registered: {', '.join(sorted(REWARD_TYPES))} "
-            "(or 'package.module:name' for one that module registers with rlpipe.rewards.register_reward_type)"
+    try:
+        short, build = look_up(
+            str(entry.get("type")), REWARD_TYPES, f"{key} type", "reward type", "rlpipe.rewards.register_reward_type"
         )
+    except ValueError as err:
+        raise RewardError(str(err)) from None
     options = {k: v for k, v in entry.items() if k not in ("type", "name")}
-    return str(entry.get("name", short)), REWARD_TYPES[short](options, key)
+    return str(entry.get("name", short)), build(options, key)
 
 
 def call_reward(
