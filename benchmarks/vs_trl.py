@@ -339,7 +339,7 @@ def main() -> None:
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL
     # run only (prompt order, sampling, mini-batch shuffle), so the systems differ only in training.
     run_root, model_dir = prepare_reference(demo_spec(0, args.work), args.work)
-    shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "task.seed": 0}
+    shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "data.seed": 0}
     for seed in range(seeds):
         runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, settings | shared, args.work))
         for system in TRL_BATCHES:

@@ -14,9 +14,10 @@ from pathlib import Path
 import yaml
 from hera.workflows import models as m
 
+from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_dict
-from rlpipe.steps import EVERY_ITERATION, uses_trainer_image
+from rlpipe.steps import EVERY_ITERATION, sandboxed, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -63,7 +64,19 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
         if cluster.retries
         else None,
         active_deadline_seconds=m.IntOrString(pod.timeout_s),
+        **_sandbox_settings(step, spec),
     )
+
+
+def _sandbox_settings(step: str, spec: RunSpec) -> dict:
+    """A score step that runs candidates' code: labelled for the sandbox NetworkPolicy (no egress) and
+    run under cluster.sandbox_runtime_class (Argo's podSpecPatch can set what KFP cannot)."""
+    if not sandboxed(step, spec):
+        return {}
+    settings: dict = {"metadata": m.Metadata(labels={SANDBOX_LABEL: "true"})}
+    if spec.cluster.sandbox_runtime_class:
+        settings["pod_spec_patch"] = json.dumps({"runtimeClassName": spec.cluster.sandbox_runtime_class})
+    return settings
 
 
 def _dag(iterations_per_run: int) -> m.Template:

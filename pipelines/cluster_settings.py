@@ -8,7 +8,10 @@ The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=
 from kfp import dsl, kubernetes
 
 from rlpipe.spec import RunSpec
-from rlpipe.steps import BY_NAME, uses_trainer_image
+from rlpipe.steps import BY_NAME, sandboxed, uses_trainer_image
+
+SANDBOX_LABEL = "rlpipe.dev/sandbox"  # selected by manifests/base/sandbox.yaml's NetworkPolicies
+RUNTIME_CLASS_ANNOTATION = "rlpipe.dev/runtime-class"
 
 
 def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.PipelineTask:
@@ -42,4 +45,11 @@ def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.Pipeli
     if cluster.retries:
         task.set_retry(cluster.retries, backoff_duration=cluster.retry_backoff)
     kubernetes.set_security_context(task, run_as_user=cluster.run_as_user, run_as_non_root=True)
+    if sandboxed(step, spec):
+        # KFP's PlatformSpec has no runtimeClassName (kubeflow/pipelines#8052): the pod carries it as an
+        # annotation, which the cluster's admission policy applies (manifests/README.md, "Sandboxed
+        # scoring"); the Argo export sets runtimeClassName itself.
+        kubernetes.add_pod_label(task, SANDBOX_LABEL, "true")
+        if cluster.sandbox_runtime_class:
+            kubernetes.add_pod_annotation(task, RUNTIME_CLASS_ANNOTATION, cluster.sandbox_runtime_class)
     return task

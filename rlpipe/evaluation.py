@@ -32,7 +32,15 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
     return not fs.exists(path)
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_tokens: int, batch_size: int) -> float:
+def greedy_accuracy(
+    model,
+    tokenizer,
+    rows: list[dict],
+    verifier: str | dict,
+    max_new_tokens: int,
+    batch_size: int,
+    timeout_s: float | None = None,
+) -> float:
     """Greedy-decode every row's prompt; accuracy = mean of the verifier over the completions. The
     verifier gets every other column of the rows as keyword lists (the reward signature)."""
     from rlpipe.engines.torch_engine import sample_in_batches
@@ -42,7 +50,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_t
     model.eval()
     completions = sample_in_batches(
         model,
-        [tokenizer(row["prompt"])["input_ids"] for row in rows],
+        [list(row["prompt_token_ids"]) for row in rows],
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         eos_id=tokenizer.eos_token_id,
@@ -52,7 +60,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], verifier: str, max_new_t
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    scores = call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier")
+    scores = call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier", timeout_s)
     return sum(scores) / len(scores)
 
 
@@ -72,7 +80,13 @@ def evaluate_policy(
     loaded = time.time()
     rows = pq.read_table(filesystem(data_uri(run_root, "eval"))[1]).to_pylist()
     accuracy = greedy_accuracy(
-        model, tokenizer, rows, spec.reward.verifier, spec.rollout.max_new_tokens, spec.rollout.batch_size
+        model,
+        tokenizer,
+        rows,
+        spec.reward.verifier,
+        spec.rollout.max_new_tokens,
+        spec.rollout.batch_size,
+        spec.reward.timeout_s,
     )
     metrics = {
         EVAL_ACCURACY: accuracy,

@@ -24,10 +24,14 @@ with unused_hidden():
         Qwen2ForCausalLM,
     )
 
+from rlpipe.model_files import char_tokenizer  # noqa: E402
 from rlpipe.spec import TinyModelSpec  # noqa: E402
 
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARACTERS = list("0123456789+-=* ")
+# ChatML, as Qwen2's tokenizers carry it: what build_bpe_tokenizer's chat models use.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def configure_torch(threads: int) -> None:
@@ -37,23 +41,36 @@ def configure_torch(threads: int) -> None:
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer for arithmetic tasks, built locally with `tokenizers`."""
-    from tokenizers import Tokenizer, decoders
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Split
-    from tokenizers.processors import TemplateProcessing
-
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Split(pattern="", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    """Character-level tokenizer for arithmetic tasks (rlpipe.model_files.char_tokenizer)."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=char_tokenizer(),
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def build_bpe_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts` with `tokenizers`, carrying the ChatML chat
+    template and its special tokens (<|im_start|>, <|im_end|> = eos), as Qwen2's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHATML_TEMPLATE,
         padding_side="left",
     )
 
@@ -93,37 +110,6 @@ def load_tokenizer(local_dir: str | Path) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def resolve_model_source(source: str, cache_dir: str | Path) -> str:
-    """Turn a model reference into something `from_pretrained` accepts.
-
-    - an existing local directory: used as is;
-    - `scheme://...` (gs://, s3://, file://, ...): copied once into `cache_dir` with fsspec;
-    - a path-looking string that does not exist: a clear error;
-    - anything else: a hub id, handed to transformers (needs network unless cached).
-    """
-    if "://" in source:
-        import fsspec
-
-        fs, remote = fsspec.core.url_to_fs(source)
-        if not fs.exists(remote):
-            raise FileNotFoundError(f"model.path {source} does not exist; point model.path at a saved model directory")
-        local = Path(cache_dir) / "models" / remote.strip("/").replace("/", "__")
-        if not (local / "config.json").exists():
-            local.mkdir(parents=True, exist_ok=True)
-            fs.get(remote.rstrip("/") + "/", str(local), recursive=True)
-        return str(local)
-    path = Path(source).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path {source} has no config.json; save the model with save_pretrained")
-        return str(path)
-    if source.startswith(("/", "./", "../", "~")) or path.exists():
-        raise FileNotFoundError(
-            f"model.path {source} does not exist; set model.path to a model directory, a URI or a hub id"
-        )
-    return source
 
 
 def load_weights(

@@ -51,24 +51,40 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
 
 
 def check_data(spec: RunSpec) -> str:
-    """The task makes the rows the spec asks for."""
-    from rlpipe.data import get_source, task_rows
+    """The data section gives train and held-out rows, and their first prompts render and tokenize."""
+    from rlpipe.data import task_rows
+    from rlpipe.data.prompts import encode_prompts
 
-    try:
-        get_source(spec.task.name)
-    except ValueError as err:
-        raise CheckFailed(str(err)) from None
+    data = spec.data
     try:
         train, held_out = task_rows(spec)
     except ValueError as err:
-        raise CheckFailed(f"task: {err}; lower task.train_size / task.eval_size or change the task options") from None
+        raise CheckFailed(str(err)) from None
+    if not train or not held_out:
+        raise CheckFailed(f"data: {len(train)} train rows and {len(held_out)} held-out rows; both need some")
     ws = spec.model.warm_start
     if ws.max_steps and len(train) < ws.validation_size + ws.batch_size:
         raise CheckFailed(
             f"model.warm_start: {len(train)} train rows cannot hold validation_size={ws.validation_size} plus a "
-            f"batch of {ws.batch_size}; raise task.train_size or lower them"
+            f"batch of {ws.batch_size}; bring more train rows (data.train_size) or lower them"
         )
-    return f"task {spec.task.name}: {len(train)} train rows, {len(held_out)} held-out rows"
+    tokenized = ""
+    if _tokenizer_is_local(spec):
+        from rlpipe.model_files import load_prompt_tokenizer
+
+        try:
+            encoded, _ = encode_prompts(train[:4], data, load_prompt_tokenizer(spec.model.path, spec.cache_root))
+        except (ValueError, FileNotFoundError) as err:
+            raise CheckFailed(str(err)) from None
+        if encoded:
+            tokenized = f"; first prompt {len(encoded[0]['prompt_token_ids'])} tokens"
+    source = f"generator {data.generator}" if data.generator else f"{data.path}"
+    return f"data {source}: {len(train)} train rows, {len(held_out)} held-out rows{tokenized}"
+
+
+def _tokenizer_is_local(spec: RunSpec) -> bool:
+    """The model's tokenizer can be read without network: the tiny model's, or a directory or URI."""
+    return spec.model.path is None or "://" in spec.model.path or Path(spec.model.path).expanduser().is_dir()
 
 
 def check_algorithm(spec: RunSpec) -> str:
@@ -107,19 +123,20 @@ def check_model(spec: RunSpec) -> str:
 
 
 def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list], list[dict]]:
-    """A few train rows laid out as the score step hands them to reward functions (rollout columns),
-    with a correct and a wrong completion each; and a few held-out rows for the verifier."""
+    """A few train rows laid out as the score step hands them to reward functions (rollout columns
+    and the data's), each with the warm start's completion (when the columns make one) and an empty
+    one; and a few held-out rows for the verifier."""
     from rlpipe.data import task_rows
+    from rlpipe.rollouts import ROLLOUT_SCHEMA
 
     train, held_out = task_rows(spec)
     rows = [row for row in train[:2] for _ in range(2)]
-    completions = [row["reference"] if i % 2 == 0 else "" for i, row in enumerate(rows)]
+    completions = [_completion(row, spec) if i % 2 == 0 else "" for i, row in enumerate(rows)]
     n = len(rows)
     columns = {
         "prompt_id": list(range(n)),
         "group_id": [i // 2 for i in range(n)],
         "sample_index": [i % 2 for i in range(n)],
-        "reference": [row["reference"] for row in rows],
         "prompt_token_ids": [[] for _ in rows],
         "completion_token_ids": [[] for _ in rows],
         "logprobs": [[] for _ in rows],
@@ -127,7 +144,15 @@ def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list
         "weights_version": [0] * n,
         "iteration": [1] * n,
     }
-    return [row["prompt"] for row in rows], completions, columns, held_out[:4]
+    columns |= {k: [row.get(k) for row in rows] for k in rows[0] if k not in ROLLOUT_SCHEMA.names}
+    return [str(row.get(spec.data.prompt, "")) for row in rows], completions, columns, held_out[:4]
+
+
+def _completion(row: dict, spec: RunSpec) -> str:
+    try:
+        return spec.model.warm_start.completion.format(**row)
+    except (KeyError, IndexError, ValueError):
+        return ""
 
 
 def check_rewards(spec: RunSpec) -> str:
@@ -137,21 +162,22 @@ def check_rewards(spec: RunSpec) -> str:
     try:
         prompts, completions, columns, held_out = _sample_columns(spec)
     except ValueError:
-        raise CheckFailed("reward: not checked, the task could not make a sample (see task above)") from None
+        raise CheckFailed("reward: not checked, the data gave no sample rows (see data above)") from None
     problems = []
     for ref in spec.reward.functions:
         try:
-            call_reward(ref, prompts, completions, columns, "reward.functions")
+            call_reward(ref, prompts, completions, columns, "reward.functions", spec.reward.timeout_s)
         except RewardError as err:
             problems.append(str(err))
     verifier_columns = {key: [row[key] for row in held_out] for key in held_out[0] if key != "prompt"}
     try:
         scores = call_reward(
             spec.reward.verifier,
-            [row["prompt"] for row in held_out],
-            [row["reference"] for row in held_out],
+            [str(row.get(spec.data.prompt, "")) for row in held_out],
+            [_completion(row, spec) for row in held_out],
             verifier_columns,
             "reward.verifier",
+            spec.reward.timeout_s,
         )
     except RewardError as err:
         problems.append(str(err))
@@ -160,7 +186,8 @@ def check_rewards(spec: RunSpec) -> str:
             problems.append(f"reward.verifier: {spec.reward.verifier} returned {scores}; a verifier returns 0..1")
     if problems:
         raise CheckFailed("\n    ".join(problems))
-    return f"rewards {', '.join(spec.reward.functions)} and verifier {spec.reward.verifier} score a sample"
+    names = ", ".join(f if isinstance(f, str) else str(f.get("type")) for f in spec.reward.functions)
+    return f"rewards {names} and verifier {spec.reward.verifier} score a sample"
 
 
 def check_tracking(spec: RunSpec, run_root: str) -> str:

@@ -1,6 +1,7 @@
 """The rollout record: one Parquet schema that every engine and step reads and writes.
 
-rollouts  one row per completion (what generate emits)
+rollouts  one row per completion (what generate emits): ROLLOUT_SCHEMA, then the data's other
+          columns (reference, ...) as the prepare step wrote them, for the reward functions
 scored    + reward, reward/<name> components              (score)
 batch     + advantage                                       (advantages)
 """
@@ -19,8 +20,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("prompt_id", pa.int64()),  # row index in the train set
         ("group_id", pa.int64()),  # one group = the G samples of one prompt
         ("sample_index", pa.int32()),  # 0..G-1 within the group
-        ("prompt", pa.string()),
-        ("reference", pa.string()),  # task ground truth, handed to reward functions
+        ("prompt", pa.string()),  # the text the model saw (templates and chat template applied)
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("completion_token_ids", pa.list_(pa.int32())),  # through the first eos, if any
         ("logprobs", pa.list_(pa.float32())),  # sampling log-prob of each completion token
@@ -47,10 +47,14 @@ class Completions:
 
 
 def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:
-    """Write columns (or a table) to Parquet, casting to `schema` when given."""
+    """Write columns (or a table) to Parquet; `schema`'s columns first, cast to it, then the rest."""
     table = rows if isinstance(rows, pa.Table) else pa.table(rows)
     if schema is not None:
-        table = table.select(schema.names).cast(schema)
+        rest = [name for name in table.column_names if name not in schema.names]
+        typed = table.select(schema.names).cast(schema)
+        for name in rest:
+            typed = typed.append_column(table.schema.field(name), table.column(name))
+        table = typed
     pq.write_table(table, str(path))
 
 
@@ -63,6 +67,10 @@ def read_table(path: str | Path) -> pa.Table:
     fs, remote = filesystem(str(path))
     with fs.open(remote, "rb") as f:
         return pq.read_table(f)
+
+
+# what the score and advantages steps add to the rollout columns
+SCORED_COLUMNS = ("reward", "advantage")
 
 
 def validate_rollouts(table: pa.Table) -> None:

@@ -29,12 +29,13 @@ def setting(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    lt: float | None = None,
     min_length: int | None = None,
     pattern: str | None = None,
     doc: str = "",
 ) -> Any:
     """A spec field: its default, the bounds `parse_spec` checks, and what it means."""
-    bounds = {"ge": ge, "gt": gt, "le": le, "min_length": min_length, "pattern": pattern}
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "min_length": min_length, "pattern": pattern}
     metadata = {k: v for k, v in bounds.items() if v is not None} | ({"doc": doc} if doc else {})
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
@@ -64,7 +65,7 @@ class TinyModelSpec:
 
 @section
 class WarmStartSpec:
-    """Supervised warm start before RL: SFT on the task's reference answers until the greedy accuracy
+    """Supervised warm start before RL: SFT on each row's `completion` (the reference answer) until the greedy accuracy
     (reward.verifier) on a validation split held out of the SFT rows reaches `target_accuracy`,
     checked every `check_every` steps, for at most `max_steps` steps (0 disables the warm start).
 
@@ -80,6 +81,9 @@ class WarmStartSpec:
     validation_size: int = setting(256, ge=1, doc="Train rows held out of the SFT for the stop check")
     batch_size: int = setting(64, ge=1)
     lr: float = setting(1e-3, gt=0)
+    completion: str = setting(
+        "{reference}", doc="The SFT target after each prompt: str.format over the row's columns (eos appended)"
+    )
 
 
 @section
@@ -90,16 +94,73 @@ class ModelSpec:
 
 
 @section
-class TaskSpec:
-    name: str = setting(
-        "addition", doc="A registered data source (rlpipe.data), or 'package.module:name' for one that module registers"
+class DataSpec:
+    """Where the prompts come from, how each becomes the model's input, and the held-out split.
+
+    Rows come from a generator (`generator`: built-in `addition`, a registered name, or
+    'module:function' making rows) or from `path`: JSONL/JSON/Parquet/CSV files, a directory or glob
+    of them, local or any fsspec URI (gs://, s3://), a dataset saved with `datasets`' save_to_disk,
+    or a hub id (with `config` and `split`). The prompt is the `prompt` column (text, or chat
+    messages), or `prompt_template` over the columns; chat messages go through the tokenizer's chat
+    template. Every other column reaches the reward functions as keyword lists."""
+
+    generator: str | None = setting(
+        None,
+        doc="'addition' (the default when path is null), a registered data source, or 'module:function' "
+        "called as fn(rng: random.Random, n: int, **options) -> list[dict]",
     )
-    digits: int = setting(2, ge=1, le=6)
-    train_size: int = setting(9500, ge=1)
-    eval_size: int = setting(500, ge=1, doc="Fixed held-out set, disjoint from train")
-    seed: int | None = setting(
-        None, doc="Seed of the generated problems and the train/eval split; default: the run's seed"
+    options: dict[str, Any] = setting(default_factory=dict, doc="Keyword options of the generator (addition: digits)")
+    path: str | None = setting(
+        None, doc="Data files (file, directory, glob; local or fsspec URI), a save_to_disk directory, or a hub id"
     )
+    format: Literal["auto", "jsonl", "json", "parquet", "csv", "saved", "hub"] = setting(
+        "auto", doc="auto: by file extension; a directory saved by datasets is 'saved'; a name that is no path is 'hub'"
+    )
+    config: str | None = setting(None, doc="Hub dataset config (name)")
+    split: str = setting("train", doc="Split of a hub or saved dataset to train on")
+    eval_path: str | None = setting(None, doc="Held-out rows from their own file(s)")
+    eval_split: str | None = setting(None, doc="Held-out rows from this split of the hub or saved dataset")
+    eval_fraction: float | None = setting(
+        None, gt=0, lt=1, doc="Held-out rows as a seeded fraction of the train rows (default 0.05 for files)"
+    )
+    train_size: int | None = setting(
+        None, ge=1, doc="Train rows: generators make this many (default 9500); files keep the first this many"
+    )
+    eval_size: int | None = setting(
+        None, ge=1, doc="Held-out rows: generators make this many (default 500); files keep at most this many"
+    )
+    prompt: str = setting("prompt", doc="Column holding the prompt: text, or chat messages [{role, content}, ...]")
+    prompt_template: str | None = setting(
+        None, doc="Build the prompt from columns with str.format, e.g. '{question}\\nAnswer:' (instead of `prompt`)"
+    )
+    chat_template: bool | None = setting(
+        None,
+        doc="Render prompts with the tokenizer's chat template: null = when the prompt is chat messages or a "
+        "system_prompt is set; true = also text prompts (as one user message); false = never",
+    )
+    system_prompt: str | None = setting(None, doc="A system message put before each chat prompt")
+    max_prompt_tokens: int | None = setting(None, ge=1, doc="Drop (and count) prompts longer than this many tokens")
+    seed: int | None = setting(None, doc="Seed of generated rows and the held-out split; default: the run's seed")
+
+    def __post_init__(self) -> None:
+        if self.generator and self.path:
+            raise ValueError("set data.generator or data.path, not both")
+        if self.generator is None and self.path is None:
+            object.__setattr__(self, "generator", "addition")
+        if self.generator:
+            for key in ("eval_path", "eval_split", "eval_fraction"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"data.{key} is for data files; a generator makes its held-out rows (eval_size)")
+            object.__setattr__(self, "train_size", self.train_size or 9500)
+            object.__setattr__(self, "eval_size", self.eval_size or 500)
+        else:
+            held_out = [k for k in ("eval_path", "eval_split", "eval_fraction") if getattr(self, k) is not None]
+            if len(held_out) > 1:
+                raise ValueError(f"data: choose one held-out source, not {' and '.join(held_out)}")
+            if not held_out:
+                object.__setattr__(self, "eval_fraction", 0.05)
+        if self.chat_template is False and self.system_prompt:
+            raise ValueError("data.system_prompt needs the chat template; remove it or set data.chat_template: true")
 
 
 @section
@@ -107,26 +168,25 @@ class RewardSpec:
     functions: list[str | dict[str, Any]] = setting(
         default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
         min_length=1,
-        doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature), or "
-        "{type: <a registered reward type>, ...its options} (rlpipe.rewards.REWARD_TYPES)",
+        doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature, sync or async), or "
+        "{type: <a reward type>, ...its options}: regex, length_penalty, reward_model, remote, code_sandbox, "
+        "function, or one registered with rlpipe.rewards.register_reward_type",
     )
     weights: list[float] | None = None
-    verifier: str = setting(
+    verifier: str | dict[str, Any] = setting(
         "rlpipe.rewards.verifiers:exact_match",
-        doc="'module:function' (reward signature) scoring held-out evaluation and the warm start's "
-        "stop check; 1.0 = correct, accuracy = its mean",
+        doc="Scores held-out evaluation and the warm start's stop check (an entry as in `functions`); "
+        "1.0 = correct, accuracy = its mean",
     )
+    timeout_s: float = setting(600, gt=0, doc="Longest one call of a reward function may take (per batch)")
 
     def __post_init__(self) -> None:
-        if self.verifier.count(":") != 1 or not all(self.verifier.split(":")):
-            raise ValueError(f"reward.verifier {self.verifier!r} must look like 'package.module:function'")
-        for ref in self.functions:
+        for key, ref in [("reward.verifier", self.verifier)] + [("reward.functions entry", f) for f in self.functions]:
             if isinstance(ref, dict):
                 if not isinstance(ref.get("type"), str):
-                    raise ValueError(f"reward.functions entry {ref!r} needs a `type`: a registered reward type")
-                continue
-            if ref.count(":") != 1 or not all(ref.split(":")):
-                raise ValueError(f"reward.functions entry {ref!r} must look like 'package.module:function'")
+                    raise ValueError(f"{key} {ref!r} needs a `type`: a reward type (rlpipe.rewards.REWARD_TYPES)")
+            elif ref.count(":") != 1 or not all(ref.split(":")):
+                raise ValueError(f"{key} {ref!r} must look like 'package.module:function'")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries but reward.functions has {len(self.functions)}"
@@ -273,6 +333,11 @@ class ClusterSpec:
     retries: int = setting(2, ge=0, doc="Every step is safe to retry: nothing is visible before sync commits")
     retry_backoff: str = "30s"
     run_as_user: int = 1000
+    sandbox_runtime_class: str | None = setting(
+        "gvisor",
+        doc="RuntimeClass of the score pod when a code_sandbox reward runs candidates' code (GKE Sandbox: "
+        "gvisor); its pod is labelled rlpipe.dev/sandbox=true for the deny-egress NetworkPolicy. null: none",
+    )
 
     def __post_init__(self) -> None:
         from rlpipe.steps import STEP_NAMES
@@ -288,7 +353,7 @@ class RunSpec:
     name: str = setting(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
     model: ModelSpec = setting(default_factory=ModelSpec)
-    task: TaskSpec = setting(default_factory=TaskSpec)
+    data: DataSpec = setting(default_factory=DataSpec)
     reward: RewardSpec = setting(default_factory=RewardSpec)
     rollout: RolloutSpec = setting(default_factory=RolloutSpec)
     samplers: SamplersSpec = setting(default_factory=SamplersSpec)
@@ -422,6 +487,7 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
             ("ge", number.__ge__, ">="),
             ("gt", number.__gt__, ">"),
             ("le", number.__le__, "<="),
+            ("lt", number.__lt__, "<"),
         ):
             if bound in bounds and not holds(bounds[bound]):
                 return fail(f"must be {says} {bounds[bound]}")
@@ -444,11 +510,29 @@ def _number(value: Any, kind: type) -> int | float | None:
 
 def parse_spec(data: dict[str, Any], source: str = "<dict>") -> RunSpec:
     """Validate a spec dict; raise SpecError naming each bad key."""
+    if isinstance(data, dict) and "task" in data:
+        raise SpecError(f"invalid run spec {source}:\n  {old_task_section(data['task'])}")
     errors: list[str] = []
     spec = _build(RunSpec, data, "", errors)
     if errors:
         raise SpecError("\n  ".join([f"invalid run spec {source}:", *errors]))
     return spec
+
+
+def old_task_section(task: Any) -> str:
+    """What to write instead of a `task:` section (replaced by `data:`), shown in the error."""
+    import json
+
+    task = dict(task) if isinstance(task, dict) else {}
+    data: dict[str, Any] = {"generator": task.pop("name", "addition")}
+    if "digits" in task:
+        data["options"] = {"digits": task.pop("digits")}
+    data |= task
+    lines = "\n    ".join(f"{key}: {json.dumps(value)}" for key, value in data.items())
+    return (
+        "task: the `task` section is now `data` (which also reads data files, hub datasets and chat prompts); "
+        f"write instead:\n  data:\n    {lines}"
+    )
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
@@ -482,7 +566,7 @@ TRAINING_KEYS = ("seed", "model", "rollout", "algorithm", "trainer")  # what an 
 # rollouts and updates are computed (every engine samples the same policy; the resident trainer
 # computes the per-step update)
 RESUMABLE_KEYS = ("loop", "storage", "cluster", "samplers", "rollout.engine", "trainer.resident", "trainer.endpoint")
-WARM_START_KEYS = ("seed", "model", "task", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
+WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
 
 
 def pick(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

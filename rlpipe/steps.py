@@ -83,6 +83,20 @@ def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
     return BY_NAME[step].computes_with
 
 
+def reward_types(spec: RunSpec) -> set[str]:
+    """The `type`s of the spec's reward.functions entries ('function' for 'module:function')."""
+    return {f.get("type", "") if isinstance(f, dict) else "function" for f in spec.reward.functions}
+
+
 def uses_trainer_image(step: str, spec: RunSpec) -> bool:
-    """Torch steps run on the trainer image (and GPU), unless a service computes them."""
+    """Torch steps run on the trainer image (and GPU), unless a service computes them; so does
+    score when a reward model scores."""
+    if step == "score":
+        return "reward_model" in reward_types(spec)
     return BY_NAME[step].torch and service_for(step, spec) is None
+
+
+def sandboxed(step: str, spec: RunSpec) -> bool:
+    """The score step runs candidates' code (a code_sandbox reward): on a cluster its pod runs under
+    cluster.sandbox_runtime_class (gVisor) and the sandbox NetworkPolicy (no egress)."""
+    return step == "score" and "code_sandbox" in reward_types(spec)

@@ -28,7 +28,7 @@ def tiny_spec_dict(tmp_path: Path, **sections) -> dict:
             "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
             "warm_start": {"max_steps": 5, "batch_size": 8, "validation_size": 8},
         },
-        "task": {"train_size": 200, "eval_size": 20},
+        "data": {"train_size": 200, "eval_size": 20},
         "rollout": {"prompts_per_iteration": 8, "samples_per_prompt": 4, "max_new_tokens": 4},
         "trainer": {"mini_batches": 2},
         "loop": {"iterations": 3, "iterations_per_run": 2, "eval_every": 2},

@@ -59,7 +59,8 @@ def gcs(tmp_path_factory):
 
 
 def test_model_loads_from_gs(gcs, tmp_path: Path):
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model, load_policy, resolve_model_source
+    from rlpipe.model_files import resolve_model_source
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model, load_policy
     from rlpipe.spec import TinyModelSpec
 
     tokenizer = build_char_tokenizer()

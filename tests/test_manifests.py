@@ -38,10 +38,11 @@ CORE_GROUPS = {
     "rbac.authorization.k8s.io",
     "storage.k8s.io",
     "networking.k8s.io",
+    "node.k8s.io",  # RuntimeClass (gVisor for sandboxed scoring)
     "scheduling.k8s.io",
 }
 CRD_GROUPS = {"kueue.x-k8s.io"}
-CLUSTER_SCOPED = {"Namespace", "StorageClass", "ClusterRole", "ClusterRoleBinding", "ResourceFlavor", "ClusterQueue"}
+CLUSTER_SCOPED = {"Namespace", "StorageClass", "ClusterRole", "ClusterRoleBinding", "ResourceFlavor", "ClusterQueue", "RuntimeClass"}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "CronJob", "Pod"}
 # volume types the `restricted` Pod Security profile allows
 RESTRICTED_VOLUMES = {

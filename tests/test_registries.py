@@ -13,7 +13,7 @@ from rlpipe.spec import parse_spec
 from .conftest import tiny_spec_dict
 
 TOY = {
-    "task": {"name": "tests.toy_plugins:doubling", "train_size": 200, "eval_size": 20},
+    "data": {"generator": "tests.toy_plugins:doubling", "train_size": 200, "eval_size": 20},
     "algorithm": {"name": "tests.toy_plugins:sign"},
     "reward": {
         "functions": ["rlpipe.rewards.verifiers:exact_match", {"type": "tests.toy_plugins:length", "target": 2}],
@@ -44,6 +44,8 @@ def test_unknown_names_say_what_is_registered(tmp_path: Path):
         get_algorithm("ppo2")
     with pytest.raises(ValueError, match=r"cannot import 'no_such_module'"):
         get_algorithm("no_such_module:x")
-    spec = parse_spec(tiny_spec_dict(tmp_path, task={"name": "sudoku"}))
-    with pytest.raises(ValueError, match=r"task.name 'sudoku' is not a registered data source; registered: .*addition"):
+    spec = parse_spec(tiny_spec_dict(tmp_path, data={"generator": "sudoku"}))
+    with pytest.raises(
+        ValueError, match=r"data.generator .sudoku. is not a registered data source; registered: .*addition"
+    ):
         loop.prepare(spec, str(tmp_path / "run"))

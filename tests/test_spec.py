@@ -76,7 +76,7 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
 
     run_root = str(tmp_path / "run")
     (tmp_path / "run" / "data").mkdir(parents=True)
-    check_spec_unchanged(parse_spec({"name": "x", "task": {"train_size": 10**6}}), run_root)  # init fails later
+    check_spec_unchanged(parse_spec({"name": "x", "data": {"train_size": 10**6}}), run_root)  # init fails later
     # nothing committed yet: a corrected spec replaces it, and data prepared for the old one goes
     check_spec_unchanged(parse_spec({"name": "x"}), run_root)
     assert not (tmp_path / "run" / "data").exists()

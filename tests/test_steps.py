@@ -51,7 +51,7 @@ def test_one_iteration_end_to_end(initialized_run, tmp_path: Path):
     weights = read_ref(run_root, 0)
     metrics = generate_rollouts(spec, run_root, weights, 1, str(tmp_path / "r.parquet"), cache)
     rollouts = pq.read_table(tmp_path / "r.parquet")
-    assert rollouts.schema.names == ROLLOUT_SCHEMA.names
+    assert rollouts.schema.names == ROLLOUT_SCHEMA.names + ["reference"]  # then the data's columns
     assert rollouts.num_rows == 8 * 4
     assert set(rollouts.column("weights_version").to_pylist()) == {0}
     assert metrics["throughput/generate_tokens_per_s"] > 0
@@ -120,12 +120,12 @@ def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: 
     assert read_state(run_root)["iteration"] == 0
 
 
-def test_task_seed_fixes_the_data_across_run_seeds(tmp_path: Path):
-    """task.seed pins the problems and the train/eval split; by default they follow the run's seed."""
+def test_data_seed_fixes_the_data_across_run_seeds(tmp_path: Path):
+    """data.seed pins the problems and the train/eval split; by default they follow the run's seed."""
     from rlpipe.data import prepare_data
 
-    def eval_prompts(name: str, **task) -> list[str]:
-        spec = parse_spec({"name": name, "seed": int(name[-1]), "task": {"train_size": 50, "eval_size": 20, **task}})
+    def eval_prompts(name: str, **data) -> list[str]:
+        spec = parse_spec({"name": name, "seed": int(name[-1]), "data": {"train_size": 50, "eval_size": 20, **data}})
         prepare_data(spec, str(tmp_path / name))
         return pq.read_table(tmp_path / name / "data" / "eval.parquet").column("prompt").to_pylist()
 

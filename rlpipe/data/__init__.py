@@ -1,25 +1,28 @@
-"""Data: the prepare step writes a run's train rows and fixed held-out rows, made by its source.
+"""Data: the prepare step writes a run's train rows and fixed held-out rows (spec section `data`).
 
-A data source makes rows: dicts with a "prompt" and any other columns (e.g. "reference"), which
-reach the reward functions and the verifier as keyword lists.
+Rows are dicts with any columns. They come from a generator or from files, a saved dataset or a hub
+id (rlpipe.data.files). Prepare renders each row's prompt and tokenizes it once
+(rlpipe.data.prompts), so `prompt` holds the text the model sees and `prompt_token_ids` its ids;
+every other column reaches the reward functions and the verifier as keyword lists.
+
+A generator makes rows:
     make_rows(rng: random.Random, n: int, **options) -> list[dict]
-`options` are the spec's `task` section besides name, sizes and seed. Register one with
-`register_source`; `task.name` is a registered name, or 'package.module:name' for one that module
-registers (imported first, in every step's process).
+`data.generator` is a registered name (`register_source`; built in: addition), 'package.module:name'
+for one that module registers, or 'module:function' naming the generator itself.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlpipe.plugins import look_up
-from rlpipe.spec import section_dict
-from rlpipe.store.run_root import data_uri, filesystem, move
+from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, move, write_json
 
 if TYPE_CHECKING:
-    from rlpipe.spec import RunSpec
+    from rlpipe.spec import DataSpec, RunSpec
 
 Rows = list[dict[str, Any]]
 SOURCES: dict[str, Callable[..., Rows]] = {}
@@ -31,35 +34,99 @@ def register_source(name: str, make_rows: Callable[..., Rows]) -> Callable[..., 
 
 
 def get_source(name: str) -> Callable[..., Rows]:
-    """The data source `name` ('addition', or 'package.module:name') names; a clear error otherwise."""
-    return look_up(name, SOURCES, "task.name", "data source", "rlpipe.data.register_source")[1]
+    """The generator `name` names: registered, registered by 'package.module:name', or the function
+    'module:function' itself; a clear error otherwise."""
+    module, _, short = name.rpartition(":")
+    if module and short not in SOURCES:
+        try:
+            fn = getattr(importlib.import_module(module), short, None)
+        except Exception as err:  # ImportError, or the module failing at import
+            raise ValueError(
+                f"data.generator {name!r}: cannot import {module!r} ({type(err).__name__}: {err})"
+            ) from None
+        if callable(fn) and short not in SOURCES:
+            return fn
+    return look_up(name, SOURCES, "data.generator", "data source", "rlpipe.data.register_source")[1]
+
+
+def data_seed(spec: RunSpec) -> int:
+    return spec.seed if spec.data.seed is None else spec.data.seed
 
 
 def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:
-    """(train rows, eval rows) of the spec's task, seeded by task.seed (default: the run's seed);
-    the eval rows are disjoint from the train rows."""
-    make_rows = get_source(spec.task.name)
-    options = {k: v for k, v in section_dict(spec.task).items() if k not in ("name", "train_size", "eval_size", "seed")}
-    seed = spec.seed if spec.task.seed is None else spec.task.seed
-    rows = make_rows(random.Random(seed), spec.task.train_size + spec.task.eval_size, **options)
-    return rows[spec.task.eval_size :], rows[: spec.task.eval_size]
+    """(train rows, held-out rows) as the data section gives them, before prompts are rendered;
+    disjoint by construction (a generator's first eval_size rows are held out; files: see data)."""
+    data = spec.data
+    if data.generator:
+        rows = get_source(data.generator)(
+            random.Random(data_seed(spec)), data.train_size + data.eval_size, **data.options
+        )
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ValueError(f"data.generator {data.generator} must return a list of dicts (rows)")
+        return rows[data.eval_size :], rows[: data.eval_size]
+    from rlpipe.data.files import read_rows
+
+    train = read_rows(data.path, data.format, data.config, data.split, "data.path")
+    if data.eval_path is not None:
+        held_out = read_rows(data.eval_path, data.format, data.config, data.split, "data.eval_path")
+    elif data.eval_split is not None:
+        held_out = read_rows(data.path, data.format, data.config, data.eval_split, "data.eval_split")
+    else:
+        train, held_out = held_out_fraction(train, data, data_seed(spec))
+    return train[: data.train_size], held_out[: data.eval_size]
+
+
+def held_out_fraction(rows: Rows, data: DataSpec, seed: int) -> tuple[Rows, Rows]:
+    """A seeded split: round(eval_fraction x rows) rows held out, the rest train (order kept)."""
+    count = max(1, round(len(rows) * data.eval_fraction))
+    if count >= len(rows):
+        raise ValueError(f"data.eval_fraction {data.eval_fraction} of {len(rows)} rows leaves none to train on")
+    held = set(random.Random(f"held-out-{seed}").sample(range(len(rows)), count))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def prepared_rows(spec: RunSpec) -> tuple[Rows, Rows, dict[str, int]]:
+    """(train rows, held-out rows, counts): prompts rendered and tokenized with the model's
+    tokenizer, too-long prompts dropped and counted."""
+    from rlpipe.data.prompts import encode_prompts
+    from rlpipe.model_files import load_prompt_tokenizer
+
+    train, held_out = task_rows(spec)
+    if not train or not held_out:
+        raise ValueError(f"data: {len(train)} train rows and {len(held_out)} held-out rows; both need some")
+    tokenizer = load_prompt_tokenizer(spec.model.path, spec.cache_root)
+    train, dropped_train = encode_prompts(train, spec.data, tokenizer)
+    held_out, dropped_eval = encode_prompts(held_out, spec.data, tokenizer)
+    if not train or not held_out:
+        raise ValueError(
+            f"data.max_prompt_tokens {spec.data.max_prompt_tokens} drops every train or held-out prompt; raise it"
+        )
+    counts = {
+        "data/train_rows": len(train),
+        "data/eval_rows": len(held_out),
+        "data/dropped_too_long": dropped_train + dropped_eval,
+    }
+    return train, held_out, counts
 
 
 def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
-    """Write data/train.parquet and data/eval.parquet with `datasets`; skip if present."""
+    """Write data/train.parquet and data/eval.parquet with `datasets`, and data/counts.json (which
+    the warm start records with iteration 0); skip if present."""
     from datasets import Dataset
 
     train_uri, eval_uri = data_uri(run_root, "train"), data_uri(run_root, "eval")
     fs, _ = filesystem(run_root)
-    if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):
-        train, held_out = task_rows(spec)
-        fs.makedirs(filesystem(data_uri(run_root, "train"))[1].rsplit("/", 1)[0], exist_ok=True)
-        for uri, part in ((eval_uri, held_out), (train_uri, train)):
-            tmp = f"{uri}.tmp"
-            with fs.open(filesystem(tmp)[1], "wb") as f:
-                Dataset.from_list(part).to_parquet(f)
-            move(tmp, uri)
-    return {"data/train_rows": spec.task.train_size, "data/eval_rows": spec.task.eval_size}
+    if fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1]):
+        return {}  # prepared by an earlier pipeline run
+    train, held_out, counts = prepared_rows(spec)
+    fs.makedirs(filesystem(train_uri)[1].rsplit("/", 1)[0], exist_ok=True)
+    for uri, part in ((eval_uri, held_out), (train_uri, train)):
+        tmp = f"{uri}.tmp"
+        with fs.open(filesystem(tmp)[1], "wb") as f:
+            Dataset.from_list(part).to_parquet(f)
+        move(tmp, uri)
+    write_json(data_counts_uri(run_root), counts)
+    return counts
 
 
 from rlpipe.data import addition  # noqa: E402 (registers the built-in sources; needs register_source above)

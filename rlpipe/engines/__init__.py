@@ -1,7 +1,8 @@
 """Generation engines, and the generate step's work where it runs (`generate_rollouts`).
 
 Every engine (rollout.engine) is a module with one function and returns one typed record:
-    sample_prompts(spec, run_root, weights, cache_root, prompts, iteration, policy=None) -> Sampled
+    sample_prompts(spec, run_root, weights, cache_root, prompt_ids, iteration, policy=None) -> Sampled
+`prompt_ids` are the prompts' token ids as the prepare step computed them (rlpipe.data.prompts).
   torch    rlpipe.engines.torch_engine    the HF model in this process, batched KV-cache sampling, or
                                           the resident trainer's in memory (`policy`, colocated as TRL)
   vllm     rlpipe.engines.vllm_engine     vllm.LLM in this process
@@ -44,7 +45,6 @@ class Policy:
 class Sampled:
     """What an engine returns for the iteration's prompts."""
 
-    prompt_ids: list[list[int]]  # one per prompt
     completions: Completions  # samples_per_prompt per prompt, prompt-major
     texts: list[str]  # decoded completions
     loaded_at: float  # wall clock when the model was ready (load time = loaded_at - step start)
@@ -92,20 +92,21 @@ def generate_rollouts(
     order = prompt_indices(table.num_rows, spec.rollout.prompts_per_iteration, iteration, spec.seed)
     rows = table.take(order).to_pylist()
     group = spec.rollout.samples_per_prompt
-    prompts = [row["prompt"] for row in rows]
+    prompt_ids = [list(row["prompt_token_ids"]) for row in rows]
     engine = importlib.import_module(ENGINES[spec.rollout.engine])
-    sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompts, iteration, policy)
-    prompt_ids, completions, texts, loaded = sampled.prompt_ids, sampled.completions, sampled.texts, sampled.loaded_at
+    sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, iteration, policy)
+    completions, texts, loaded = sampled.completions, sampled.texts, sampled.loaded_at
     sampled_at = time.time()
 
     n = len(completions.token_ids)
+    data_columns = [name for name in table.column_names if name not in ROLLOUT_SCHEMA.names]
+    per_completion = table.take([order[i // group] for i in range(n)]).select(data_columns)  # arrow types kept
     write_table(
         {
             "prompt_id": [order[i // group] for i in range(n)],
             "group_id": [i // group for i in range(n)],
             "sample_index": [i % group for i in range(n)],
             "prompt": [rows[i // group]["prompt"] for i in range(n)],
-            "reference": [rows[i // group]["reference"] for i in range(n)],
             "prompt_token_ids": [prompt_ids[i // group] for i in range(n)],
             "completion_token_ids": completions.token_ids,
             "logprobs": completions.logprobs,
@@ -113,7 +114,8 @@ def generate_rollouts(
             "completion": texts,
             "weights_version": [weights["version"]] * n,
             "iteration": [iteration] * n,
-        },
+        }
+        | {name: per_completion.column(name) for name in data_columns},
         out_path,
         ROLLOUT_SCHEMA,
     )

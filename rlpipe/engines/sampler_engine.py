@@ -20,7 +20,7 @@ def sample_prompts(
     run_root: str,
     weights: WeightRef,
     cache_root: str,
-    prompts: list[str],
+    prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
 ) -> Sampled:
@@ -35,7 +35,6 @@ def sample_prompts(
     metrics = ensure_version(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s)
     tokenizer = Tokenizer.from_file(str(Path(local_path(weights, cache_root)) / "tokenizer.json"))
     loaded = time.time()
-    prompt_ids = [tokenizer.encode(p).ids for p in prompts]
     r = spec.rollout
     sampling = {"max_tokens": r.max_new_tokens, "temperature": r.temperature}
     completions, client_metrics = generate_groups(
@@ -50,4 +49,4 @@ def sample_prompts(
     )
     texts = tokenizer.decode_batch(completions.token_ids, skip_special_tokens=True)
     metrics |= client_metrics | {"samplers/ready": float(len(urls))}
-    return Sampled(prompt_ids, completions, texts, loaded, metrics)
+    return Sampled(completions, texts, loaded, metrics)

@@ -114,7 +114,7 @@ def sample_prompts(
     run_root: str,
     weights: WeightRef,
     cache_root: str,
-    prompts: list[str],
+    prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
 ) -> Sampled:
@@ -128,7 +128,6 @@ def sample_prompts(
     was_training = model.training
     model.eval()
     loaded = time.time()
-    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + iteration)
     completions = sample_in_batches(
         model,
@@ -144,4 +143,4 @@ def sample_prompts(
     )
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
-    return Sampled(prompt_ids, completions, texts, loaded, {})
+    return Sampled(completions, texts, loaded, {})

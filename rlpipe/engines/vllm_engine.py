@@ -87,7 +87,7 @@ def sample_prompts(
     run_root: str,
     weights: WeightRef,
     cache_root: str,
-    prompts: list[str],
+    prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
 ) -> Sampled:
@@ -98,9 +98,8 @@ def sample_prompts(
     llm = load_engine(local_path(weights, cache_root), spec.seed, gpu=False)
     tokenizer = llm.get_tokenizer()
     loaded = time.time()
-    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     r = spec.rollout
     seed = sample_seed(spec.seed, iteration)
     completions = sample_groups(llm, prompt_ids, r.samples_per_prompt, r.max_new_tokens, r.temperature, seed)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
-    return Sampled(prompt_ids, completions, texts, loaded, {})
+    return Sampled(completions, texts, loaded, {})

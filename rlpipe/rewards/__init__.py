@@ -2,19 +2,30 @@
 
 A reward function has TRL's batch signature
     fn(prompts: list[str], completions: list[str], **columns) -> list[float]
-where `columns` are every other column of the rows (reference, prompt_id, ...). A verifier is a
-reward function whose 1.0 means "correct" (held-out accuracy = its mean).
+where `columns` are every other column of the rows: the data's (reference, ...) and the rollout's
+(prompt_id, completion_token_ids, ...). It may be `async def`; each call gets reward.timeout_s.
+It may return `Rewards(values, reasons)`, a list that also says why each value is what it is
+(recorded as the column reward/<name>/reason). A verifier is a reward function whose 1.0 means
+"correct" (held-out accuracy = its mean).
 
 A `reward.functions` entry is 'module:function', or a mapping {type: <reward type>, ...options}
 that a registered reward type builds into a reward function (`register_reward_type`; a type
-'package.module:name' is registered by that module, imported first). Built in: `function`
-({type: function, function: 'module:function'}); reward models and sandboxed code come next.
+'package.module:name' is registered by that module, imported first). Built in:
+  function       {type: function, function: 'module:function'}
+  regex          rlpipe.rewards.shaping: 1.0 when the completion matches a pattern (format rewards)
+  length_penalty rlpipe.rewards.shaping: DAPO's soft overlong punishment
+  reward_model   rlpipe.rewards.reward_model: AutoModelForSequenceClassification, batched
+  remote         rlpipe.rewards.remote: an HTTP endpoint, batched, with timeouts and retries
+  code_sandbox   rlpipe.rewards.sandbox: candidate programs run against tests under limits
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +50,14 @@ def register_reward_type(name: str, build: Callable[[dict[str, Any], str], Rewar
 
 class RewardError(RuntimeError):
     """A reward function or verifier failed or returned something unusable; the message names it."""
+
+
+class Rewards(list):
+    """A reward function's values with a reason for each (e.g. why a program scored 0)."""
+
+    def __init__(self, values: Sequence[float], reasons: Sequence[str]) -> None:
+        super().__init__(values)
+        self.reasons = list(reasons)
 
 
 def load_reward_function(ref: str, key: str = "reward.functions") -> Callable[..., Any]:
@@ -79,11 +98,45 @@ def call_reward(
     completions: Sequence[str],
     columns: dict[str, Sequence[Any]],
     key: str,
+    timeout_s: float | None = None,
 ) -> list[float]:
     """Call the reward `entry` names on a batch and check what it returns: one finite number per
     completion. Every failure raises RewardError naming the reward and the spec key."""
     name, fn = load_reward(entry, key)
-    return checked_rewards(entry if isinstance(entry, str) else name, fn, prompts, completions, columns, key)
+    return checked_rewards(reward_label(entry, name), fn, prompts, completions, columns, key, timeout_s)
+
+
+def reward_label(entry: str | dict[str, Any], name: str) -> str:
+    """How errors name a reward: its 'module:function', or its name and type."""
+    return entry if isinstance(entry, str) else f"{name} ({{type: {entry.get('type')}}})"
+
+
+def call_with_timeout(fn: RewardFunction, args: tuple, kwargs: dict, timeout_s: float | None, label: str) -> Any:
+    """fn(*args, **kwargs), awaited when it is async, in a thread given `timeout_s` seconds. A call
+    past its time raises TimeoutError (the thread is left behind: Python cannot stop it)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result = fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+            outcome["value"] = result
+        except BaseException as err:  # noqa: BLE001 (handed to the caller)
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, name=f"reward {label}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TimeoutError(f"took longer than reward.timeout_s={timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def checked_rewards(
@@ -93,10 +146,12 @@ def checked_rewards(
     completions: Sequence[str],
     columns: dict[str, Sequence[Any]],
     key: str,
+    timeout_s: float | None = None,
 ) -> list[float]:
-    """fn's rewards for the batch, checked: one finite number per completion (RewardError naming `ref`)."""
+    """fn's rewards for the batch, checked: one finite number per completion (RewardError naming
+    `ref`); a `Rewards` result keeps its reasons."""
     try:
-        values = fn(list(prompts), list(completions), **columns)
+        values = call_with_timeout(fn, (list(prompts), list(completions)), columns, timeout_s, ref)
     except Exception as err:  # a user function: say which one, keep storage untouched
         raise RewardError(f"{key}: {ref} raised {type(err).__name__}: {err}") from None
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
@@ -118,7 +173,7 @@ def checked_rewards(
                 f"{key}: {ref} returned {number} for completion {index}; rewards must be finite (no NaN or inf)"
             )
         rewards.append(number)
-    return rewards
+    return Rewards(rewards, values.reasons) if isinstance(values, Rewards) else rewards
 
 
 def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str, float]:
@@ -130,15 +185,26 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     extra = {k: v for k, v in columns.items() if k not in ("prompt", "completion")}
     weights = spec.reward.weights or [1.0] * len(spec.reward.functions)
     total = np.zeros(table.num_rows)
+    stats: dict[str, float] = {}
     for entry, weight in zip(spec.reward.functions, weights, strict=True):
         name, fn = load_reward(entry, "reward.functions")
-        ref = entry if isinstance(entry, str) else name
-        values = checked_rewards(ref, fn, columns["prompt"], columns["completion"], extra, "reward.functions")
-        columns[f"reward/{name}"] = values
+        values = checked_rewards(
+            reward_label(entry, name),
+            fn,
+            columns["prompt"],
+            columns["completion"],
+            extra,
+            "reward.functions",
+            spec.reward.timeout_s,
+        )
+        columns[f"reward/{name}"] = list(values)
+        stats[f"reward/{name}/mean"] = float(np.mean(values))
+        if isinstance(values, Rewards):
+            columns[f"reward/{name}/reason"] = values.reasons
         total += weight * np.asarray(values)
     columns["reward"] = total.tolist()
     write_table(columns, out_path)
-    return {
+    return stats | {
         REWARD_MEAN: float(total.mean()),
         "reward/std": float(total.std()),
         "reward/min": float(total.min()),
@@ -155,3 +221,6 @@ def _function_reward(options: dict[str, Any], key: str) -> RewardFunction:
 
 
 register_reward_type("function", _function_reward)
+
+# the built-in reward types register themselves (each imports its heavy parts when built)
+from rlpipe.rewards import remote, reward_model, sandbox, shaping  # noqa: E402, F401

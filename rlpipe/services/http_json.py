@@ -17,7 +17,12 @@ class Unreachable(ConnectionError):
 
 
 def request_json(
-    method: str, url: str, payload: Any = None, connect_timeout_s: float = 10.0, read_timeout_s: float | None = None
+    method: str,
+    url: str,
+    payload: Any = None,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
     """(status, decoded JSON body or None) of one request; raises Unreachable when there is no answer.
 
@@ -26,7 +31,7 @@ def request_json(
     connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = connection_class(parts.hostname or "", parts.port, timeout=connect_timeout_s)
     body = None if payload is None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
+    headers = ({"Content-Type": "application/json"} if body is not None else {}) | (headers or {})
     try:
         connection.connect()
         connection.sock.settimeout(read_timeout_s)

@@ -105,6 +105,11 @@ def data_uri(run_root: str, split: str) -> str:
     return join(run_root, "data", f"{split}.parquet")
 
 
+def data_counts_uri(run_root: str) -> str:
+    """data/counts.json: rows kept and dropped by the prepare step (recorded with iteration 0)."""
+    return join(run_root, "data", "counts.json")
+
+
 def optimizer_dir(run_root: str) -> str:
     return join(run_root, "optimizer")
 

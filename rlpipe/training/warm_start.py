@@ -15,9 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_model_source
-from rlpipe.spec import WARM_START_KEYS, RunSpec, WarmStartSpec, pick, section_dict
-from rlpipe.store.run_root import data_uri, filesystem
+from rlpipe.model_files import resolve_model_source
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
+from rlpipe.spec import WARM_START_KEYS, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
+from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json
 from rlpipe.store.weights import WeightRef, seal, staging_uri
 
 
@@ -27,12 +28,24 @@ def cache_key(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def sft_batches(tokenizer, rows: list[dict[str, str]], batch_size: int, rng: random.Random):
-    """Endless batches of (input_ids, labels): prompt + answer + eos, loss on answer + eos only."""
+def sft_completion(row: dict, template: str) -> str:
+    """The row's SFT target: model.warm_start.completion formatted with its columns."""
+    try:
+        return template.format(**row)
+    except KeyError as err:
+        raise ValueError(
+            f"model.warm_start.completion {template!r} names column {err} that the data lacks; columns: "
+            f"{', '.join(row)}. Point it at the answer column, or set model.warm_start.max_steps: 0"
+        ) from None
+
+
+def sft_batches(tokenizer, rows: list[dict], completion: str, batch_size: int, rng: random.Random):
+    """Endless batches of (input_ids, labels): prompt + completion + eos, loss on completion + eos only."""
     encoded = []
     for row in rows:
-        prompt = tokenizer(row["prompt"])["input_ids"]
-        answer = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        prompt = list(row["prompt_token_ids"])
+        answer = tokenizer(sft_completion(row, completion), add_special_tokens=False)["input_ids"]
+        answer = answer + [tokenizer.eos_token_id]
         encoded.append((prompt + answer, [-100] * len(prompt) + answer))
     while True:
         chosen = rng.sample(encoded, batch_size)
@@ -48,7 +61,7 @@ def sft_batches(tokenizer, rows: list[dict[str, str]], batch_size: int, rng: ran
 
 
 def supervised_warm_start(
-    model, tokenizer, rows: list[dict], ws: WarmStartSpec, seed: int, verifier: str, max_new_tokens: int
+    model, tokenizer, rows: list[dict], ws: WarmStartSpec, seed: int, reward: RewardSpec, max_new_tokens: int
 ) -> dict[str, float]:
     """Next-token cross-entropy on answers until greedy accuracy on the first `ws.validation_size`
     rows (held out of the SFT batches) reaches `ws.target_accuracy`, checked every `ws.check_every`
@@ -59,11 +72,11 @@ def supervised_warm_start(
     if len(train) < ws.batch_size:
         raise ValueError(
             f"model.warm_start: {len(train)} SFT rows after holding out validation_size={ws.validation_size} "
-            f"are fewer than batch_size={ws.batch_size}; lower them or raise task.train_size"
+            f"are fewer than batch_size={ws.batch_size}; lower them or bring more train rows (data.train_size)"
         )
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    batches = sft_batches(tokenizer, train, ws.batch_size, random.Random(seed))
+    batches = sft_batches(tokenizer, train, ws.completion, ws.batch_size, random.Random(seed))
     recent: list[float] = []
     accuracy, step = float("nan"), 0
     model.train()
@@ -76,7 +89,9 @@ def supervised_warm_start(
         recent = (recent + [loss.item()])[-50:]
         step += 1
         if ws.target_accuracy is not None and (step % ws.check_every == 0 or step == ws.max_steps):
-            accuracy = greedy_accuracy(model, tokenizer, validation, verifier, max_new_tokens, len(validation))
+            accuracy = greedy_accuracy(
+                model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s
+            )
             if accuracy >= ws.target_accuracy:
                 break
     model.eval()
@@ -111,7 +126,7 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         if ws.max_steps:
             rows = pq.read_table(filesystem(data_uri(run_root, "train"))[1]).to_pylist()
             metrics |= supervised_warm_start(
-                model, tokenizer, rows, ws, spec.seed, spec.reward.verifier, spec.rollout.max_new_tokens
+                model, tokenizer, rows, ws, spec.seed, spec.reward, spec.rollout.max_new_tokens
             )
         tmp = cached.with_name(f"{cached.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,5 +136,6 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         tmp.rename(cached)
         fs.put(str(cached) + "/", staged_path, recursive=True)
         metrics["warm_start/cached"] = 0.0
+    metrics |= read_json(data_counts_uri(run_root)) or {}
     metrics["time/warm_start_s"] = time.time() - started
     return seal(staged, version=0, iteration=0, parent=None), metrics
