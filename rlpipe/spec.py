@@ -468,7 +468,7 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
             isinstance(k, str) and (values_any or isinstance(v, str)) for k, v in value.items()
         ):
             return fail("must be a mapping" + ("" if values_any else " of strings to strings"))
-        return dict(value)
+        return _whole_numbers(dict(value))
     if hint is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -493,6 +493,18 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
                 return fail(f"must be {says} {bounds[bound]}")
         return number
     raise TypeError(f"spec field {key} has a type parse_spec does not know: {hint!r}")
+
+
+def _whole_numbers(value: Any) -> Any:
+    """Free-form options (generator and reward options) with KFP's floats turned back into ints: a
+    spec crosses into a step as a protobuf Struct, where every number is a double (2 -> 2.0)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
 
 
 def _number(value: Any, kind: type) -> int | float | None:

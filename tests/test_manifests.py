@@ -42,7 +42,15 @@ CORE_GROUPS = {
     "scheduling.k8s.io",
 }
 CRD_GROUPS = {"kueue.x-k8s.io"}
-CLUSTER_SCOPED = {"Namespace", "StorageClass", "ClusterRole", "ClusterRoleBinding", "ResourceFlavor", "ClusterQueue", "RuntimeClass"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "StorageClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ResourceFlavor",
+    "ClusterQueue",
+    "RuntimeClass",
+}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "CronJob", "Pod"}
 # volume types the `restricted` Pod Security profile allows
 RESTRICTED_VOLUMES = {

@@ -70,6 +70,27 @@ def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
     assert parse_spec(floated).loop.iterations == 7
 
 
+def test_free_form_options_survive_the_protobuf_struct(tmp_path: Path):
+    """A KFP dict parameter is a protobuf Struct: every number a double. Typed fields were parsed
+    back before; free-form options (generator, reward types) must get their ints back too."""
+    from google.protobuf import json_format, struct_pb2
+
+    data = {
+        "name": "x",
+        "data": {"options": {"digits": 2, "scale": 0.5, "nested": [3, {"k": 4}]}},
+        "reward": {"functions": [{"type": "length_penalty", "max_tokens": 8, "buffer_tokens": 2}]},
+    }
+    as_parameter = spec_to_dict(parse_spec(data))
+    struct = struct_pb2.Struct()
+    struct.update(as_parameter)
+    floated = json_format.MessageToDict(struct)
+    assert floated["data"]["options"]["digits"] == 2.0 and isinstance(floated["data"]["options"]["digits"], float)
+    spec = parse_spec(floated)
+    assert spec.data.options == {"digits": 2, "scale": 0.5, "nested": [3, {"k": 4}]}
+    assert type(spec.data.options["digits"]) is int and type(spec.data.options["nested"][1]["k"]) is int
+    assert spec.reward.functions[0]["max_tokens"] == 8 and type(spec.reward.functions[0]["max_tokens"]) is int
+
+
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
     from rlpipe.pipelines.local_run import check_spec_unchanged
     from rlpipe.store.run_root import commit_state
