@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,12 @@ def _spec(args: argparse.Namespace) -> RunSpec:
     root = spec.storage.root
     if "://" not in root:  # steps may run with another working directory
         spec = dataclasses.replace(spec, storage=dataclasses.replace(spec.storage, root=str(Path(root).resolve())))
-    return spec
+    local_files = {  # data files relative to the working directory, like storage.root
+        key: str(Path(value).resolve())
+        for key in ("path", "eval_path")
+        if (value := getattr(spec.data, key)) and "://" not in value and Path(value).exists()
+    }
+    return dataclasses.replace(spec, data=dataclasses.replace(spec.data, **local_files)) if local_files else spec
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -140,8 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def import_from_working_directory() -> None:
+    """Make modules beside the spec importable, as `python -m` does: a reward or data generator
+    named 'my_rewards:score' is found in the directory rlpipe runs from, by this process and by
+    every step process it starts (kfp.local subprocesses, the resident trainer) through PYTHONPATH."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *filter(None, paths)])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import_from_working_directory()
     try:
         return args.func(args)
     except SpecError as err:

@@ -169,7 +169,8 @@ class RewardSpec:
         default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
         min_length=1,
         doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature, sync or async), or "
-        "{type: <a reward type>, ...its options}: regex, length_penalty, reward_model, remote, code_sandbox, "
+        "{type: <a reward type>, ...its options}: exact_match, math_equivalence, regex, length_penalty, "
+        "reward_model, remote, code_sandbox, "
         "function, or one registered with rlpipe.rewards.register_reward_type",
     )
     weights: list[float] | None = None

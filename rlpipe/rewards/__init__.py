@@ -223,4 +223,4 @@ def _function_reward(options: dict[str, Any], key: str) -> RewardFunction:
 register_reward_type("function", _function_reward)
 
 # the built-in reward types register themselves (each imports its heavy parts when built)
-from rlpipe.rewards import remote, reward_model, sandbox, shaping  # noqa: E402, F401
+from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers  # noqa: E402, F401
