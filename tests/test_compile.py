@@ -1,5 +1,6 @@
 """`rlpipe compile` writes IR YAML that parses strictly into the KFP PipelineSpec proto."""
 
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,33 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
         container = executors[f"exec-{step}"]["container"]
         assert container["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in container.get("resources", {})
     assert executors["exec-warm-start"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+
+
+def test_sandboxed_score_step_carries_the_runtime_class(tmp_path: Path):
+    """A code_sandbox reward: the score pod is labelled for the deny-all NetworkPolicy and asks for
+    gVisor. KFP has no runtimeClassName field (kubeflow/pipelines#8052), so the KFP YAML carries it as
+    an annotation; the Argo export sets runtimeClassName itself. A reward model puts score on the
+    trainer image (and its GPU)."""
+    rewards = "reward.functions=[{type: code_sandbox}, {type: reward_model, path: gs://models/rm}]"
+    spec = str(REPO / "examples" / "addition-gke.yaml")
+    kfp_out, argo_out = tmp_path / "kfp.yaml", tmp_path / "argo.yaml"
+    for target, out in (("kfp", kfp_out), ("argo", argo_out)):
+        command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", spec, "--target", target]
+        subprocess.run([*command, "-o", str(out), "--set", rewards], check=True, capture_output=True)
+    pipeline, platform = yaml.safe_load_all(kfp_out.read_text())
+    json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())
+    json_format.ParseDict(platform, pipeline_spec_pb2.PlatformSpec())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert executors["exec-score"]["podMetadata"] == {
+        "labels": {"rlpipe.dev/sandbox": "true"},
+        "annotations": {"rlpipe.dev/runtime-class": "gvisor"},
+    }
+    assert "podMetadata" not in executors["exec-update"]
+    score = pipeline["deploymentSpec"]["executors"]["exec-score"]["container"]
+    assert (
+        score["image"] == "ghcr.io/rlpipe/trainer:0.1.0" and score["resources"]["accelerator"]["resourceCount"] == "1"
+    )
+    templates = {t["name"]: t for t in next(yaml.safe_load_all(argo_out.read_text()))["spec"]["templates"]}
+    assert json.loads(templates["score"]["podSpecPatch"]) == {"runtimeClassName": "gvisor"}
+    assert templates["score"]["metadata"]["labels"]["rlpipe.dev/sandbox"] == "true"
+    assert "podSpecPatch" not in templates["update"]

@@ -136,3 +136,88 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
         for pid in (orphan, trainer["pid"]):
             cmdline = Path(f"/proc/{pid}/cmdline")
             assert not cmdline.exists() or b"trainer_service" not in cmdline.read_bytes(), f"trainer {pid} lives"
+
+
+REWARD_MODULE = '''
+def digits_close(prompts, completions, answer, **columns):
+    """1.0 for the answer, 0.5 when it shares the first character, else 0.1 (a reward of the user's own)."""
+    assert len(columns["id"]) == len(completions)  # every other data column arrives too
+    return [1.0 if c.strip() == a else 0.5 if c.strip()[:1] == a[:1] else 0.1 for c, a in zip(completions, answer)]
+'''
+
+
+def test_your_own_data_reward_and_chat_model(tmp_path: Path):
+    """Prompts from JSONL chat messages, a reward `module:function` from a module outside the package
+    (beside the spec, in the working directory), and a Qwen2-shaped model with a BPE tokenizer trained
+    here that carries a chat template: the whole loop on kfp.local."""
+    import pyarrow.parquet as pq
+
+    from rlpipe.modeling import build_bpe_tokenizer, build_tiny_model
+    from rlpipe.spec import TinyModelSpec
+
+    rows = [
+        {"id": 100 * a + b, "messages": [{"role": "user", "content": f"{a} minus {b}?"}], "answer": str(a - b)}
+        for a in range(12)
+        for b in range(10)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
+    (tmp_path / "my_task_rewards.py").write_text(REWARD_MODULE)
+    chats = [
+        f"<|im_start|>user\n{a} minus {b}?<|im_end|>\n<|im_start|>assistant\n{a - b}"
+        for a in range(30)
+        for b in range(30)
+    ]
+    tokenizer = build_bpe_tokenizer(chats, vocab_size=300)
+    shape = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=128
+    )
+    build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    spec = _write_spec(
+        tmp_path,
+        model={
+            "path": "model",
+            "warm_start": {"max_steps": 4, "batch_size": 8, "validation_size": 8, "completion": "{answer}"},
+        },
+        data={
+            "path": "train.jsonl",
+            "eval_path": "eval.jsonl",
+            "prompt": "messages",
+            "system_prompt": "Answer with a number.",
+            "max_prompt_tokens": 40,
+            "train_size": None,
+            "eval_size": None,
+        },
+        reward={
+            "functions": ["my_task_rewards:digits_close"],
+            "verifier": {"type": "exact_match", "answer_column": "answer"},
+        },
+        loop={"iterations": 2, "iterations_per_run": 2, "eval_every": 2},
+    )
+    result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_consistent(tmp_path / "run", 2)
+    prepared = pq.read_table(tmp_path / "run" / "data" / "train.parquet").to_pylist()
+    assert prepared[0]["prompt"].startswith("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\n")
+    assert prepared[0]["prompt"].endswith("<|im_start|>assistant\n")
+    # prompts over max_prompt_tokens (40) are dropped and counted, as transformers' chat template counts them
+    from rlpipe.modeling import load_tokenizer
+
+    hf = load_tokenizer(tmp_path / "model")
+    system = [{"role": "system", "content": "Answer with a number."}]
+    texts = [hf.apply_chat_template(system + r["messages"], tokenize=False, add_generation_prompt=True) for r in rows]
+    lengths = [len(hf(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    kept = [r["id"] for r, n in zip(rows, lengths, strict=True) if n <= 40]
+    assert 0 < len(kept) < len(rows)
+    assert sorted(r["id"] for r in prepared) == sorted(i for i in kept if i not in {r["id"] for r in rows[:20]})
+    scored = [pq.read_table(p).to_pylist() for p in (tmp_path / "run" / "kfp").glob("*/*/score-*/scored")]
+    scored += [pq.read_table(p).to_pylist() for p in (tmp_path / "run" / "kfp").glob("*/score/scored")]
+    assert len(scored) == 2  # one scored batch per iteration
+    for row in scored[0]:
+        completion, answer = row["completion"].strip(), row["answer"]
+        expected = 1.0 if completion == answer else 0.5 if completion[:1] == answer[:1] else 0.1
+        assert row["reward"] == row["reward/digits_close"] == expected
+        assert row["prompt"].startswith("<|im_start|>system") and "messages" in row
+    metrics = json.loads((tmp_path / "run" / "metrics" / "iter_000000.json").read_text())
+    assert metrics["data/train_rows"] == len(prepared) and metrics["data/dropped_too_long"] == len(rows) - len(kept)

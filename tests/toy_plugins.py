@@ -3,7 +3,9 @@
 Each is one function plus its registration; a spec names them as 'tests.toy_plugins:<name>'.
 """
 
+import asyncio
 import random
+import time
 
 import numpy as np
 
@@ -39,3 +41,18 @@ def build_length_reward(options: dict, key: str):
 
 
 register_reward_type("length", build_length_reward)
+
+
+async def async_length(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """An async reward (e.g. one that awaits a service): len(completion)."""
+    await asyncio.sleep(0.01)
+    return [float(len(c)) for c in completions]
+
+
+def slow(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    time.sleep(5)
+    return [0.0] * len(completions)
+
+
+def broken(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    return [1 / 0 for _ in completions]

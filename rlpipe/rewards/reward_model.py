@@ -28,13 +28,15 @@ def load_reward_model(path: str, device: str, key: str) -> tuple[Any, Any]:
     from rlpipe.optional_imports import unused_hidden
 
     with unused_hidden():
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
+
+    from rlpipe.modeling import load_tokenizer
 
     try:
         source = resolve_model_source(path, Path.home() / ".cache" / "rlpipe")  # a URI is copied here once
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source)  # the saved tokenizer as saved (see load_tokenizer)
     except (OSError, ValueError) as err:
         raise RewardError(
             f"{key}: reward_model {path!r} could not be loaded ({type(err).__name__}: {err}); point `path` at a "

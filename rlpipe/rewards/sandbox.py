@@ -3,7 +3,7 @@
 Each completion's program (its last ```python block, else the whole text) runs against its row's
 tests in a fresh subprocess:
   - tests as text (Python with asserts) run after the program: reward 1.0 when it exits 0;
-  - tests as a list of {input, output} run the program once per case on stdin, comparing stdout
+  - tests as a list of {input, output} (or that list as a JSON string) run the program once per case on stdin, comparing stdout
     (stripped): reward = the fraction of cases passed (`partial: false`: 1.0 only when all pass).
 Every run gets a throwaway directory, a minimal environment, hard limits on address space
 (`memory_mb`), CPU seconds and output size, a wall-clock limit (`timeout_s`) after which its whole
@@ -12,8 +12,8 @@ the guard's audit hook: rlpipe/rewards/sandbox_guard.py), and no fork, exec or w
 directory. A candidate that breaks a rule or a limit gets 0.0 and the reason is recorded (column
 reward/<name>/reason); the step goes on.
 
-On a cluster this is one layer: the score step also runs under gVisor (cluster.sandbox.runtime_class)
-with a deny-all-egress NetworkPolicy (manifests/base/sandbox/).
+On a cluster this is one layer: the score step also runs under gVisor (cluster.sandbox_runtime_class)
+with a deny-all-egress NetworkPolicy (manifests/base/sandbox.yaml).
 """
 
 from __future__ import annotations
@@ -128,6 +128,11 @@ def run_candidate(source: str, stdin: str, limits: Limits) -> Outcome:
 def score_program(completion: str, tests: Any, limits: Limits, partial: bool) -> tuple[float, str]:
     """(reward, reason) for one completion against its tests."""
     program = program_of(completion)
+    if isinstance(tests, str) and tests.lstrip().startswith("["):
+        try:
+            tests = json.loads(tests)  # cases stored as a JSON string, as many code datasets do
+        except json.JSONDecodeError:
+            pass  # Python text that starts with a list
     if isinstance(tests, str):
         outcome = run_candidate(program + "\n\n" + tests + "\n", "", limits)
         return float(outcome.passed), outcome.reason
