@@ -86,3 +86,28 @@ def test_weight_store_publishes_on_gs(gcs, tmp_path: Path):
     assert ws.read_ref(run_root, 1) == ref
     local = ws.local_path(ref, tmp_path / "cache")
     assert Path(local, "model.safetensors").read_bytes() == (tmp_path / "v" / "model.safetensors").read_bytes()
+
+
+def test_data_files_load_from_gs(gcs, tmp_path: Path):
+    """data.path as a gs:// glob of JSONL shards, eval_path as one Parquet file."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlpipe.data import task_rows
+    from rlpipe.spec import parse_spec
+
+    from .conftest import tiny_spec_dict
+
+    rows = [{"question": f"{a}-{b}", "answer": str(a - b)} for a in range(6) for b in range(5)]
+    for shard in range(3):
+        with gcs.open(f"{BUCKET}/tasks/sub/train-{shard}.jsonl", "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows[shard * 8 : shard * 8 + 8]))
+    pq.write_table(pa.Table.from_pylist(rows[24:]), tmp_path / "eval.parquet")
+    gcs.put(str(tmp_path / "eval.parquet"), f"{BUCKET}/tasks/sub/eval.parquet")
+    data = {"path": f"gs://{BUCKET}/tasks/sub/train-*.jsonl", "eval_path": f"gs://{BUCKET}/tasks/sub/eval.parquet"}
+    train, held_out = task_rows(
+        parse_spec(tiny_spec_dict(tmp_path, data=data | {"train_size": None, "eval_size": None}))
+    )
+    assert train == rows[:24] and held_out == rows[24:]
