@@ -174,6 +174,9 @@ def test_failed_initialization_does_not_lock_the_spec(tmp_path: Path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the pre-flight shape check, fails to load
+    from rlpipe.modeling import build_char_tokenizer
+
+    build_char_tokenizer().save_pretrained(broken)  # prompts tokenize: the data check passes too
     run_dir = tmp_path / "run"
     result = _rlpipe("run", str(_spec(tmp_path, "bad.yaml", model={"path": str(broken)})), "--run-dir", str(run_dir))
     _fails_clearly(result, "warm-start", "cause:")
