@@ -494,3 +494,21 @@ def test_resident_trainer(build):
     svc = _find(docs, "Service", "rlpipe-trainer")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert _port_number(c, svc["spec"]["ports"][0]["targetPort"]) == 8001
+
+
+def test_optional_kfp_runtime_class_policy_validates():
+    """manifests/optional/kfp-sandbox-runtime-class.yaml: the admission policy that gives a KFP score
+    pod the runtimeClassName its annotation names, valid against the 1.34 schemas (its API is beta there)."""
+    import kubernetes_validate
+
+    from rlpipe.pipelines.cluster_settings import RUNTIME_CLASS_ANNOTATION, SANDBOX_LABEL
+
+    docs = list(yaml.safe_load_all((MANIFESTS / "optional" / "kfp-sandbox-runtime-class.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.34.0", strict=True)
+    policy = docs[0]["spec"]
+    assert SANDBOX_LABEL in policy["matchConditions"][0]["expression"]
+    assert RUNTIME_CLASS_ANNOTATION in policy["matchConditions"][0]["expression"]
+    assert f"annotations['{RUNTIME_CLASS_ANNOTATION}']" in policy["mutations"][0]["applyConfiguration"]["expression"]
+    assert docs[1]["spec"]["policyName"] == docs[0]["metadata"]["name"]
