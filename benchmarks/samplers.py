@@ -203,7 +203,7 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     staged = staging_uri(str(run_root), 0)
     shutil.copytree(model_dir, staged)
     publish(str(run_root), seal(staged, 0, 0, None))
-    rows = make_rows(random.Random(7), spec.rollout.prompts_per_iteration, spec.task.digits)
+    rows = make_rows(random.Random(7), spec.rollout.prompts_per_iteration, **spec.data.options)
     prompts = [row["prompt"] for row in rows]
     configure_torch(1)
     llm = load_engine(str(model_dir), 0, gpu=False)
