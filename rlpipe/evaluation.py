@@ -74,7 +74,7 @@ def evaluate_policy(
     from rlpipe.modeling import load_weights
 
     if policy is None:
-        model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
+        model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
     else:
         model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()

@@ -112,14 +112,29 @@ def load_tokenizer(local_dir: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def resolve_device(name: str) -> torch.device:
+    """trainer.device as a torch.device: auto = the GPU when one is visible. Asking for cuda
+    without one is an error, never a silent CPU run."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"trainer.device is {name} but torch sees no GPU (torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda or 'no'}); set trainer.device: auto or cpu, or run where a GPU is visible"
+        )
+    return torch.device(name)
+
+
 def load_weights(
-    weights: dict, cache_root: str | Path, threads: int
+    weights: dict, cache_root: str | Path, threads: int, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a published weights version (a WeightRef) for a torch step, on `threads` CPU threads."""
+    """Load a published weights version (a WeightRef) for a torch step onto trainer.device, with
+    `threads` CPU threads."""
     from rlpipe.store.weights import local_path
 
     configure_torch(threads)
-    return load_policy(local_path(weights, cache_root))
+    model, tokenizer = load_policy(local_path(weights, cache_root))
+    return model.to(resolve_device(device)), tokenizer
 
 
 def load_policy(source: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

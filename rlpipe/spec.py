@@ -256,6 +256,25 @@ class TrainerSpec:
     mini_batches: int = setting(4, ge=1, doc="Optimizer steps per epoch over one iteration's batch")
     epochs: int = setting(1, ge=1)
     threads: int = setting(1, ge=1, doc="torch CPU threads per step")
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto",
+        doc="Where the torch steps train, sample and evaluate: auto = cuda when a GPU is visible; "
+        "cuda with none visible is an error, never a silent CPU run",
+    )
+    dtype: Literal["float32", "bfloat16"] = setting(
+        "float32",
+        doc="Compute precision: bfloat16 autocasts the forward passes while weights, gradients and "
+        "AdamW state stay float32 (mixed precision with fp32 master weights)",
+    )
+    micro_batch_tokens: int | None = setting(
+        None,
+        ge=1,
+        doc="Token budget (padded rows x width) of one forward/backward; a mini-batch is split into "
+        "micro-batches within it and their gradients accumulated (the same update, less memory). null: one pass",
+    )
+    gradient_checkpointing: bool = setting(
+        False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
+    )
     resident: bool = setting(
         False,
         doc="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
@@ -578,7 +597,18 @@ TRAINING_KEYS = ("seed", "model", "rollout", "algorithm", "trainer")  # what an 
 # free to change when a run resumes: how far it goes, where it stores, how steps are placed and where
 # rollouts and updates are computed (every engine samples the same policy; the resident trainer
 # computes the per-step update)
-RESUMABLE_KEYS = ("loop", "storage", "cluster", "samplers", "rollout.engine", "trainer.resident", "trainer.endpoint")
+RESUMABLE_KEYS = (
+    "loop",
+    "storage",
+    "cluster",
+    "samplers",
+    "rollout.engine",
+    "trainer.resident",
+    "trainer.endpoint",
+    "trainer.device",  # where it computes; the update is the same up to float rounding
+    "trainer.micro_batch_tokens",  # the same update, accumulated in parts
+    "trainer.gradient_checkpointing",
+)
 WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
 
 

@@ -57,12 +57,14 @@ def sample(
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention[row, width - len(prompt) :] = 1
+    device = model.device  # `generator`, when given, lives there too
+    input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
 
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1
-    finished = torch.zeros(batch, dtype=torch.bool)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
@@ -78,7 +80,7 @@ def sample(
         finished |= token == eos_id
         if bool(finished.all()):
             break
-        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+        attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
         out = model(
             input_ids=token.unsqueeze(-1),
             attention_mask=attention,
@@ -123,12 +125,12 @@ def sample_prompts(
     from rlpipe.modeling import load_weights
 
     if policy is None:
-        policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads))
+        policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
     model, tokenizer = policy.model, policy.tokenizer
     was_training = model.training
     model.eval()
     loaded = time.time()
-    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + iteration)
+    generator = torch.Generator(device=model.device).manual_seed(spec.seed * 1_000_003 + iteration)
     completions = sample_in_batches(
         model,
         [ids for ids in prompt_ids for _ in range(spec.rollout.samples_per_prompt)],

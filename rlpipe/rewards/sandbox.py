@@ -3,8 +3,9 @@
 Each completion's program (its last ```python block, else the whole text) runs against its row's
 tests in a fresh subprocess:
   - tests as text (Python with asserts) run after the program: reward 1.0 when it exits 0;
-  - tests as a list of {input, output} (or that list as a JSON string) run the program once per case on stdin, comparing stdout
-    (stripped): reward = the fraction of cases passed (`partial: false`: 1.0 only when all pass).
+  - tests as a list of {input, output} (or that list as a JSON string) run the program once per
+    case on stdin, comparing stdout (stripped): reward = the fraction of cases passed
+    (`partial: false`: 1.0 only when all pass).
 Every run gets a throwaway directory, a minimal environment, hard limits on address space
 (`memory_mb`), CPU seconds and output size, a wall-clock limit (`timeout_s`) after which its whole
 process group is killed, no network (a network namespace where the kernel allows one, and always

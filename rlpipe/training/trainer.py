@@ -93,33 +93,69 @@ class Trainer:
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
     """The policy at `weights` with the optimizer state saved beside that version."""
     weights = as_ref(weights)
-    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads)
+    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
     policy.train()
+    if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
     )
     fs, opt_path = filesystem(optimizer_uri(run_root, weights["version"]))
     if fs.exists(opt_path):
         with fs.open(opt_path, "rb") as f:
-            optimizer.load_state_dict(torch.load(f, weights_only=True))
+            optimizer.load_state_dict(torch.load(f, weights_only=True, map_location=policy.device))
     reference = None
     if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
-        reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads)
+        reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
         reference.eval().requires_grad_(False)
     return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference)
 
 
+def micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
+    """A mini-batch's rows in groups whose padded size (rows x longest sequence) fits `budget`
+    tokens (trainer.micro_batch_tokens); a row longer than the budget goes alone. Rows are sorted
+    by length first, so little of each group is padding. budget None: one group."""
+    if budget is None:
+        return [rows]
+    groups: list[list[dict]] = [[]]
+    width = 0
+    for row in sorted(rows, key=lambda r: len(r["prompt_token_ids"]) + len(r["completion_token_ids"])):
+        length = len(row["prompt_token_ids"]) + len(row["completion_token_ids"])
+        if groups[-1] and max(width, length) * (len(groups[-1]) + 1) > budget:
+            groups.append([])
+            width = 0
+        groups[-1].append(row)
+        width = max(width, length)
+    return groups
+
+
+def micro_batch_weight(mb: dict[str, torch.Tensor], rows: int, tokens: float, aggregation: str) -> float:
+    """The share w_j of micro-batch j in its mini-batch's loss, so that sum_j w_j L_j = L:
+        sequence_mean  w_j = n_j / n          (n: sequences)
+        token_mean     w_j = T_j / T          (T: completion tokens)
+    Gradients accumulate as sum_j w_j grad L_j = grad L: the one-pass update."""
+    if aggregation == "sequence_mean":
+        return len(mb["advantages"]) / rows
+    return float(mb["completion_mask"].sum()) / max(tokens, 1.0)
+
+
 def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
     """One iteration of mini-batch steps on the batch; the trainer's policy and optimizer move on
-    in place. Raises NonFiniteLossError before the step that would apply a NaN/inf gradient."""
+    in place. Each mini-batch is one optimizer step; within it, micro-batches of at most
+    trainer.micro_batch_tokens accumulate their gradients. Raises NonFiniteLossError before the step
+    that would apply a NaN/inf gradient."""
     spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
     algorithm = get_algorithm(spec.algorithm.name)
     started = time.time()
+    device = policy.device
+    # bf16 compute, fp32 master weights: autocast runs the matmuls in bf16, the parameters, their
+    # gradients and AdamW's moments stay fp32, and log-probs are taken in fp32 (token_logprobs)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
     rows = read_table(batch_path).to_pylist()
     random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
     temperature = spec.rollout.temperature
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
-    steps = kl_steps = 0
+    steps = kl_steps = micro_steps = 0
     tokens = 0
     size = math.ceil(len(rows) / spec.trainer.mini_batches)
     steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
@@ -129,40 +165,49 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             global_step = (iteration - 1) * steps_per_iteration + steps
             for group in optimizer.param_groups:
                 group["lr"] = spec.trainer.lr * min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
-            mb = pack(rows[start : start + size], trainer.tokenizer.pad_token_id)
-            targets = mb["input_ids"][:, 1:]
-            logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-            logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
+            mini = rows[start : start + size]
+            completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
             # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
             # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-            ref_logprobs = None
-            if reference is not None and (spec.algorithm.kl_coef > 0 or steps == 0):
-                with torch.no_grad():
-                    ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-                    ref_logprobs = token_logprobs(ref_logits, targets, temperature)
-            loss, stats = algorithm.loss(
-                logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, spec.algorithm
-            )
+            use_reference = reference is not None and (spec.algorithm.kl_coef > 0 or steps == 0)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step = {key: 0.0 for key in totals}
+            for part in micro_batches(mini, spec.trainer.micro_batch_tokens):
+                mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
+                weight = micro_batch_weight(mb, len(mini), completion_tokens, spec.algorithm.loss_aggregation)
+                share = float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
+                targets = mb["input_ids"][:, 1:]
+                with autocast:
+                    logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
+                logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
+                ref_logprobs = None
+                if use_reference:
+                    with torch.no_grad(), autocast:
+                        ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
+                    ref_logprobs = token_logprobs(ref_logits[:, :-1], targets, temperature)
+                loss, stats = algorithm.loss(
+                    logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, spec.algorithm
+                )
+                (weight * loss).backward()
+                mask = mb["completion_mask"]  # entropy: averaged over completion tokens
+                step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
+                step["loss"] += weight * loss.item()
+                for key in ("clip_fraction", "ratio") + (("kl",) if use_reference else ()):
+                    step[key] += share * float(stats[key])
+                tokens += int(mb["attention"].sum())
+                micro_steps += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), spec.trainer.max_grad_norm)
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            if not (math.isfinite(step["loss"]) and torch.isfinite(grad_norm)):
                 raise NonFiniteLossError(
-                    f"iteration {iteration}: loss {loss.item()} / grad norm {grad_norm.item()} is not finite; "
+                    f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
                     "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
                     "functions for extreme values; then run again: the loop resumes from the last version."
                 )
             optimizer.step()
-            mask = mb["completion_mask"]  # entropy: averaged over completion tokens
-            totals["entropy"] += float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            totals["loss"] += loss.item()
-            totals["grad_norm"] += float(grad_norm)
-            for key in ("clip_fraction", "ratio"):
-                totals[key] += float(stats[key])
-            if ref_logprobs is not None:
-                totals["kl"] += float(stats["kl"])
-                kl_steps += 1
-            tokens += int(mb["attention"].sum())
+            step["grad_norm"] = float(grad_norm)
+            for key, value in step.items():
+                totals[key] += value
+            kl_steps += int(use_reference)
             steps += 1
     trained = time.time()
     return {
@@ -173,6 +218,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         "policy/ratio_mean": totals["ratio"] / steps,
         "kl/mean": totals["kl"] / max(kl_steps, 1),
         "policy/optimizer_steps": float(steps),
+        "policy/micro_batches": float(micro_steps),
         "policy/lr": optimizer.param_groups[0]["lr"],
         "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
     }

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from rlpipe.model_files import resolve_model_source
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_device
 from rlpipe.spec import WARM_START_KEYS, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json
 from rlpipe.store.weights import WeightRef, seal, staging_uri
@@ -81,7 +81,7 @@ def supervised_warm_start(
     accuracy, step = float("nan"), 0
     model.train()
     while step < ws.max_steps:
-        input_ids, labels, attention = next(batches)
+        input_ids, labels, attention = (t.to(model.device) for t in next(batches))
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -122,6 +122,7 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         else:
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(spec.model.tiny, tokenizer, spec.seed)
+        model = model.to(resolve_device(spec.trainer.device))
         ws = spec.model.warm_start
         if ws.max_steps:
             rows = pq.read_table(filesystem(data_uri(run_root, "train"))[1]).to_pylist()

@@ -1,0 +1,149 @@
+"""Training on real hardware, checked on CPU with the same code: micro-batches with gradient
+accumulation give the one-pass update, gradient checkpointing gives the same gradients, the bf16
+path keeps fp32 master weights, and asking for a GPU that is not there is an error."""
+
+import copy
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model, resolve_device
+from rlpipe.spec import TinyModelSpec, parse_spec
+from rlpipe.training.trainer import Trainer, micro_batches, train_on_batch
+
+from .conftest import tiny_spec_dict
+
+
+def _batch(tmp_path: Path, rows: int = 24) -> str:
+    """A scored batch: prompts and completions of varied lengths, advantages, sampling log-probs."""
+    rng = random.Random(0)
+    table = []
+    for i in range(rows):
+        prompt = [1] + [rng.randrange(4, 19) for _ in range(rng.randrange(3, 9))]
+        completion = [rng.randrange(4, 19) for _ in range(rng.randrange(1, 7))]
+        table.append(
+            {
+                "prompt_token_ids": prompt,
+                "completion_token_ids": completion,
+                "logprobs": [-rng.uniform(1.5, 4.0) for _ in completion],
+                "advantage": rng.uniform(-1.5, 1.5),
+                "group_id": i // 4,
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "batch.parquet")
+    return str(tmp_path / "batch.parquet")
+
+
+def _trainer(tmp_path: Path, sgd: bool = True, **trainer) -> Trainer:
+    data = tiny_spec_dict(tmp_path, trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05, **trainer})
+    return _make(parse_spec(data), sgd)
+
+
+def _make(spec, sgd: bool = True) -> Trainer:
+    """A trainer on a 2-layer model. SGD by default: its update is linear in the gradient, so two
+    updates agree as closely as their gradients do (Adam's first step, lr * g / |g|, turns float
+    noise in near-zero gradients into full-size steps)."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1),
+        tokenizer,
+        seed=0,
+    ).to(resolve_device(spec.trainer.device))
+    if spec.trainer.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=spec.trainer.lr)
+    reference = None
+    if spec.algorithm.kl_coef > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    return Trainer(spec, "unused", {"version": 0}, model, tokenizer, optimizer, reference)
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+
+
+def test_micro_batches_fit_the_token_budget():
+    rows = [{"prompt_token_ids": [0] * p, "completion_token_ids": [0] * c} for p, c in [(5, 3), (2, 1), (9, 9), (4, 4)]]
+    groups = micro_batches(rows, 20)
+    assert sorted(len(r["prompt_token_ids"]) for g in groups for r in g) == [2, 4, 5, 9]  # every row once
+    for group in groups:
+        width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in group)
+        assert width * len(group) <= 20 or len(group) == 1  # a row longer than the budget goes alone
+    assert micro_batches(rows, None) == [rows]
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
+def test_gradient_accumulation_equals_the_one_pass_update(tmp_path: Path, aggregation: str):
+    batch = _batch(tmp_path)
+    algorithm = {"loss_aggregation": aggregation, "kl_coef": 0.05, "track_reference_kl": True}
+    one_pass = _make(
+        parse_spec(
+            tiny_spec_dict(tmp_path, trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05}, algorithm=algorithm)
+        )
+    )
+    accumulated = _make(
+        parse_spec(
+            tiny_spec_dict(
+                tmp_path,
+                algorithm=algorithm,
+                trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05, "micro_batch_tokens": 40},
+            )
+        )
+    )
+    assert _params(one_pass).keys() == _params(accumulated).keys()
+    full = train_on_batch(one_pass, batch, iteration=1)
+    parts = train_on_batch(accumulated, batch, iteration=1)
+    assert full["policy/micro_batches"] == 2 and parts["policy/micro_batches"] >= 6
+    for key in (
+        "policy/loss",
+        "policy/grad_norm",
+        "policy/clip_fraction",
+        "policy/entropy",
+        "kl/mean",
+        "policy/ratio_mean",
+    ):
+        assert parts[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+    before = _params(_make(one_pass.spec))
+    after_full, after_parts = _params(one_pass), _params(accumulated)
+    moved = max(float((after_full[k] - before[k]).abs().max()) for k in before)
+    assert moved > 1e-4  # the update did something
+    for name in after_full:
+        torch.testing.assert_close(after_parts[name], after_full[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path: Path):
+    batch = _batch(tmp_path)
+    plain, checkpointed = _trainer(tmp_path), _trainer(tmp_path, gradient_checkpointing=True)
+    assert checkpointed.policy.is_gradient_checkpointing and not plain.policy.is_gradient_checkpointing
+    a, b = train_on_batch(plain, batch, 1), train_on_batch(checkpointed, batch, 1)
+    assert b["policy/loss"] == pytest.approx(a["policy/loss"], rel=1e-6)
+    for name, value in _params(plain).items():
+        torch.testing.assert_close(_params(checkpointed)[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tmp_path: Path):
+    batch = _batch(tmp_path)
+    fp32, bf16 = _trainer(tmp_path, sgd=False, lr=1e-3), _trainer(tmp_path, sgd=False, lr=1e-3, dtype="bfloat16")
+    a, b = train_on_batch(fp32, batch, 1), train_on_batch(bf16, batch, 1)
+    assert all(p.dtype == torch.float32 for p in bf16.policy.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in bf16.optimizer.state.values())
+    assert b["policy/loss"] == pytest.approx(a["policy/loss"], abs=0.05)  # bf16 rounding, not another loss
+    assert b["policy/loss"] != a["policy/loss"]  # and it really computed in bf16
+    drift = max(float((p - q).detach().abs().max()) for p, q in zip(fp32.policy.parameters(), bf16.policy.parameters()))
+    assert 0 < drift < 0.05
+
+
+def test_a_gpu_asked_for_and_missing_is_an_error(tmp_path: Path, monkeypatch):
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine, also on a GPU one
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"trainer.device is cuda but torch sees no GPU .*set trainer.device: auto"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="must be one of 'auto', 'cpu', 'cuda'"):
+        parse_spec(tiny_spec_dict(tmp_path, trainer={"device": "tpu"}))
