@@ -62,6 +62,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlpipe.training.memory_plan import model_shape, plan_memory
+
+    spec = _spec(args)
+    shape = model_shape(spec, spec.cache_root)
+    seq_len = args.seq_len or (spec.data.max_prompt_tokens or 512) + spec.rollout.max_new_tokens
+    plan = plan_memory(spec, shape, seq_len, args.gpus, args.gpu_memory_gib)
+    print(
+        f"rlpipe plan {args.spec}: {shape.parameters / 1e9:.3f}B parameters ({shape.layers} layers, hidden "
+        f"{shape.hidden}, vocab {shape.vocab}), sequences of {seq_len} tokens, {args.gpus} GPU(s), "
+        f"trainer.dtype {spec.trainer.dtype}"
+    )
+    print(plan.table())
+    if not plan.advice:
+        print("fits (estimate within 90% of the GPU)")
+        return 0
+    print("does not fit; change, in this order:")
+    for line in plan.advice:
+        print(f"  - {line}")
+    return 1
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if args.target == "argo":
@@ -123,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--run-dir", help="run root (default <storage.root>/<name>)")
     check.add_argument("--set", action="append", metavar="KEY=VALUE")
     check.set_defaults(func=cmd_check)
+
+    plan = sub.add_parser("plan", help="estimate per-GPU training memory for the spec and say what to change")
+    plan.add_argument("spec")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs the trainer shards over (FSDP)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        help="prompt + completion tokens (default: data.max_prompt_tokens or 512, plus rollout.max_new_tokens)",
+    )
+    plan.add_argument("--set", action="append", metavar="KEY=VALUE")
+    plan.set_defaults(func=cmd_plan)
 
     comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
     comp.add_argument("spec")

@@ -147,3 +147,126 @@ def test_a_gpu_asked_for_and_missing_is_an_error(tmp_path: Path, monkeypatch):
         resolve_device("cuda")
     with pytest.raises(ValueError, match="must be one of 'auto', 'cpu', 'cuda'"):
         parse_spec(tiny_spec_dict(tmp_path, trainer={"device": "tpu"}))
+
+
+QWEN2_15B = {  # Qwen2.5-1.5B's config.json fields that memory depends on
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 1000,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("config", [QWEN2_15B, LLAMA], ids=["qwen2-1.5b", "llama"])
+def test_parameter_count_matches_transformers(config: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlpipe.training.memory_plan import shape_from_config
+
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    assert shape_from_config(hf_config.to_dict()).parameters == sum(p.numel() for p in model.parameters())
+
+
+MEASURE = """
+import json, random, sys
+import pyarrow as pa, pyarrow.parquet as pq, torch
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+from rlpipe.spec import TinyModelSpec, parse_spec
+from rlpipe.training.memory_plan import plan_memory, shape_from_config
+from rlpipe.training.trainer import Trainer, train_on_batch
+
+def rss(field):
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
+
+torch.set_num_threads(1)
+checkpointing = sys.argv[2] == "1"
+rows = [{"prompt_token_ids": [1] + [5] * 59, "completion_token_ids": [6] * 64, "logprobs": [-2.0] * 64,
+         "advantage": random.Random(i).uniform(-1, 1)} for i in range(64)]
+pq.write_table(pa.Table.from_pylist(rows), sys.argv[1])
+spec = parse_spec({"name": "m", "trainer": {"mini_batches": 1, "gradient_checkpointing": checkpointing},
+                   "algorithm": {"track_reference_kl": False}, "rollout": {"prompts_per_iteration": 8}})
+tokenizer = build_char_tokenizer()
+before = rss("VmRSS")
+shape = TinyModelSpec(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=2,
+                      max_position_embeddings=256)
+model = build_tiny_model(shape, tokenizer, 0).train()
+if checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+trainer = Trainer(spec, "-", {"version": 0}, model, tokenizer, torch.optim.AdamW(model.parameters()), None)
+train_on_batch(trainer, sys.argv[1], 1)
+plan = plan_memory(spec, shape_from_config(model.config.to_dict()), 124, 1, 80)
+estimate = sum(b for what, b in plan.rows if not what.startswith("sampler"))
+print(json.dumps({"measured": rss("VmHWM") - before, "estimate": estimate}))
+"""
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
+def test_memory_estimate_is_near_the_measured_peak(tmp_path: Path, checkpointing: bool):
+    """One update of a 30M-parameter shape on 7,936 tokens in a fresh process: the plan's estimate
+    against the growth of the process's peak RSS."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "b.parquet"), str(int(checkpointing))],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.7 < result["estimate"] / result["measured"] < 1.3, result
+
+
+def test_plan_says_what_to_change(tmp_path: Path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(__import__("json").dumps(QWEN2_15B))
+    data = tiny_spec_dict(tmp_path, model={"path": str(tmp_path / "model")})
+    data["rollout"] = {"prompts_per_iteration": 128, "samples_per_prompt": 8, "max_new_tokens": 512, "batch_size": 256}
+    data["data"] = {"max_prompt_tokens": 512}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
+
+    def plan(*extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rlpipe.pipelines.cli", "plan", str(tmp_path / "spec.yaml"), *extra]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    full = plan()
+    assert full.returncode == 1, full.stdout + full.stderr
+    assert "1.544B parameters (28 layers, hidden 1536, vocab 151936), sequences of 1024 tokens" in full.stdout
+    assert "policy weights (fp32)                   5.75 GiB" in full.stdout
+    assert "trainer.gradient_checkpointing: true" in full.stdout and "trainer.micro_batch_tokens: " in full.stdout
+    tuned = plan(
+        "--set",
+        "trainer.dtype=bfloat16",
+        "--set",
+        "trainer.gradient_checkpointing=true",
+        "--set",
+        "trainer.micro_batch_tokens=8192",
+    )
+    assert tuned.returncode == 0 and "fits" in tuned.stdout, tuned.stdout
+    small_gpu = plan("--gpu-memory-gib", "16")
+    assert "shard them over 2 or more GPUs (FSDP), or train adapters (LoRA)" in small_gpu.stdout
