@@ -125,6 +125,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def release_memory(device: torch.device, phase: str) -> dict[str, float]:
+    """Between colocated phases (sample, train, evaluate in one process): hand the phase's cached
+    GPU blocks (KV cache, activations) back so the next phase can use them, and report the phase's
+    peak (memory/<phase>_peak_gib). Nothing to do on CPU, where freed tensors go back to the allocator."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 1024**3
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return {f"memory/{phase}_peak_gib": peak}
+
+
 def load_weights(
     weights: dict, cache_root: str | Path, threads: int, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -79,6 +79,7 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     import tempfile
 
     from rlpipe.engines import Policy, generate_rollouts
+    from rlpipe.modeling import release_memory
     from rlpipe.store.run_root import filesystem
 
     started = time.time()
@@ -100,6 +101,7 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
         fs.put_file(local, remote)
     keep(held, trainer)
     metrics["overhead/generate_load_s"] += loaded - started
+    metrics |= release_memory(trainer.policy.device, "generate")
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
 
@@ -107,6 +109,7 @@ def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
     from rlpipe.engines import Policy
     from rlpipe.evaluation import evaluate_policy
+    from rlpipe.modeling import release_memory
 
     started = time.time()
     trainer, reloaded = hold(request, held)
@@ -116,11 +119,13 @@ def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
         trainer.spec, trainer.run_root, trainer.weights, int(request["iteration"]), request["cache_root"], policy
     )
     keep(held, trainer)
+    metrics |= release_memory(trainer.policy.device, "evaluate")
     return {"metrics": metrics | {"overhead/evaluate_load_s": loaded - started, "trainer/reloaded": float(reloaded)}}
 
 
 def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
+    from rlpipe.modeling import release_memory
     from rlpipe.training.trainer import save_trained, train_on_batch
 
     started = time.time()
@@ -130,6 +135,7 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     metrics = train_on_batch(trainer, request["batch_uri"], iteration)
     staged = save_trained(trainer, iteration, request["cache_root"])
     keep(held, trainer)
+    metrics |= release_memory(trainer.policy.device, "update")
     return {
         "staged": staged,
         "metrics": metrics
