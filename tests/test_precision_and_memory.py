@@ -270,3 +270,88 @@ def test_plan_says_what_to_change(tmp_path: Path):
     assert tuned.returncode == 0 and "fits" in tuned.stdout, tuned.stdout
     small_gpu = plan("--gpu-memory-gib", "16")
     assert "shard them over 2 or more GPUs (FSDP), or train adapters (LoRA)" in small_gpu.stdout
+
+
+DATA_PARALLEL = """
+import copy, json, sys
+import torch
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+from rlpipe.spec import TinyModelSpec, parse_spec
+from rlpipe.training.distributed import init_from_torchrun, shard
+from rlpipe.training.trainer import Trainer, save_trained, train_on_batch
+
+batch, run_root, out = sys.argv[1:4]
+torch.set_num_threads(1)
+trainer = {"mini_batches": 2, "warmup_steps": 0, "lr": 0.01, "micro_batch_tokens": 64}
+spec = parse_spec({"name": "dp", "trainer": trainer, "algorithm": {"kl_coef": 0.05}})
+rank, processes = init_from_torchrun(torch.device("cpu"))
+tokenizer = build_char_tokenizer()
+shape = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
+model = build_tiny_model(shape, tokenizer, 0).train()
+reference = copy.deepcopy(model).eval().requires_grad_(False)
+if processes > 1:
+    shard(model, torch.device("cpu"))
+    shard(reference, torch.device("cpu"))
+# eps 1e-3: Adam's step is then near-linear in small gradients, so float noise stays float noise
+optimizer = torch.optim.AdamW(model.parameters(), lr=spec.trainer.lr, eps=1e-3)
+trainer = Trainer(spec, run_root, {"version": 0}, model, tokenizer, optimizer, reference)
+metrics = train_on_batch(trainer, batch, 1)
+ref = save_trained(trainer, 1, run_root + "/cache")
+if rank == 0:
+    json.dump({"metrics": metrics, "processes": processes, "uri": ref["uri"]}, open(out, "w"))
+"""
+
+
+def test_two_processes_give_the_one_process_update(tmp_path: Path):
+    """FSDP2 over 2 gloo processes (torchrun) against 1 process: the same metrics, the same saved
+    weights, the same AdamW moments (saved by name, loadable by one process)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from rlpipe.store.run_root import optimizer_uri
+    from rlpipe.training.distributed import load_optimizer_state
+
+    batch = _batch(tmp_path, rows=24)
+    script = tmp_path / "dp.py"
+    script.write_text(DATA_PARALLEL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [shutil.which("torchrun", path=str(Path(sys.executable).parent)), "--nproc-per-node", "2"]
+    runs = {}
+    for name, launcher in (("one", [sys.executable]), ("two", [*torchrun, "--master-port", "29581"])):
+        run_root = tmp_path / name
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run(
+            [*launcher, str(script), batch, str(run_root), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[name] = json.loads(out.read_text()) | {"root": run_root}
+    assert (runs["one"]["processes"], runs["two"]["processes"]) == (1, 2)
+    one, two = runs["one"]["metrics"], runs["two"]["metrics"]
+    for key in ("policy/loss", "policy/grad_norm", "policy/clip_fraction", "policy/entropy", "kl/mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    weights = {n: load_file(Path(runs[n]["uri"]) / "model.safetensors") for n in runs}
+    assert weights["one"].keys() == weights["two"].keys()
+    for name, value in weights["one"].items():
+        torch.testing.assert_close(weights["two"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # the 2-process optimizer state (by parameter name) loads into one process and matches its own
+    fresh = _trainer(tmp_path, sgd=False)
+    fresh.optimizer = torch.optim.AdamW(fresh.policy.parameters(), lr=0.01, eps=1e-3)
+    saved = {n: torch.load(optimizer_uri(str(runs[n]["root"]), 1), weights_only=True) for n in runs}
+    assert all(isinstance(k, str) for k in saved["two"]["state"]) and all(
+        isinstance(k, int) for k in saved["one"]["state"]
+    )
+    load_optimizer_state(fresh.policy, fresh.optimizer, saved["two"])
+    by_two = [fresh.optimizer.state[p]["exp_avg"] for p in fresh.policy.parameters()]
+    load_optimizer_state(fresh.policy, fresh.optimizer, saved["one"])
+    by_one = [fresh.optimizer.state[p]["exp_avg"] for p in fresh.policy.parameters()]
+    for a, b in zip(by_two, by_one, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -53,12 +53,15 @@ def version_uri(run_root: str, version: int) -> str:
     return join(weights_root(run_root), version_name(version))
 
 
-def stage_pretrained(run_root: str, version: int, model, tokenizer, cache_root: str | Path) -> str:
-    """`save_pretrained` model + tokenizer into a fresh staging dir (via a local dir for remote stores)."""
+def stage_pretrained(
+    run_root: str, version: int, model, tokenizer, cache_root: str | Path, state_dict: dict | None = None
+) -> str:
+    """`save_pretrained` model + tokenizer into a fresh staging dir (via a local dir for remote stores);
+    `state_dict`: the whole weights when the model itself holds only a shard (FSDP)."""
     staged = staging_uri(run_root, version)
     fs, staged_path = filesystem(staged)
     save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
-    model.save_pretrained(save_dir)
+    model.save_pretrained(save_dir, state_dict=state_dict)
     tokenizer.save_pretrained(save_dir)
     if not is_local(staged):
         fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)

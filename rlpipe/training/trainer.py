@@ -21,6 +21,15 @@ from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
+from rlpipe.training.distributed import (
+    all_sum,
+    full_model_state,
+    full_optimizer_state,
+    init_from_torchrun,
+    load_optimizer_state,
+    shard,
+    world,
+)
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -97,17 +106,22 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     policy.train()
     if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sharded = init_from_torchrun(policy.device)[1] > 1
+    if sharded:
+        shard(policy, policy.device)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
     )
     fs, opt_path = filesystem(optimizer_uri(run_root, weights["version"]))
     if fs.exists(opt_path):
         with fs.open(opt_path, "rb") as f:
-            optimizer.load_state_dict(torch.load(f, weights_only=True, map_location=policy.device))
+            load_optimizer_state(policy, optimizer, torch.load(f, weights_only=True, map_location=policy.device))
     reference = None
     if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
         reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
         reference.eval().requires_grad_(False)
+        if sharded:
+            shard(reference, reference.device)
     return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference)
 
 
@@ -148,6 +162,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     algorithm = get_algorithm(spec.algorithm.name)
     started = time.time()
     device = policy.device
+    rank, processes = world()
     # bf16 compute, fp32 master weights: autocast runs the matmuls in bf16, the parameters, their
     # gradients and AdamW's moments stay fp32, and log-probs are taken in fp32 (token_logprobs)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
@@ -167,15 +182,20 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 group["lr"] = spec.trainer.lr * min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
             mini = rows[start : start + size]
             completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
+            budget = spec.trainer.micro_batch_tokens
             # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
             # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
             use_reference = reference is not None and (spec.algorithm.kl_coef > 0 or steps == 0)
             optimizer.zero_grad(set_to_none=True)
             step = {key: 0.0 for key in totals}
-            for part in micro_batches(mini, spec.trainer.micro_batch_tokens):
+            # the same micro-batches on every process (FSDP's collectives line up); each takes every
+            # world-th row of each, and scales by `processes` since FSDP averages gradients over them
+            for group in micro_batches(mini, budget * processes if budget else None):
+                part = group[rank::processes] or group[:1]
+                present = float(bool(group[rank::processes]))  # a process with no row: weight 0
                 mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
-                weight = micro_batch_weight(mb, len(mini), completion_tokens, spec.algorithm.loss_aggregation)
-                share = float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
+                weight = present * micro_batch_weight(mb, len(mini), completion_tokens, spec.algorithm.loss_aggregation)
+                share = present * float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
                 targets = mb["input_ids"][:, 1:]
                 with autocast:
                     logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
@@ -188,15 +208,17 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 loss, stats = algorithm.loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, spec.algorithm
                 )
-                (weight * loss).backward()
+                (processes * weight * loss).backward()
                 mask = mb["completion_mask"]  # entropy: averaged over completion tokens
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
                 step["loss"] += weight * loss.item()
                 for key in ("clip_fraction", "ratio") + (("kl",) if use_reference else ()):
                     step[key] += share * float(stats[key])
-                tokens += int(mb["attention"].sum())
+                tokens += int(present * mb["attention"].sum())
                 micro_steps += 1
+            step = all_sum(step, device)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), spec.trainer.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if not (math.isfinite(step["loss"]) and torch.isfinite(grad_norm)):
                 raise NonFiniteLossError(
                     f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
@@ -210,6 +232,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             kl_steps += int(use_reference)
             steps += 1
     trained = time.time()
+    tokens = int(all_sum({"tokens": tokens}, device)["tokens"])
     return {
         "policy/loss": totals["loss"] / steps,
         "policy/clip_fraction": totals["clip_fraction"] / steps,
@@ -225,17 +248,31 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
 
 
 def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef:
-    """Stage and seal v(N+1) and save its optimizer state beside it; the trainer now holds v(N+1)."""
+    """Stage and seal v(N+1) and save its optimizer state beside it; the trainer now holds v(N+1).
+    Sharded over several processes, the whole weights and optimizer state are gathered and the
+    first process writes them (the others get its WeightRef)."""
     run_root, weights = trainer.run_root, trainer.weights
+    rank, processes = world()
     new_version = weights["version"] + 1
-    staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root)
-    ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
-    final_opt = optimizer_uri(run_root, new_version)
-    fs, tmp_path = filesystem(final_opt + ".tmp")
-    fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(tmp_path, "wb") as f:
-        torch.save(trainer.optimizer.state_dict(), f)
-    move(final_opt + ".tmp", final_opt)
+    if processes > 1:  # collectives: every process takes part
+        model_state = full_model_state(trainer.policy)
+        optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)
+    else:
+        model_state, optimizer_state = None, trainer.optimizer.state_dict()
+    ref: WeightRef | None = None
+    if rank == 0:
+        staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state)
+        ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+        final_opt = optimizer_uri(run_root, new_version)
+        fs, tmp_path = filesystem(final_opt + ".tmp")
+        fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(tmp_path, "wb") as f:
+            torch.save(optimizer_state, f)
+        move(final_opt + ".tmp", final_opt)
+    if processes > 1:
+        shared = [ref]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        ref = shared[0]
     trainer.weights = ref
     return ref
 

@@ -1,0 +1,105 @@
+"""Data-parallel training over several processes with FSDP2 (`torch.distributed.fsdp.fully_shard`),
+launched by torchrun: NCCL on GPUs, gloo on CPU (where the tests run the same code).
+
+Each process holds 1/world of every parameter, gradient and AdamW moment. A mini-batch's micro-batches
+are the same on every process (so the collectives line up); each process takes every world-th row
+of each. FSDP averages gradients over processes, so each process back-propagates world x its rows'
+share of the one-pass loss: the mean over processes is then the one-pass gradient.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) outside torchrun."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def init_from_torchrun(device: torch.device) -> tuple[int, int]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env);
+    (0, 1) when not launched by torchrun. NCCL for GPUs, gloo for CPU."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group(backend)
+    return world()
+
+
+def shard(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """FSDP2: each decoder layer its own unit (gathered just for its forward and backward), then the
+    rest (embeddings, final norm, head) as the root unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world()[1],))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def all_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value summed over the processes (unchanged in one process)."""
+    if world()[1] == 1:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state dict on CPU, on every process (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # tied weights (lm_head = embed_tokens) come back as separate copies; keep the one named_parameters
+    # names, as save_pretrained does for an unsharded model
+    kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {name: value for name, value in state.items() if name in kept}
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state keyed by parameter name (a collective); loads back into any world size."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a saved optimizer state into any world size: one process saves torch's own form (keyed
+    by parameter index), several save it keyed by parameter name (full_optimizer_state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    by_index = all(isinstance(group_param, int) for group in state["param_groups"] for group_param in group["params"])
+    if by_index and world()[1] == 1:
+        optimizer.load_state_dict(state)
+        return
+    if by_index:  # the optimizer's parameters are the model's, in named_parameters order
+        names = [name for name, _ in model.named_parameters()]
+        state = {
+            "state": {names[index]: value for index, value in state["state"].items()},
+            "param_groups": [
+                group | {"params": [names[i] for i in group["params"]]} for group in state["param_groups"]
+            ],
+        }
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
