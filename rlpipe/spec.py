@@ -275,6 +275,20 @@ class TrainerSpec:
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
     )
+    processes: int = setting(
+        1,
+        ge=1,
+        doc="Data-parallel processes of the update (torchrun, FSDP2: weights, gradients and optimizer state "
+        "sharded): one per GPU of the node; on CPU, gloo processes",
+    )
+
+    def __post_init__(self) -> None:
+        if self.processes > 1 and self.resident:
+            raise ValueError(
+                "trainer.processes > 1 runs the update under torchrun in the update step; the resident trainer "
+                "is one process for now: set trainer.resident: false, or trainer.processes: 1"
+            )
+
     resident: bool = setting(
         False,
         doc="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
@@ -608,6 +622,7 @@ RESUMABLE_KEYS = (
     "trainer.device",  # where it computes; the update is the same up to float rounding
     "trainer.micro_batch_tokens",  # the same update, accumulated in parts
     "trainer.gradient_checkpointing",
+    "trainer.processes",  # the same update, sharded (to float rounding)
 )
 WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
 

@@ -221,3 +221,15 @@ def test_your_own_data_reward_and_chat_model(tmp_path: Path):
         assert row["prompt"].startswith("<|im_start|>system") and "messages" in row
     metrics = json.loads((tmp_path / "run" / "metrics" / "iter_000000.json").read_text())
     assert metrics["data/train_rows"] == len(prepared) and metrics["data/dropped_too_long"] == len(rows) - len(kept)
+
+
+@pytest.mark.slow
+def test_update_in_two_torchrun_processes(tmp_path: Path):
+    """trainer.processes: 2: the update step runs FSDP2 under torchrun (gloo here) inside kfp.local."""
+    spec = _write_spec(tmp_path, trainer={"processes": 2, "micro_batch_tokens": 64}, loop={"iterations": 1})
+    result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_consistent(tmp_path / "run", 1)
+    metrics = json.loads((tmp_path / "run" / "metrics" / "iter_000001.json").read_text())
+    assert metrics["policy/processes"] == 2 and metrics["policy/optimizer_steps"] == 2
+    assert (tmp_path / "run" / "optimizer").exists()

@@ -354,3 +354,8 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
     by_one = [fresh.optimizer.state[p]["exp_avg"] for p in fresh.policy.parameters()]
     for a, b in zip(by_two, by_one, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_processes_with_the_resident_trainer_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"the resident trainer is one process for now: set trainer.resident: false"):
+        parse_spec(tiny_spec_dict(tmp_path, trainer={"processes": 2, "resident": True}))

@@ -17,6 +17,9 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
+
 
 def world() -> tuple[int, int]:
     """(rank, world size) of this process: (0, 1) outside torchrun."""
@@ -103,3 +106,74 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
             ],
         }
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def update_in_processes(
+    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
+) -> tuple[WeightRef, dict[str, float]]:
+    """The update under torchrun with trainer.processes processes on this node (one per GPU); the
+    first process's result. A process that fails fails the step, and nothing was sealed."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from rlpipe.spec import spec_to_dict
+
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="rlpipe-update-") as tmp:
+        request = {
+            "spec": spec_to_dict(spec),
+            "run_root": run_root,
+            "weights": weights,
+            "batch_path": batch_path,
+            "iteration": iteration,
+            "cache_root": cache_root,
+            "result": f"{tmp}/result.json",
+        }
+        with open(f"{tmp}/request.json", "w") as f:
+            json.dump(request, f)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", str(spec.trainer.processes), "-m", "rlpipe.training.distributed"]
+        done = subprocess.run([*command, f"{tmp}/request.json"], capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"update under torchrun ({spec.trainer.processes} processes) failed with exit code "
+                f"{done.returncode}; nothing was published:\n{tail}"
+            )
+        with open(request["result"]) as f:
+            result = json.load(f)
+    metrics = result["metrics"] | {"policy/processes": float(spec.trainer.processes)}
+    metrics["overhead/update_launch_s"] = time.time() - started - metrics.get("time/update_s", 0.0)
+    return result["staged"], metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One torchrun process of update_in_processes: `python -m rlpipe.training.distributed REQUEST`."""
+    import json
+    import sys
+
+    from rlpipe.spec import parse_spec
+    from rlpipe.training.trainer import update_policy
+
+    with open((argv or sys.argv[1:])[0]) as f:
+        request = json.load(f)
+    spec = parse_spec(request["spec"])
+    staged, metrics = update_policy(
+        spec,
+        request["run_root"],
+        request["weights"],
+        request["batch_path"],
+        request["iteration"],
+        request["cache_root"],
+    )
+    if world()[0] == 0:
+        with open(request["result"], "w") as f:
+            json.dump({"staged": staged, "metrics": metrics}, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ is spent recomputing them.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.algorithms import get_algorithm
-from rlpipe.modeling import load_weights
+from rlpipe.modeling import load_weights, resolve_device
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
@@ -102,11 +103,11 @@ class Trainer:
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
     """The policy at `weights` with the optimizer state saved beside that version."""
     weights = as_ref(weights)
+    sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
     policy.train()
     if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    sharded = init_from_torchrun(policy.device)[1] > 1
     if sharded:
         shard(policy, policy.device)
     optimizer = torch.optim.AdamW(
@@ -280,7 +281,12 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
 def update_policy(
     spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
 ) -> tuple[WeightRef, dict[str, float]]:
-    """Train on the batch from weights v(N) in this process; stage v(N+1) and its optimizer state."""
+    """Train on the batch from weights v(N) in this process (or, with trainer.processes > 1, in that
+    many torchrun processes); stage v(N+1) and its optimizer state."""
+    if spec.trainer.processes > 1 and "RANK" not in os.environ:
+        from rlpipe.training.distributed import update_in_processes
+
+        return update_in_processes(spec, run_root, weights, batch_path, iteration, cache_root)
     t0 = time.time()
     trainer = load_trainer(spec, run_root, weights, cache_root)
     loaded = time.time()
