@@ -40,6 +40,7 @@ def greedy_accuracy(
     max_new_tokens: int,
     batch_size: int,
     timeout_s: float | None = None,
+    bf16: bool = False,
 ) -> float:
     """Greedy-decode every row's prompt; accuracy = mean of the verifier over the completions. The
     verifier gets every other column of the rows as keyword lists (the reward signature)."""
@@ -56,6 +57,7 @@ def greedy_accuracy(
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
         greedy=True,
+        bf16=bf16,
     )
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
@@ -87,6 +89,7 @@ def evaluate_policy(
         spec.rollout.max_new_tokens,
         spec.rollout.batch_size,
         spec.reward.timeout_s,
+        spec.trainer.dtype == "bfloat16",
     )
     metrics = {
         EVAL_ACCURACY: accuracy,

@@ -359,3 +359,27 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
 def test_processes_with_the_resident_trainer_is_refused(tmp_path: Path):
     with pytest.raises(ValueError, match=r"the resident trainer is one process for now: set trainer.resident: false"):
         parse_spec(tiny_spec_dict(tmp_path, trainer={"processes": 2, "resident": True}))
+
+
+def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
+    from rlpipe.engines.torch_engine import sample
+    from rlpipe.training.trainer import pack, token_logprobs
+
+    trainer = _trainer(tmp_path, dtype="bfloat16")
+    model = trainer.policy.eval()
+    prompts = [[1, 5, 6, 14, 7, 8, 16], [1, 9, 14, 4, 16]] * 3
+    generator = torch.Generator().manual_seed(0)
+    out = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=generator, bf16=True)
+    rows = [
+        {"prompt_token_ids": p, "completion_token_ids": c, "logprobs": lp, "advantage": 0.0}
+        for p, c, lp in zip(prompts, out.token_ids, out.logprobs, strict=True)
+    ]
+    mb = pack(rows, pad_id=0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
+    recomputed = token_logprobs(logits, mb["input_ids"][:, 1:], 1.0)
+    mask = mb["completion_mask"].bool()
+    gap = (recomputed[mask] - mb["old_logprobs"][mask]).abs().max()
+    assert gap < 0.05  # bf16 rounding of a cached vs a full forward, not another distribution
+    fp32 = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(0))
+    assert fp32.logprobs != out.logprobs  # bf16 really ran

@@ -42,13 +42,15 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    bf16: bool = False,
 ) -> Completions:
     """Sample one completion per prompt (repeat prompts for G samples).
 
     Prompts are left-padded so every row's last prompt token sits at the same column.
     The recorded log-prob is log softmax(logits / T) at the sampled token: the same
     distribution the update step recomputes (top-k/top-p only restrict which tokens
-    can be drawn; with top_k=0, top_p=1 the two coincide exactly).
+    can be drawn; with top_k=0, top_p=1 the two coincide exactly). `bf16`: forward passes autocast
+    to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs still taken in fp32).
     """
     batch = len(prompts)
     width = max(len(p) for p in prompts)
@@ -61,7 +63,9 @@ def sample(
     input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
 
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    with autocast:
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -81,13 +85,14 @@ def sample(
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
-        out = model(
-            input_ids=token.unsqueeze(-1),
-            attention_mask=attention,
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with autocast:
+            out = model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+            )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
 
@@ -142,6 +147,7 @@ def sample_prompts(
         top_k=spec.rollout.top_k,
         top_p=spec.rollout.top_p,
         generator=generator,
+        bf16=spec.trainer.dtype == "bfloat16",
     )
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
