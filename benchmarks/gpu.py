@@ -1,0 +1,244 @@
+"""Training and sampling speed and memory of rlpipe's torch code on one device, at real model sizes.
+
+    python benchmarks/gpu.py                               # a GPU: Qwen2.5-0.5B and 1.5B shapes, bf16
+    python benchmarks/gpu.py --device cpu --shapes small   # anywhere: a small shape on the CPU
+
+Models are random-init Qwen2 configs of the real sizes (vocab 151,936); the batch is synthetic
+(prompt and completion tokens, advantages, sampling log-probs). Per shape, through rlpipe's own
+functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.sample):
+  - update: tokens/s over `--steps` optimizer steps (micro-batches of `--micro-batch-tokens`,
+    gradient checkpointing, trainer.dtype), model FLOPs utilisation
+        MFU = (6 P + 12 L h T) tokens/s / peak FLOP/s      (P parameters, L layers, h hidden, T tokens
+    per sequence; the recomputation of checkpointing is not counted, as is the convention), and peak memory;
+  - generation: torch-engine tokens/s, `--gen-rows` rows of `--new-tokens`;
+  - the iteration's compute: generate + update wall.
+Writes benchmarks/results/gpu_<device>.{json,md}. LoRA vs full comes with LoRA (issue 13).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
+RESULTS = Path(__file__).with_name("results")
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
+    "small": (256, 1024, 4, 4, 2, 32000),
+}
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense, no sparsity
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if all(w in name for w in key.split())), None)
+
+
+def build(shape: str, device: torch.device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlpipe.modeling import build_char_tokenizer
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device)
+    return model, build_char_tokenizer()  # token ids above the tokenizer's decode to nothing
+
+
+def batch_file(folder: Path, rows: int, prompt: int, completion: int, vocab: int) -> str:
+    rng = random.Random(0)
+    table = [
+        {
+            "prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)],
+            "completion_token_ids": [rng.randrange(vocab) for _ in range(completion)],
+            "logprobs": [-rng.uniform(5, 12) for _ in range(completion)],
+            "advantage": rng.uniform(-1, 1),
+        }
+        for _ in range(rows)
+    ]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = folder / "batch.parquet"
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return str(path)
+
+
+def peak_memory_gib(device: torch.device, rss_before: int) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    high_water = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
+    return (high_water - rss_before) / 1024**3
+
+
+def measure(shape: str, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
+    from rlpipe.engines.torch_engine import sample
+    from rlpipe.spec import parse_spec
+    from rlpipe.training.trainer import Trainer, train_on_batch
+
+    rss_before = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, tokenizer = build(shape, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    hidden, _, layers, _, _, vocab = SHAPES[shape]
+    rows = args.steps * args.rows_per_step
+    spec = parse_spec(
+        {
+            "name": "gpu-bench",
+            "trainer": {
+                "mini_batches": args.steps,
+                "warmup_steps": 0,
+                "dtype": args.dtype,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "gradient_checkpointing": True,
+                "device": device.type,
+            },
+            "algorithm": {"track_reference_kl": False},
+        }
+    )
+    model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer = Trainer(spec, str(work), {"version": 0}, model, tokenizer, torch.optim.AdamW(model.parameters()), None)
+    batch = batch_file(work, rows, args.prompt_tokens, args.completion_tokens, vocab)
+    train_on_batch(trainer, batch, 1)  # warm-up: kernels, allocator, optimizer state
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.time()
+    metrics = train_on_batch(trainer, batch, 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    update_s = time.time() - started
+    tokens = rows * (args.prompt_tokens + args.completion_tokens)
+    tokens_per_s = tokens / update_s
+    seq = args.prompt_tokens + args.completion_tokens
+    flops_per_token = 6 * parameters + 12 * layers * hidden * seq
+    achieved = flops_per_token * tokens_per_s / 1e12
+    peak = peak_tflops(device)
+    update_memory = peak_memory_gib(device, rss_before)
+
+    model.eval()
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
+    sample(model, prompts[:2], 2, eos_id=-1, pad_id=0, bf16=args.dtype == "bfloat16")  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.time()
+    out = sample(
+        model,
+        prompts,
+        args.new_tokens,
+        eos_id=-1,  # no early stop: every row generates new_tokens
+        pad_id=0,
+        generator=torch.Generator(device=device).manual_seed(0),
+        bf16=args.dtype == "bfloat16",
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    generate_s = time.time() - started
+    generated = sum(map(len, out.token_ids))
+    return {
+        "shape": shape,
+        "parameters": parameters,
+        "update_tokens": tokens,
+        "update_s": round(update_s, 3),
+        "update_tokens_per_s": round(tokens_per_s, 1),
+        "update_tflops": round(achieved, 3),
+        "mfu": None if peak is None else round(achieved / peak, 4),
+        "micro_batches": metrics["policy/micro_batches"],
+        "peak_memory_gib": round(update_memory, 2),
+        "generate_tokens_per_s": round(generated / generate_s, 1),
+        "generate_s": round(generate_s, 3),
+        "iteration_compute_s": round(update_s + generate_s, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps timed")
+    parser.add_argument("--rows-per-step", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--completion-tokens", type=int, default=None)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--gen-rows", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    args = parser.parse_args()
+
+    from rlpipe.modeling import configure_torch, resolve_device
+
+    device = resolve_device(args.device)
+    gpu = device.type == "cuda"
+    defaults = {  # a GPU: RL-sized batches; a CPU: small enough for minutes
+        "shapes": ["qwen2.5-0.5b", "qwen2.5-1.5b"] if gpu else ["small"],
+        "dtype": "bfloat16" if gpu else "float32",
+        "rows_per_step": 64 if gpu else 8,
+        "prompt_tokens": 256 if gpu else 32,
+        "completion_tokens": 256 if gpu else 32,
+        "micro_batch_tokens": 16384 if gpu else 256,
+        "gen_rows": 256 if gpu else 16,
+        "new_tokens": 128 if gpu else 16,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not gpu:
+        configure_torch(1)
+    results = []
+    for shape in args.shapes:
+        with tempfile.TemporaryDirectory(prefix="rlpipe-bench-gpu-") as tmp:
+            result = measure(shape, args, device, Path(tmp))
+        print(json.dumps(result), flush=True)
+        results.append(result)
+        if gpu:
+            torch.cuda.empty_cache()
+    machine = describe_machine()
+    settings = {k: getattr(args, k) for k in defaults}
+    lines = [
+        f"`python benchmarks/gpu.py --device {args.device}` on {machine}; torch {torch.__version__}; {settings}",
+        "",
+        "| shape | parameters | update tokens/s | TFLOP/s | MFU | peak memory | generation tokens/s "
+        "| generate + update |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        mfu = "n/a (CPU)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        cells = [
+            r["shape"],
+            f"{r['parameters'] / 1e6:.0f}M",
+            f"{r['update_tokens_per_s']:.0f}",
+            f"{r['update_tflops']:.2f}",
+            mfu,
+            f"{r['peak_memory_gib']:.2f} GiB",
+            f"{r['generate_tokens_per_s']:.0f}",
+            f"{r['iteration_compute_s']:.1f} s",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"gpu_{device.type}.md").write_text("\n".join(lines) + "\n")
+    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
+    (RESULTS / f"gpu_{device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
