@@ -84,6 +84,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlpipe.modeling import export_model
+
+    run_root = str(Path(args.run_dir).resolve())
+    version, out = export_model(run_root, args.version, args.output, Path(run_root) / ".export-cache")
+    print(f"wrote v{version} of {run_root} to {out} (adapters merged): load it with from_pretrained or serve it")
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if args.target == "argo":
@@ -157,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--set", action="append", metavar="KEY=VALUE")
     plan.set_defaults(func=cmd_plan)
+
+    export = sub.add_parser("export", help="write a weights version as a plain HF model directory (LoRA merged)")
+    export.add_argument("run_dir", help="the run's root, e.g. runs/addition-demo")
+    export.add_argument("--version", type=int, help="weights version (default: the latest)")
+    export.add_argument("-o", "--output", required=True, help="output directory")
+    export.set_defaults(func=cmd_export)
 
     comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
     comp.add_argument("spec")

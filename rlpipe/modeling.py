@@ -25,7 +25,7 @@ with unused_hidden():
     )
 
 from rlpipe.model_files import char_tokenizer  # noqa: E402
-from rlpipe.spec import TinyModelSpec  # noqa: E402
+from rlpipe.spec import LoraSpec, TinyModelSpec  # noqa: E402
 
 # ChatML, as Qwen2's tokenizers carry it: what build_bpe_tokenizer's chat models use.
 CHATML_TEMPLATE = (
@@ -138,15 +138,53 @@ def release_memory(device: torch.device, phase: str) -> dict[str, float]:
 
 
 def load_weights(
-    weights: dict, cache_root: str | Path, threads: int, device: str = "cpu"
+    weights: dict, cache_root: str | Path, threads: int, device: str = "cpu", trainable: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a published weights version (a WeightRef) for a torch step onto trainer.device, with
-    `threads` CPU threads."""
-    from rlpipe.store.weights import local_path
+    `threads` CPU threads. An adapter version (model.lora) is loaded onto its base (BASE_FILE):
+    as a PeftModel to train (`trainable`), else merged into the base (plain weights, faster sampling)."""
+    from rlpipe.store.weights import BASE_FILE, local_path
 
     configure_torch(threads)
-    model, tokenizer = load_policy(local_path(weights, cache_root))
-    return model.to(resolve_device(device)), tokenizer
+    path = Path(local_path(weights, cache_root))
+    if not (path / "adapter_config.json").exists():
+        model, tokenizer = load_policy(str(path))
+        return model.to(resolve_device(device)), tokenizer
+    from peft import PeftModel
+
+    base, tokenizer = load_policy(local_path(json.loads((path / BASE_FILE).read_text()), cache_root))
+    model = PeftModel.from_pretrained(base.to(resolve_device(device)), str(path), is_trainable=trainable)
+    return (model if trainable else model.merge_and_unload()), tokenizer
+
+
+def export_model(run_root: str, version: int | None, out: str | Path, cache_root: str | Path) -> tuple[int, str]:
+    """Write weights version `version` (default: the latest) as a plain Hugging Face model directory:
+    an adapter version merged into its base. Returns (version, out)."""
+    from rlpipe.store.weights import latest_version, read_ref
+
+    version = latest_version(run_root) if version is None else version
+    if version is None:
+        raise FileNotFoundError(f"{run_root} has no published weights; run the loop first")
+    model, tokenizer = load_weights(read_ref(run_root, version), cache_root, threads=1)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return version, str(out)
+
+
+def add_lora(model: PreTrainedModel, lora: LoraSpec) -> PreTrainedModel:
+    """`model` with fresh LoRA adapters (B = 0, so it computes what the base does) on lora.targets;
+    only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=lora.dropout
+    )
+    return get_peft_model(model, config)
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    """Whether `model` carries LoRA adapters (a peft PeftModel)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
 def load_policy(source: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

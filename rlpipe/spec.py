@@ -87,10 +87,26 @@ class WarmStartSpec:
 
 
 @section
+class LoraSpec:
+    """LoRA (peft): W x + (alpha / rank) B A x with A, B trained and W frozen. The reference is the
+    base with the adapters disabled (no second copy); each version after v0 stores only adapters."""
+
+    rank: int = setting(16, ge=1)
+    alpha: float = setting(32.0, gt=0)
+    targets: list[str] = setting(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        doc="Names of the linear modules that get adapters",
+    )
+    dropout: float = setting(0.0, ge=0, lt=1)
+
+
+@section
 class ModelSpec:
     path: str | None = setting(None, doc="Local dir, gs:// or other fsspec URI, or a hub id. None builds model.tiny.")
     tiny: TinyModelSpec = setting(default_factory=TinyModelSpec)
     warm_start: WarmStartSpec = setting(default_factory=WarmStartSpec)
+    lora: LoraSpec | None = setting(None, doc="Train LoRA adapters on the warm-started v0 instead of all weights")
 
 
 @section
@@ -412,6 +428,13 @@ class RunSpec:
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
                 f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
             )
+        if self.model.lora is not None and self.rollout.engine != "torch":
+            raise ValueError(
+                f"model.lora with rollout.engine {self.rollout.engine}: the vLLM samplers do not load adapters yet; "
+                "use rollout.engine: torch, or train all weights (model.lora: null)"
+            )
+        if self.model.lora is not None and self.trainer.processes > 1:
+            raise ValueError("model.lora trains in one process for now; set trainer.processes: 1")
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(

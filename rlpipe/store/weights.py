@@ -53,16 +53,28 @@ def version_uri(run_root: str, version: int) -> str:
     return join(weights_root(run_root), version_name(version))
 
 
+BASE_FILE = "base.json"  # in an adapter version: the WeightRef of the sealed base it applies to
+
+
 def stage_pretrained(
-    run_root: str, version: int, model, tokenizer, cache_root: str | Path, state_dict: dict | None = None
+    run_root: str,
+    version: int,
+    model,
+    tokenizer,
+    cache_root: str | Path,
+    state_dict: dict | None = None,
+    base: WeightRef | None = None,
 ) -> str:
     """`save_pretrained` model + tokenizer into a fresh staging dir (via a local dir for remote stores);
-    `state_dict`: the whole weights when the model itself holds only a shard (FSDP)."""
+    `state_dict`: the whole weights when the model itself holds only a shard (FSDP); `base`: the
+    sealed version an adapter-only model applies to (written as BASE_FILE)."""
     staged = staging_uri(run_root, version)
     fs, staged_path = filesystem(staged)
     save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
-    model.save_pretrained(save_dir, state_dict=state_dict)
+    model.save_pretrained(save_dir, state_dict=state_dict)  # a PeftModel saves only its adapters
     tokenizer.save_pretrained(save_dir)
+    if base is not None:
+        Path(save_dir, BASE_FILE).write_text(json.dumps(base, sort_keys=True))
     if not is_local(staged):
         fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
         shutil.rmtree(save_dir, ignore_errors=True)

@@ -90,7 +90,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load a saved optimizer state into any world size: one process saves torch's own form (keyed
-    by parameter index), several save it keyed by parameter name (full_optimizer_state)."""
+    by the index of the trained parameters), several save it keyed by parameter name (full_optimizer_state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     by_index = all(isinstance(group_param, int) for group in state["param_groups"] for group_param in group["params"])
@@ -98,7 +98,7 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
         optimizer.load_state_dict(state)
         return
     if by_index:  # the optimizer's parameters are the model's, in named_parameters order
-        names = [name for name, _ in model.named_parameters()]
+        names = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
         state = {
             "state": {names[index]: value for index, value in state["state"].items()},
             "param_groups": [

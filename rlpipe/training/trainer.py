@@ -7,6 +7,7 @@ is spent recomputing them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.algorithms import get_algorithm
-from rlpipe.modeling import load_weights, resolve_device
+from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
@@ -89,7 +90,8 @@ def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 @dataclass
 class Trainer:
     """What training holds between optimizer steps: the policy at `weights`, its optimizer, the
-    frozen reference (when the KL is used), and the spec it was built for."""
+    frozen reference (when the KL is used; with LoRA the policy itself, adapters disabled), the
+    sealed base its adapters apply to (LoRA), and the spec it was built for."""
 
     spec: RunSpec
     run_root: str
@@ -98,32 +100,41 @@ class Trainer:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     reference: PreTrainedModel | None
+    base: WeightRef | None = None
 
 
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
     """The policy at `weights` with the optimizer state saved beside that version."""
     weights = as_ref(weights)
     sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
-    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
+    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
+    base = None
+    if spec.model.lora is not None:
+        base = read_ref(run_root, 0)
+        if not is_adapted(policy):  # v0: the adapters start here
+            policy = add_lora(policy, spec.model.lora)
     policy.train()
     if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
         shard(policy, policy.device)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the adapters
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
+        trained, lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
     )
     fs, opt_path = filesystem(optimizer_uri(run_root, weights["version"]))
     if fs.exists(opt_path):
         with fs.open(opt_path, "rb") as f:
             load_optimizer_state(policy, optimizer, torch.load(f, weights_only=True, map_location=policy.device))
     reference = None
-    if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
+    if (spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl) and base is not None:
+        reference = policy  # the base = the policy with its adapters disabled: no second copy
+    elif spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
         reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
         reference.eval().requires_grad_(False)
         if sharded:
             shard(reference, reference.device)
-    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference)
+    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base)
 
 
 def micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
@@ -203,7 +214,8 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
                 ref_logprobs = None
                 if use_reference:
-                    with torch.no_grad(), autocast:
+                    adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
+                    with torch.no_grad(), autocast, adapters_off:
                         ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
                     ref_logprobs = token_logprobs(ref_logits[:, :-1], targets, temperature)
                 loss, stats = algorithm.loss(
@@ -262,7 +274,9 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
         model_state, optimizer_state = None, trainer.optimizer.state_dict()
     ref: WeightRef | None = None
     if rank == 0:
-        staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state)
+        staged = stage_pretrained(
+            run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state, trainer.base
+        )
         ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
         final_opt = optimizer_uri(run_root, new_version)
         fs, tmp_path = filesystem(final_opt + ".tmp")

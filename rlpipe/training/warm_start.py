@@ -25,6 +25,7 @@ from rlpipe.store.weights import WeightRef, seal, staging_uri
 def cache_key(spec: RunSpec) -> str:
     """Everything that determines the warm-started weights."""
     parts = pick(section_dict(spec), WARM_START_KEYS)
+    parts["model"].pop("lora", None)  # v0 is the same whether adapters are trained on it or not
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

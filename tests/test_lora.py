@@ -1,0 +1,109 @@
+"""LoRA (model.lora): the reference is the base with adapters off, versions after v0 hold only
+adapters over the sealed base, they load back (trainable, or merged for sampling), and export
+merges them into a plain model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlpipe.modeling import is_adapted, load_weights
+from rlpipe.spec import parse_spec
+from rlpipe.store.weights import BASE_FILE, publish, read_ref
+from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+
+from .conftest import tiny_spec_dict
+from .test_precision_and_memory import _batch
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_run, tmp_path: Path):
+    _, run_root, cache = initialized_run
+    lora_spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, algorithm={"kl_coef": 0.1}))
+    base_ref = read_ref(run_root, 0)
+    trainer = load_trainer(lora_spec, run_root, base_ref, cache)
+    assert is_adapted(trainer.policy) and trainer.reference is trainer.policy  # no second copy
+    trained = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    ids = torch.tensor([[1, 5, 6, 14, 7, 8, 16, 9]])
+    base, _ = load_weights(base_ref, cache, threads=1)
+    before = _logits(trainer.policy, ids)
+    torch.testing.assert_close(before, _logits(base, ids))  # B = 0: the adapted model starts as the base
+    metrics = train_on_batch(trainer, _batch(tmp_path), iteration=1)
+    assert metrics["kl/mean"] >= 0  # the KL to the adapters-off base (0 before the first step moves them)
+    trainer.policy.eval()
+    adapted = _logits(trainer.policy, ids)
+    assert (adapted - before).abs().max() > 1e-4  # training moved the adapters
+    with trainer.policy.disable_adapter():
+        torch.testing.assert_close(_logits(trainer.policy, ids), _logits(base, ids))  # the reference = v0
+    # v1 holds adapters (and the base's ref), not a model
+    ref = save_trained(trainer, 1, cache)
+    folder = Path(ref["uri"])
+    names = {p.name for p in folder.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", BASE_FILE} <= names and "model.safetensors" not in names
+    assert json.loads((folder / BASE_FILE).read_text())["sha256"] == base_ref["sha256"]
+    adapter_bytes = (folder / "adapter_model.safetensors").stat().st_size
+    base_bytes = (Path(base_ref["uri"]) / "model.safetensors").stat().st_size
+    assert adapter_bytes < base_bytes / 5
+    publish(run_root, ref)
+    # loaded back: merged for sampling, trainable for the next update, both computing the same
+    merged, _ = load_weights(read_ref(run_root, 1), cache, threads=1)
+    assert not is_adapted(merged)
+    torch.testing.assert_close(_logits(merged, ids), adapted, rtol=1e-5, atol=1e-5)
+    resumed = load_trainer(lora_spec, run_root, read_ref(run_root, 1), cache)
+    assert is_adapted(resumed.policy) and resumed.optimizer.state_dict()["state"]
+    resumed.policy.eval()
+    torch.testing.assert_close(_logits(resumed.policy, ids), adapted, rtol=1e-6, atol=1e-6)
+    # export: a plain model directory that computes the adapted policy
+    out = tmp_path / "exported"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlpipe.pipelines.cli", "export", run_root, "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "wrote v1" in done.stdout and (out / "model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logits(exported, ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_with_vllm_or_several_processes_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match="the vLLM samplers do not load adapters yet"):
+        parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, rollout={"engine": "vllm"}))
+    with pytest.raises(ValueError, match="model.lora trains in one process for now"):
+        parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, trainer={"processes": 2}))
+
+
+@pytest.mark.parametrize("resident", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_lora_runs_the_loop_on_kfp_local(tmp_path: Path, resident: bool):
+    import yaml
+
+    data = tiny_spec_dict(tmp_path, model={"lora": LORA}, trainer={"resident": resident, "lr": 5e-3})
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(tmp_path / "spec.yaml"), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["iteration"] == 3 and state["weights_version"] == 3
+    for version in (1, 2, 3):
+        folder = run_dir / "weights" / f"v{version:06d}"
+        if folder.exists():  # keep_versions may have pruned the oldest
+            assert (folder / "adapter_model.safetensors").exists() and not (folder / "model.safetensors").exists()
+    assert (run_dir / "weights" / "v000000" / "model.safetensors").exists()  # the base stays whole
+    evals = sorted((run_dir / "metrics").glob("eval_*.json"))
+    assert [p.name for p in evals][-1] == "eval_000003.json"
