@@ -49,7 +49,14 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     ref = save_trained(trainer, 1, cache)
     folder = Path(ref["uri"])
     names = {p.name for p in folder.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", BASE_FILE} <= names and "model.safetensors" not in names
+    assert names == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        BASE_FILE,
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "manifest.json",
+    }
     assert json.loads((folder / BASE_FILE).read_text())["sha256"] == base_ref["sha256"]
     adapter_bytes = (folder / "adapter_model.safetensors").stat().st_size
     base_bytes = (Path(base_ref["uri"]) / "model.safetensors").stat().st_size

@@ -75,6 +75,7 @@ def stage_pretrained(
     tokenizer.save_pretrained(save_dir)
     if base is not None:
         Path(save_dir, BASE_FILE).write_text(json.dumps(base, sort_keys=True))
+        Path(save_dir, "README.md").unlink(missing_ok=True)  # peft's model-card template
     if not is_local(staged):
         fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
         shutil.rmtree(save_dir, ignore_errors=True)
