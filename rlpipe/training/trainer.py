@@ -305,5 +305,11 @@ def update_policy(
     trainer = load_trainer(spec, run_root, weights, cache_root)
     loaded = time.time()
     metrics = train_on_batch(trainer, batch_path, iteration)
+    trained = time.time()
     ref = save_trained(trainer, iteration, cache_root)
-    return ref, metrics | {"overhead/update_load_s": loaded - t0, "time/update_s": time.time() - loaded}
+    done = time.time()
+    return ref, metrics | {
+        "overhead/update_load_s": loaded - t0,
+        "time/update_s": done - loaded,
+        "weights/stage_s": done - trained,  # within time/update_s
+    }

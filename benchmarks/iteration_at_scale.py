@@ -1,0 +1,319 @@
+"""One whole RL iteration at a real model size, through rlpipe's own step functions (rlpipe.loop):
+
+    prepare -> warm_start (v0 = the model, no SFT) -> generate -> score -> advantages -> update -> sync_weights
+
+    python benchmarks/iteration_at_scale.py                        # this CPU: Qwen2.5-0.5B shape, fp32
+    python benchmarks/iteration_at_scale.py --device cuda --shapes qwen2.5-0.5b qwen2.5-1.5b --modes full lora
+
+Each (shape, mode) runs in its own process, so its peak memory is its own: on CPU the process's peak
+RSS (VmHWM, everything: model, optimizer, activations, KV cache, Python), on a GPU
+torch.cuda.max_memory_allocated over the iteration. Reported per run: each step's seconds, the
+iteration's wall, peak memory, and what weight sync moves: the bytes of the published version and the
+seconds to swap it into a sampler already holding the previous one (full: load_state_dict of the new
+safetensors; LoRA: peft load_adapter of the new adapter onto the held base). Memory is what
+micro-batching (`--micro-batch-tokens`) and gradient checkpointing make fit; `--no-checkpointing`
+and `--micro-batch-tokens 0` show the difference.
+
+Random-init weights of the real shape and a word-level tokenizer over the shape's whole vocabulary
+(w0 ... wN), so every sampled id decodes; prompts are random words. The reward is a stand-in (a coin
+flip keyed by the completion's text) so that GRPO's advantages are not all zero: these figures
+measure time and memory, not learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("results")
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (as benchmarks/gpu.py)
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
+    "small": (256, 1024, 4, 4, 2, 32000),
+}
+SPECIAL = ["<|endoftext|>", "<|im_end|>", "<unk>"]  # pad, eos, unk: ids 0, 1, 2
+
+
+def random_words(rng: random.Random, n: int, words: int = 64, vocab: int = 151936) -> list[dict]:
+    """Data generator (data.generator 'iteration_at_scale:random_words'): prompts of random words."""
+    return [
+        {"prompt": " ".join(f"w{rng.randrange(len(SPECIAL), vocab)}" for _ in range(words)), "answer": ""}
+        for _ in range(n)
+    ]
+
+
+def stand_in_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """1 or 0 by the completion text's hash: varied rewards, so advantages are not all zero."""
+    return [float(hashlib.sha256(c.encode()).digest()[0] & 1) for c in completions]
+
+
+def build_model_dir(shape: str, out: Path) -> int:
+    """A random-init Qwen2 of `shape` with a word-level tokenizer covering its vocabulary, saved as an
+    HF model directory (what model.path points at). Returns its parameter count."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
+    words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model.num_parameters()
+
+
+def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) -> dict:
+    vocab = SHAPES[args.shape][5]
+    return {
+        "name": f"scale-{args.shape}-{'lora' if lora else 'full'}",
+        "seed": 0,
+        "model": {
+            "path": str(model_dir),
+            "warm_start": {"max_steps": 0},
+            "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if lora else None,
+        },
+        "data": {
+            "generator": "iteration_at_scale:random_words",
+            "options": {"words": args.prompt_tokens, "vocab": vocab},
+            "train_size": args.prompts,
+            "eval_size": 8,
+        },
+        "reward": {"functions": ["iteration_at_scale:stand_in_reward"]},
+        "rollout": {
+            "engine": "torch",
+            "prompts_per_iteration": args.prompts,
+            "samples_per_prompt": args.samples,
+            "max_new_tokens": args.new_tokens,
+            "batch_size": args.generate_batch,
+        },
+        "algorithm": {"kl_coef": 0.0, "track_reference_kl": False},
+        "trainer": {
+            "lr": 1e-6,
+            "warmup_steps": 0,
+            "mini_batches": args.mini_batches,
+            "threads": args.threads,
+            "device": args.device,
+            "dtype": args.dtype,
+            "micro_batch_tokens": args.micro_batch_tokens or None,
+            "gradient_checkpointing": not args.no_checkpointing,
+            "resident": False,
+        },
+        "loop": {"iterations": 2, "iterations_per_run": 1, "eval_every": 1000},  # iteration 1: no eval due
+        "storage": {"root": str(root), "keep_versions": 1},
+    }
+
+
+def folder_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
+    """Seconds to bring a sampler holding v0 to v1 in place: the new safetensors into the held model
+    (full), or the new adapter onto the held base (LoRA)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlpipe.modeling import load_weights, resolve_device
+    from rlpipe.store.weights import local_path
+
+    held, _ = load_weights(v0, cache, threads=torch.get_num_threads(), device=device)
+    new_dir = Path(local_path(v1, cache))
+    sync = torch.cuda.synchronize if resolve_device(device).type == "cuda" else (lambda: None)
+    sync()
+    started = time.time()
+    if (new_dir / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        adapted = PeftModel.from_pretrained(held, str(new_dir), adapter_name="v1")
+        adapted.set_adapter("v1")
+    else:
+        for file in sorted(new_dir.glob("*.safetensors")):
+            held.load_state_dict(load_file(file, device=str(held.device)), strict=False)
+    sync()
+    return time.time() - started
+
+
+def peak_memory_gib(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 1024**3
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024**2
+
+
+def one_run(args: argparse.Namespace, lora: bool) -> dict:
+    """One iteration of (args.shape, full or LoRA) in this process; its figures."""
+    import torch
+
+    from rlpipe import loop
+    from rlpipe.modeling import configure_torch, resolve_device
+    from rlpipe.spec import parse_spec
+    from rlpipe.store.weights import read_ref
+
+    configure_torch(args.threads)
+    args.device = resolve_device(args.device).type
+    work = Path(tempfile.mkdtemp(prefix="rlpipe-scale-", dir=args.work_dir))
+    model_dir = work / "model"
+    started = time.time()
+    parameters = build_model_dir(args.shape, model_dir)
+    built_s = time.time() - started
+    spec = parse_spec(spec_for(args, model_dir, work / "runs", lora))
+    run_root = str(work / "runs" / spec.name)
+    cache = spec.cache_root
+    Path(run_root, "work").mkdir(parents=True, exist_ok=True)
+    loop.prepare(spec, run_root)
+    started = time.time()
+    staged, warm_metrics = loop.warm_start(spec, run_root, cache)
+    v0, _ = loop.sync_weights(spec, run_root, staged, 0, warm_metrics)
+    v0_s = time.time() - started
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    v1, metrics = loop.run_iteration(spec, run_root, v0, 1, Path(run_root, "work"), cache)
+    iteration_s = time.time() - started
+    peak = peak_memory_gib(args.device)
+    swap_s = swap_seconds(read_ref(run_root, 0), v1, cache, args.device)
+    return {
+        "shape": args.shape,
+        "mode": "lora" if lora else "full",
+        "parameters": parameters,
+        "build_model_s": round(built_s, 1),
+        "publish_v0_s": round(v0_s, 1),
+        "generate_s": round(metrics["time/generate_s"], 2),
+        "generate_tokens_per_s": round(metrics["throughput/generate_tokens_per_s"], 1),
+        "score_s": round(metrics["time/score_s"], 2),
+        "advantages_s": round(metrics["time/advantages_s"], 2),
+        "update_s": round(metrics["time/update_s"], 2),
+        "update_tokens_per_s": round(metrics["throughput/update_tokens_per_s"], 1),
+        "stage_weights_s": round(metrics["weights/stage_s"], 2),
+        "load_s": round(metrics["overhead/generate_load_s"] + metrics["overhead/update_load_s"], 2),
+        "sync_weights_s": round(metrics["time/sync_weights_s"], 2),
+        "iteration_s": round(iteration_s, 1),
+        "peak_memory_gib": round(peak, 2),
+        "version_bytes": folder_bytes(v1["uri"]),
+        "swap_in_sampler_s": round(swap_s, 3),
+        "micro_batches": metrics["policy/micro_batches"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b"], choices=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=["full"], choices=["full", "lora"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per iteration")
+    parser.add_argument("--samples", type=int, default=None, help="samples per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--generate-batch", type=int, default=None, help="sequences per sampling forward")
+    parser.add_argument("--mini-batches", type=int, default=1)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="0: one pass per mini-batch")
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--work-dir", default=None, help="where model, run root and cache go (temp by default)")
+    parser.add_argument("--tag", default=None, help="results file suffix (default: the device)")
+    parser.add_argument("--shape", help=argparse.SUPPRESS)  # set for the per-run child process
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.shape:  # the child: one iteration, its figures as the last line
+        print(json.dumps(one_run(args, args.mode == "lora")), flush=True)
+        return
+
+    import torch
+
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    defaults = {  # a GPU: an RL-sized iteration; this CPU: the smallest one that is still a real iteration
+        "dtype": "bfloat16" if gpu else "float32",
+        "prompts": 64 if gpu else 8,
+        "samples": 8 if gpu else 4,
+        "prompt_tokens": 256 if gpu else 64,
+        "new_tokens": 256 if gpu else 64,
+        "generate_batch": 512 if gpu else 32,
+        "micro_batch_tokens": 16384 if gpu else 1024,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    settings = {k: getattr(args, k) for k in [*defaults, "threads", "mini_batches", "lora_rank"]}
+    settings["gradient_checkpointing"] = not args.no_checkpointing
+    results = []
+    for shape in args.shapes:
+        for mode in args.modes:
+            child = [sys.executable, __file__, "--shape", shape, "--mode", mode, "--device", args.device]
+            child += [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k != "gradient_checkpointing"]
+            child += ["--no-checkpointing"] if args.no_checkpointing else []
+            child += ["--work-dir", args.work_dir] if args.work_dir else []
+            env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+            done = subprocess.run(child, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout[-4000:], done.stderr[-8000:], file=sys.stderr)
+                raise SystemExit(f"{shape} {mode} failed (exit {done.returncode})")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            print(json.dumps(result), flush=True)
+            results.append(result)
+
+    from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
+    machine = describe_machine()
+    lines = [
+        f"`python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} --modes "
+        f"{' '.join(args.modes)}` on {machine}; torch {torch.__version__}; {settings}",
+        "",
+        "| shape | mode | generate | update (tokens/s) | stage v1 | sync | iteration | peak memory "
+        "| version size | swap into sampler |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cells = [
+            f"{r['shape']} ({r['parameters'] / 1e6:.0f}M)",
+            r["mode"],
+            f"{r['generate_s']:.1f} s ({r['generate_tokens_per_s']:.0f} tok/s)",
+            f"{r['update_s']:.1f} s ({r['update_tokens_per_s']:.0f})",
+            f"{r['stage_weights_s']:.1f} s",
+            f"{r['sync_weights_s']:.1f} s",
+            f"{r['iteration_s']:.1f} s",
+            f"{r['peak_memory_gib']:.1f} GiB",
+            f"{r['version_bytes'] / 1e6:.1f} MB",
+            f"{r['swap_in_sampler_s']:.2f} s",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    tag = args.tag or ("cuda" if gpu else "cpu")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
+    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
+    (RESULTS / f"iteration_at_scale_{tag}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
