@@ -9,10 +9,16 @@ functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.s
   - update: tokens/s over `--steps` optimizer steps (micro-batches of `--micro-batch-tokens`,
     gradient checkpointing, trainer.dtype), model FLOPs utilisation
         MFU = (6 P + 12 L h T) tokens/s / peak FLOP/s      (P parameters, L layers, h hidden, T tokens
-    per sequence; the recomputation of checkpointing is not counted, as is the convention), and peak memory;
-  - generation: torch-engine tokens/s, `--gen-rows` rows of `--new-tokens`;
+    per sequence; the recomputation of checkpointing is not counted, as is the convention)
+    and, with LoRA (rank `--lora-rank` on every linear of the layers; frozen weights need no weight
+    gradients, so 2 P of the 6 P are not done)
+        MFU = (4 P + 12 L h T) tokens/s / peak FLOP/s,
+    and peak memory (weights, gradients, AdamW state, activations);
+  - generation: torch-engine tokens/s, `--gen-rows` rows of `--new-tokens` (LoRA samples merged, so
+    its generation is the full model's: measured once per shape);
   - the iteration's compute: generate + update wall.
-Writes benchmarks/results/gpu_<device>.{json,md}. LoRA vs full comes with LoRA (issue 13).
+Writes benchmarks/results/gpu_<device>.{json,md}. A whole iteration through the step functions, with
+weight sync, is benchmarks/iteration_at_scale.py.
 """
 
 from __future__ import annotations
@@ -90,11 +96,14 @@ def peak_memory_gib(device: torch.device, rss_before: int) -> float:
     return (high_water - rss_before) / 1024**3
 
 
-def measure(shape: str, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
+def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.spec import parse_spec
+    from rlpipe.modeling import add_lora
+    from rlpipe.spec import LoraSpec, parse_spec
     from rlpipe.training.trainer import Trainer, train_on_batch
 
+    if device.type == "cpu":
+        Path("/proc/self/clear_refs").write_text("5")  # peak RSS (VmHWM) back to the current RSS
     rss_before = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -116,8 +125,11 @@ def measure(shape: str, args: argparse.Namespace, device: torch.device, work: Pa
             "algorithm": {"track_reference_kl": False},
         }
     )
+    if lora:
+        model = add_lora(model, LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
     model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trainer = Trainer(spec, str(work), {"version": 0}, model, tokenizer, torch.optim.AdamW(model.parameters()), None)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    trainer = Trainer(spec, str(work), {"version": 0}, model, tokenizer, torch.optim.AdamW(trained), None)
     batch = batch_file(work, rows, args.prompt_tokens, args.completion_tokens, vocab)
     train_on_batch(trainer, batch, 1)  # warm-up: kernels, allocator, optimizer state
     if device.type == "cuda":
@@ -130,10 +142,25 @@ def measure(shape: str, args: argparse.Namespace, device: torch.device, work: Pa
     tokens = rows * (args.prompt_tokens + args.completion_tokens)
     tokens_per_s = tokens / update_s
     seq = args.prompt_tokens + args.completion_tokens
-    flops_per_token = 6 * parameters + 12 * layers * hidden * seq
+    flops_per_token = (4 if lora else 6) * parameters + 12 * layers * hidden * seq
     achieved = flops_per_token * tokens_per_s / 1e12
     peak = peak_tflops(device)
     update_memory = peak_memory_gib(device, rss_before)
+    result = {
+        "shape": shape,
+        "mode": "lora" if lora else "full",
+        "parameters": parameters,
+        "trained_parameters": sum(p.numel() for p in trained),
+        "update_tokens": tokens,
+        "update_s": round(update_s, 3),
+        "update_tokens_per_s": round(tokens_per_s, 1),
+        "update_tflops": round(achieved, 3),
+        "mfu": None if peak is None else round(achieved / peak, 4),
+        "micro_batches": metrics["policy/micro_batches"],
+        "peak_memory_gib": round(update_memory, 2),
+    }
+    if lora:
+        return result
 
     model.eval()
     prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
@@ -154,16 +181,7 @@ def measure(shape: str, args: argparse.Namespace, device: torch.device, work: Pa
         torch.cuda.synchronize(device)
     generate_s = time.time() - started
     generated = sum(map(len, out.token_ids))
-    return {
-        "shape": shape,
-        "parameters": parameters,
-        "update_tokens": tokens,
-        "update_s": round(update_s, 3),
-        "update_tokens_per_s": round(tokens_per_s, 1),
-        "update_tflops": round(achieved, 3),
-        "mfu": None if peak is None else round(achieved / peak, 4),
-        "micro_batches": metrics["policy/micro_batches"],
-        "peak_memory_gib": round(update_memory, 2),
+    return result | {
         "generate_tokens_per_s": round(generated / generate_s, 1),
         "generate_s": round(generate_s, 3),
         "iteration_compute_s": round(update_s + generate_s, 3),
@@ -174,6 +192,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps timed")
     parser.add_argument("--rows-per-step", type=int, default=None)
@@ -205,32 +225,34 @@ def main() -> None:
         configure_torch(1)
     results = []
     for shape in args.shapes:
-        with tempfile.TemporaryDirectory(prefix="rlpipe-bench-gpu-") as tmp:
-            result = measure(shape, args, device, Path(tmp))
-        print(json.dumps(result), flush=True)
-        results.append(result)
-        if gpu:
-            torch.cuda.empty_cache()
+        for mode in args.modes:
+            with tempfile.TemporaryDirectory(prefix="rlpipe-bench-gpu-") as tmp:
+                result = measure(shape, mode == "lora", args, device, Path(tmp))
+            print(json.dumps(result), flush=True)
+            results.append(result)
+            if gpu:
+                torch.cuda.empty_cache()
     machine = describe_machine()
-    settings = {k: getattr(args, k) for k in defaults}
+    settings = {k: getattr(args, k) for k in [*defaults, "lora_rank"]}
     lines = [
         f"`python benchmarks/gpu.py --device {args.device}` on {machine}; torch {torch.__version__}; {settings}",
         "",
-        "| shape | parameters | update tokens/s | TFLOP/s | MFU | peak memory | generation tokens/s "
-        "| generate + update |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
+        "| generation tokens/s | generate + update |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         mfu = "n/a (CPU)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         cells = [
             r["shape"],
-            f"{r['parameters'] / 1e6:.0f}M",
+            r["mode"],
+            f"{r['trained_parameters'] / 1e6:.1f}M of {r['parameters'] / 1e6:.0f}M",
             f"{r['update_tokens_per_s']:.0f}",
             f"{r['update_tflops']:.2f}",
             mfu,
             f"{r['peak_memory_gib']:.2f} GiB",
-            f"{r['generate_tokens_per_s']:.0f}",
-            f"{r['iteration_compute_s']:.1f} s",
+            f"{r['generate_tokens_per_s']:.0f}" if "generate_s" in r else "(as full)",
+            f"{r['iteration_compute_s']:.1f} s" if "generate_s" in r else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
