@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -170,16 +171,24 @@ def peak_memory_gib(device: str) -> float:
 
 def one_run(args: argparse.Namespace, lora: bool) -> dict:
     """One iteration of (args.shape, full or LoRA) in this process; its figures."""
-    import torch
-
-    from rlpipe import loop
     from rlpipe.modeling import configure_torch, resolve_device
-    from rlpipe.spec import parse_spec
-    from rlpipe.store.weights import read_ref
 
     configure_torch(args.threads)
     args.device = resolve_device(args.device).type
     work = Path(tempfile.mkdtemp(prefix="rlpipe-scale-", dir=args.work_dir))
+    try:
+        return iterate(args, lora, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # GBs: model, its cached copy, v0, v1, optimizer state
+
+
+def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
+    import torch
+
+    from rlpipe import loop
+    from rlpipe.spec import parse_spec
+    from rlpipe.store.weights import read_ref
+
     model_dir = work / "model"
     started = time.time()
     parameters = build_model_dir(args.shape, model_dir)
@@ -245,7 +254,7 @@ def main() -> None:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.shape:  # the child: one iteration, its figures as the last line
+    if args.shape:  # the child: one iteration, its figures as the last line; its files removed
         print(json.dumps(one_run(args, args.mode == "lora")), flush=True)
         return
 
@@ -273,7 +282,9 @@ def main() -> None:
             child += [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k != "gradient_checkpointing"]
             child += ["--no-checkpointing"] if args.no_checkpointing else []
             child += ["--work-dir", args.work_dir] if args.work_dir else []
-            env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+            env = os.environ | {
+                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+            }
             done = subprocess.run(child, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stdout[-4000:], done.stderr[-8000:], file=sys.stderr)

@@ -90,6 +90,7 @@ def test_a_whole_iteration_runs_on_the_gpu(tmp_path: Path, lora: bool):
             tmp_path,
             trainer={"device": "cuda", "dtype": "bfloat16", "micro_batch_tokens": 64, "gradient_checkpointing": True},
             model={"lora": {"rank": 4, "alpha": 8.0} if lora else None},
+            reward={"functions": [{"type": "tests.toy_plugins:length", "target": 2}]},  # varied: advantages != 0
         )
     )
     run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
