@@ -428,10 +428,10 @@ class RunSpec:
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
                 f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
             )
-        if self.model.lora is not None and self.rollout.engine != "torch":
+        if self.model.lora is not None and self.rollout.engine != "torch" and self.model.lora.rank > 512:
             raise ValueError(
-                f"model.lora with rollout.engine {self.rollout.engine}: the vLLM samplers do not load adapters yet; "
-                "use rollout.engine: torch, or train all weights (model.lora: null)"
+                f"model.lora.rank {self.model.lora.rank} with rollout.engine {self.rollout.engine}: vLLM serves "
+                "LoRA ranks up to 512; lower the rank or use rollout.engine: torch"
             )
         if self.model.lora is not None and self.trainer.processes > 1:
             raise ValueError("model.lora trains in one process for now; set trainer.processes: 1")
