@@ -85,9 +85,10 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     torch.testing.assert_close(_logits(exported, ids), adapted, rtol=1e-5, atol=1e-5)
 
 
-def test_lora_with_vllm_or_several_processes_is_refused(tmp_path: Path):
-    with pytest.raises(ValueError, match="the vLLM samplers do not load adapters yet"):
-        parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, rollout={"engine": "vllm"}))
+def test_lora_ranks_vllm_cannot_serve_or_several_processes_are_refused(tmp_path: Path):
+    parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, rollout={"engine": "sampler"}))
+    with pytest.raises(ValueError, match="vLLM serves LoRA ranks up to 512"):
+        parse_spec(tiny_spec_dict(tmp_path, model={"lora": {"rank": 1024}}, rollout={"engine": "vllm"}))
     with pytest.raises(ValueError, match="model.lora trains in one process for now"):
         parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, trainer={"processes": 2}))
 

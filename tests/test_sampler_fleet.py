@@ -33,6 +33,29 @@ def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, 
     assert flags["--max-num-seqs"] == "512"  # extra args go to vLLM
 
 
+def test_entrypoint_serves_an_adapter_version_as_its_base_with_lora(tmp_path: Path, monkeypatch):
+    """model.lora: the latest version is an adapter; the server starts on the sealed base, LoRA on."""
+    import json
+
+    run_root = tmp_path / "runs" / "demo"
+    base, adapter = run_root / "weights" / "v000000", run_root / "weights" / "v000001"
+    base.mkdir(parents=True)
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 12}))
+    (adapter / "base.json").write_text(json.dumps({"uri": str(base), "version": 0, "sha256": "0" * 64}))
+    (run_root / "weights" / "LATEST").write_text("v000001")
+    calls: list[list[str]] = []
+    environment: dict[str, str] = {}
+    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.environ", environment)
+    serve(["--run-root", str(run_root)])
+    (argv,) = calls
+    flags = dict(zip(argv[3::1], argv[4::1]))
+    assert flags["--model"] == str(base) and "--enable-lora" in argv
+    assert flags["--max-lora-rank"] == "16"  # the smallest rank vLLM sizes for that holds 12
+    assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"  # /v1/load_lora_adapter
+
+
 def test_entrypoint_needs_a_run_root(monkeypatch, capsys):
     monkeypatch.delenv("RLPIPE_RUN_ROOT", raising=False)
     with pytest.raises(SystemExit):

@@ -25,14 +25,23 @@ def sample_prompts(
     policy: Policy | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
-    ready replica serves `weights` (reloaded in place when it does not)."""
+    ready replica serves `weights` (reloaded in place when it does not; an adapter version's
+    requests name its adapter)."""
     from tokenizers import Tokenizer
 
-    from rlpipe.services.sampler_client import ensure_version, generate_groups, ready_replicas, sampler_weights_dir
+    from rlpipe.services.sampler_client import (
+        adapter_name,
+        ensure_version,
+        generate_groups,
+        ready_replicas,
+        sampler_weights_dir,
+    )
 
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
-    metrics = ensure_version(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s)
+    weights_dir = sampler_weights_dir(weights["uri"])
+    adapters = spec.model.lora is not None
+    metrics = ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
     tokenizer = Tokenizer.from_file(str(Path(local_path(weights, cache_root)) / "tokenizer.json"))
     loaded = time.time()
     r = spec.rollout
@@ -46,6 +55,7 @@ def sample_prompts(
         weights["version"],
         s.requests_per_replica,
         s.request_timeout_s,
+        adapter_name(weights_dir, weights["version"]),
     )
     texts = tokenizer.decode_batch(completions.token_ids, skip_special_tokens=True)
     metrics |= client_metrics | {"samplers/ready": float(len(urls))}

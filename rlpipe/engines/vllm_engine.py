@@ -1,13 +1,17 @@
 """The in-step vLLM engine: `vllm.LLM` on the published weights for one generate step.
 
 Same records as the torch engine: G seeded samples per prompt, token ids through the eos,
-per-token log-probs at the sampling temperature (vLLM's processed_logprobs).
+per-token log-probs at the sampling temperature (vLLM's processed_logprobs). An adapter version
+(model.lora) is served as vLLM serves LoRA: the engine loads the sealed base with LoRA enabled
+and every request names the adapter (a LoRARequest), so only the adapter's bytes are new.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.engines import Policy, Sampled
@@ -21,9 +25,10 @@ if TYPE_CHECKING:
 IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def load_engine(model_dir: str, seed: int, gpu: bool):
-    """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
-    from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache
+def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = None):
+    """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension; `lora_rank`: serve LoRA
+    adapters of that rank on it."""
+    from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache, max_lora_rank
 
     environment = VLLM_ENVIRONMENT | IN_STEP | ({} if gpu else VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1))
     for key, value in environment.items():
@@ -34,6 +39,8 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
     from vllm import LLM
 
     options = {} if gpu else {"enforce_eager": True, "dtype": "float32"}
+    if lora_rank is not None:
+        options |= {"enable_lora": True, "max_lora_rank": max_lora_rank(lora_rank)}
     return LLM(
         model=model_dir,
         seed=seed,
@@ -51,6 +58,7 @@ def sample_groups(
     temperature: float,
     seed: int,
     ignore_eos: bool = False,
+    lora_request=None,
 ) -> Completions:
     """`samples` completions per prompt, flattened prompt-major.
 
@@ -71,7 +79,8 @@ def sample_groups(
         )
         for i in range(len(prompts))
     ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
     result = Completions([], [], [])
     for output in outputs:
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -91,15 +100,27 @@ def sample_prompts(
     iteration: int,
     policy: Policy | None = None,
 ) -> Sampled:
-    """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights`."""
+    """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
+    adapter version: its base, sampling with the adapter)."""
     from rlpipe.engines import sample_seed
-    from rlpipe.store.weights import local_path
+    from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, local_path
 
-    llm = load_engine(local_path(weights, cache_root), spec.seed, gpu=False)
+    weights_dir = local_path(weights, cache_root)
+    base = adapter_base(weights_dir)
+    if base is None:
+        llm, lora_request = load_engine(weights_dir, spec.seed, gpu=False), None
+    else:
+        from vllm.lora.request import LoRARequest
+
+        rank = json.loads((Path(weights_dir) / ADAPTER_CONFIG).read_text())["r"]
+        llm = load_engine(local_path(base, cache_root), spec.seed, gpu=False, lora_rank=rank)
+        lora_request = LoRARequest(f"v{weights['version']}", 1, weights_dir)
     tokenizer = llm.get_tokenizer()
     loaded = time.time()
     r = spec.rollout
     seed = sample_seed(spec.seed, iteration)
-    completions = sample_groups(llm, prompt_ids, r.samples_per_prompt, r.max_new_tokens, r.temperature, seed)
+    completions = sample_groups(
+        llm, prompt_ids, r.samples_per_prompt, r.max_new_tokens, r.temperature, seed, lora_request=lora_request
+    )
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

@@ -11,6 +11,12 @@ Torch-free (HTTP only): the generate and sync_weights steps import it on the lig
                       reset the prefix cache -> resume -> confirm the label. A failed reload
                       leaves vLLM's model half-loaded; it is retried, and a replica that
                       died is waited for (the local fleet or Kubernetes restarts it).
+
+LoRA (model.lora): the servers run the sealed base with LoRA enabled, and a version's adapter is
+hot-loaded instead of the weights (vLLM's runtime adapter loading, /v1/load_lora_adapter): the
+reload unloads the adapters it holds and loads the version's under its own name, `policy-v<N>`,
+which every request then names. Only the adapter's bytes move. The label and its confirmation
+are as for full weights; a replica without the adapter answers 404 and its prompts go to another.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import requests
 
 from rlpipe.rollouts import Completions
 from rlpipe.services.http_json import is_healthy
+from rlpipe.store.weights import ADAPTER_CONFIG
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
+BASE_MODEL = "policy"  # the servers' --served-model-name
 
 
 class SamplerError(RuntimeError):
@@ -107,8 +115,40 @@ def weight_version(url: str) -> str:
     return str(response.json()["weight_version"])
 
 
-def reload_replica(url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3) -> float:
-    """Load `weights_dir` into the replica in place and label it `version`; returns seconds."""
+def adapter_name(weights_dir: str, version: int) -> str | None:
+    """The name requests give the model of `version`: its adapter's, or None (the served weights)."""
+    return f"{BASE_MODEL}-v{version}" if (Path(weights_dir) / ADAPTER_CONFIG).exists() else None
+
+
+def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> None:
+    """Unload the replica's adapters, then load `version`'s (none when it is the base itself).
+
+    A name loaded anew gets a fresh adapter id, so the engine reads the files once (vLLM's
+    `load_inplace` instead marks the request to re-read them at every engine step)."""
+    loaded = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    for model in loaded:
+        if model.get("parent"):
+            _post(url, "/v1/unload_lora_adapter", 30, json={"lora_name": model["id"]})
+    name = adapter_name(weights_dir, version)
+    if name is None:
+        return
+    try:
+        _post(url, "/v1/load_lora_adapter", timeout_s, json={"lora_name": name, "lora_path": weights_dir})
+    except SamplerError as err:
+        if '"detail":"Not Found"' not in str(err):  # FastAPI's answer for a route it does not have
+            raise
+        raise SamplerError(
+            f"{err}: the sampler does not load adapters at run time; start it with --enable-lora "
+            "--max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+        ) from None
+
+
+def reload_replica(
+    url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3, adapters: bool = False
+) -> float:
+    """Load `weights_dir` into the replica in place and label it `version`; returns seconds.
+    `adapters` (model.lora): the replica serves the sealed base with LoRA, and an adapter version's
+    adapter is swapped in (the base version: adapters unloaded)."""
     started = time.time()
     last_error: Exception | None = None
     for attempt in range(attempts):
@@ -117,8 +157,11 @@ def reload_replica(url: str, weights_dir: str, version: int, timeout_s: float, a
         try:
             _post(url, "/pause", 120, params={"mode": "wait"})
             try:
-                rpc = {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
-                _post(url, "/collective_rpc", timeout_s, json=rpc)
+                if adapters:
+                    swap_adapter(url, weights_dir, version, timeout_s)
+                else:
+                    rpc = {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
+                    _post(url, "/collective_rpc", timeout_s, json=rpc)
                 _post(url, "/update_weight_version", 30, json={"new_version": str(version)})
                 _post(url, "/reset_prefix_cache", 30)
             finally:
@@ -135,14 +178,16 @@ def reload_replica(url: str, weights_dir: str, version: int, timeout_s: float, a
     )
 
 
-def sync_replicas(urls: list[str], weights_dir: str, version: int, timeout_s: float) -> dict[str, float]:
+def sync_replicas(
+    urls: list[str], weights_dir: str, version: int, timeout_s: float, adapters: bool = False
+) -> dict[str, float]:
     """Reload every replica (in parallel); metrics: slowest reload and replicas serving `version`."""
     seconds: dict[str, float] = {}
     errors: dict[str, Exception] = {}
 
     def reload(url: str) -> None:
         try:
-            seconds[url] = reload_replica(url, weights_dir, version, timeout_s)
+            seconds[url] = reload_replica(url, weights_dir, version, timeout_s, adapters=adapters)
         except SamplerError as err:
             errors[url] = err
 
@@ -156,8 +201,12 @@ def sync_replicas(urls: list[str], weights_dir: str, version: int, timeout_s: fl
     return {"time/sampler_reload_s": max(seconds.values()), "samplers/replicas": float(len(urls))}
 
 
-def _choices(url: str, session: requests.Session, prompt: list[int], params: dict, timeout: float) -> list[dict]:
+def _choices(
+    url: str, session: requests.Session, prompt: list[int], params: dict, timeout: float, model: str | None
+) -> list[dict]:
     body = {"token_ids": prompt, "sampling_params": params, "output_mode": "tokens"}
+    if model is not None:
+        body["model"] = model
     response = session.post(f"{url}/inference/v1/generate", json=body, timeout=timeout)
     if response.status_code != 200:
         raise SamplerError(f"{url} answered {response.status_code}: {response.text[:300]}")
@@ -182,8 +231,10 @@ def generate_groups(
     version: int,
     requests_per_replica: int,
     timeout_s: float,
+    model: str | None = None,
 ) -> tuple[Completions, dict[str, float]]:
-    """`samples` completions for every prompt, all sampled by weights `version`.
+    """`samples` completions for every prompt, all sampled by weights `version` (`model`: its
+    adapter's name, adapter_name).
 
     Request i is seeded with seed + i * samples (vLLM seeds its sample j with seed + j, so every
     sample has its own seed), and a retried prompt samples the same completions on any replica.
@@ -209,7 +260,7 @@ def generate_groups(
                     continue
                 try:
                     choices = _choices(
-                        url, session, prompts[index], {**params, "seed": seed + index * samples}, timeout_s
+                        url, session, prompts[index], {**params, "seed": seed + index * samples}, timeout_s, model
                     )
                     spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
                     if spans != {expected}:
@@ -257,7 +308,9 @@ def generate_groups(
     }
 
 
-def ensure_version(urls: list[str], weights_dir: str, version: int, timeout_s: float) -> dict[str, float]:
+def ensure_version(
+    urls: list[str], weights_dir: str, version: int, timeout_s: float, adapters: bool = False
+) -> dict[str, float]:
     """Reload the replicas not labelled `version` (restarted ones start unlabelled: "default")."""
     stale = []
     for url in urls:
@@ -268,7 +321,7 @@ def ensure_version(urls: list[str], weights_dir: str, version: int, timeout_s: f
             stale.append(url)
     if not stale:
         return {"samplers/reloaded_stale": 0.0}
-    metrics = sync_replicas(stale, weights_dir, version, timeout_s)
+    metrics = sync_replicas(stale, weights_dir, version, timeout_s, adapters)
     return {"samplers/reloaded_stale": float(len(stale)), "time/sampler_catch_up_s": metrics["time/sampler_reload_s"]}
 
 

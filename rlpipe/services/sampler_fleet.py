@@ -11,25 +11,34 @@ Cluster: `python -m rlpipe.services.sampler_fleet --run-root /mnt/rlpipe/runs/<n
 image's entrypoint) waits for the run's first published version, then execs the same vLLM
 server on the latest one; sync_weights then reloads it in place at the steps' paths, so the
 Deployment mounts the PVC where the steps do.
+
+LoRA (model.lora): a server starts on the sealed base with LoRA enabled, and the client hot-loads
+each version's adapter (rlpipe.services.sampler_client). The cluster entrypoint has no spec: it
+enables LoRA when the latest version is an adapter, or when its args carry --enable-lora (a run
+whose samplers start at v0: add `--enable-lora --max-lora-rank R` to the Deployment's args).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 from rlpipe.services.local_servers import LocalServers
+from rlpipe.services.sampler_client import sampler_weights_dir
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
-from rlpipe.store.weights import latest_version, version_uri
-from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache
+from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, latest_version, version_uri
+from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache, max_lora_rank
 
 SERVER_MODULE = "rlpipe.services.vllm_server"  # vLLM's api_server behind the import guard
 # Dev mode exposes /pause, /resume, /collective_rpc and the weight-version endpoints.
 SERVER_ENVIRONMENT = VLLM_ENVIRONMENT | {"VLLM_SERVER_DEV_MODE": "1"}
+RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
 
 def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str]) -> list[str]:
@@ -48,6 +57,21 @@ def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str
     ]  # fmt: skip
 
 
+def served_model(run_root: str, version: int, lora_rank: int | None) -> tuple[str, list[str], dict[str, str]]:
+    """The directory a server for the run's `version` starts on, with its LoRA flags and environment:
+    a LoRA run's server (`lora_rank`, or the version is an adapter) runs the sealed base with LoRA
+    enabled and adapters loadable at run time."""
+    model_dir = filesystem(version_uri(run_root, version))[1]
+    base = adapter_base(model_dir)
+    if base is not None:
+        lora_rank = lora_rank or json.loads((Path(model_dir) / ADAPTER_CONFIG).read_text())["r"]
+        model_dir = sampler_weights_dir(base["uri"])
+    if lora_rank is None:
+        return model_dir, [], {}
+    flags = ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
+    return model_dir, flags, RUNTIME_LORA
+
+
 def has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
@@ -56,10 +80,10 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
     """`samplers.replicas` vLLM servers on loopback; `<run root>/samplers/fleet.json` records them."""
 
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
-        version = latest_version(run_root)
-        model_dir = filesystem(version_uri(run_root, version))[1]
-        env = dict(SERVER_ENVIRONMENT)
-        extra = list(spec.samplers.extra_args)
+        lora_rank = spec.model.lora.rank if spec.model.lora else None
+        model_dir, lora_flags, lora_env = served_model(run_root, latest_version(run_root), lora_rank)
+        env = SERVER_ENVIRONMENT | lora_env
+        extra = [*lora_flags, *spec.samplers.extra_args]
         if not has_gpu():
             # vLLM pins each CPU server's compute thread to core 0, leaving the other cores to the
             # HTTP front ends, which dominate for tiny models: spreading the compute threads over
@@ -89,9 +113,9 @@ def serve(argv: list[str] | None = None) -> None:
     while (version := latest_version(args.run_root)) is None:
         print(f"rlpipe sampler: waiting for {args.run_root}/weights/LATEST", flush=True)
         time.sleep(args.poll_s)
-    model_dir = filesystem(version_uri(args.run_root, version))[1]
-    os.environ.update(SERVER_ENVIRONMENT)
-    command = [sys.executable, *server_args(model_dir, args.host, args.port, args.seed, extra)]
+    model_dir, lora_flags, lora_env = served_model(args.run_root, version, None)
+    os.environ.update(SERVER_ENVIRONMENT | lora_env | (RUNTIME_LORA if "--enable-lora" in extra else {}))
+    command = [sys.executable, *server_args(model_dir, args.host, args.port, args.seed, [*lora_flags, *extra])]
     os.execv(sys.executable, command)
 
 

@@ -2,8 +2,9 @@
 
 Commit order (a kill at any point leaves a resumable store):
   1. verify + move staged weights to weights/v(N+1), then LATEST      (weight_store.publish)
-  1b. rollout.engine sampler: reload every sampler in place with v(N+1) and confirm its label
-      (a rerun that redoes iteration N+1 finds them labelled N+1; generate reloads v(N))
+  1b. rollout.engine sampler: reload every sampler in place with v(N+1) (model.lora: swap in its
+      adapter) and confirm its label (a rerun that redoes iteration N+1 finds them labelled N+1;
+      generate reloads v(N)). sync/bytes: the version's weight bytes, what each sampler loads
   2. write metrics/iter_(N+1).json
   3. state.json: iteration = N+1                                       <- the commit point
   4. prune old weight and optimizer versions
@@ -17,7 +18,7 @@ import time
 from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
-from rlpipe.store.weights import WeightRef, prune, publish, read_ref
+from rlpipe.store.weights import WeightRef, prune, publish, read_ref, weights_bytes
 
 
 def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
@@ -29,7 +30,8 @@ def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
     urls = [url for url in replica_urls(s.endpoints) if is_healthy(url)]
     if not urls:
         return {"samplers/replicas": 0.0}
-    return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s)
+    adapters = spec.model.lora is not None
+    return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s, adapters)
 
 
 def sync_weights(
@@ -47,7 +49,7 @@ def sync_weights(
             "another run is writing to this run root? Rerun `rlpipe run` to continue from the state."
         )
     ref = publish(run_root, staged)
-    metrics = dict(step_metrics)
+    metrics = dict(step_metrics) | {"sync/bytes": float(weights_bytes(ref["uri"]))}  # an adapter's, or all weights
     if spec.rollout.engine == "sampler":
         metrics |= reload_samplers(spec, ref)
     metrics["time/sync_weights_s"] = time.time() - started

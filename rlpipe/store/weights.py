@@ -54,6 +54,21 @@ def version_uri(run_root: str, version: int) -> str:
 
 
 BASE_FILE = "base.json"  # in an adapter version: the WeightRef of the sealed base it applies to
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: marks an adapter version
+
+
+def adapter_base(local_dir: str | Path) -> WeightRef | None:
+    """The sealed base an adapter version (a local directory) applies to; None for full weights."""
+    path = Path(local_dir)
+    if not (path / ADAPTER_CONFIG).exists():
+        return None
+    return as_ref(json.loads((path / BASE_FILE).read_text()))
+
+
+def weights_bytes(uri: str) -> int:
+    """Bytes of a version's weight files (safetensors): what a sampler loading it reads."""
+    fs, root = filesystem(uri)
+    return sum(info["size"] for path, info in fs.find(root, detail=True).items() if path.endswith(".safetensors"))
 
 
 def stage_pretrained(
