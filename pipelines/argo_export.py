@@ -17,7 +17,7 @@ from hera.workflows import models as m
 from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_dict
-from rlpipe.steps import EVERY_ITERATION, sandboxed, uses_trainer_image
+from rlpipe.steps import EVERY_ITERATION, gpus_for, sandboxed, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -29,8 +29,8 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
     pod: PodSpec = cluster.trainer if uses_trainer_image(computes, spec) else cluster.step
     requests = {"cpu": pod.cpu, "memory": pod.memory}
     limits = {key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value}
-    if pod.gpus:
-        requests[pod.accelerator] = limits[pod.accelerator] = str(pod.gpus)
+    if gpus := gpus_for(computes, spec):
+        requests[pod.accelerator] = limits[pod.accelerator] = str(gpus)
     env = [
         m.EnvVar(name=s.env, value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=s.secret, key=s.key)))
         for s in cluster.secrets

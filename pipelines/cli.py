@@ -68,10 +68,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = _spec(args)
     shape = model_shape(spec, spec.cache_root)
     seq_len = args.seq_len or (spec.data.max_prompt_tokens or 512) + spec.rollout.max_new_tokens
-    plan = plan_memory(spec, shape, seq_len, args.gpus, args.gpu_memory_gib)
+    gpus = args.gpus or spec.trainer.gpus * spec.trainer.nodes
+    plan = plan_memory(spec, shape, seq_len, gpus, args.gpu_memory_gib)
     print(
         f"rlpipe plan {args.spec}: {shape.parameters / 1e9:.3f}B parameters ({shape.layers} layers, hidden "
-        f"{shape.hidden}, vocab {shape.vocab}), sequences of {seq_len} tokens, {args.gpus} GPU(s), "
+        f"{shape.hidden}, vocab {shape.vocab}), sequences of {seq_len} tokens, {gpus} GPU(s), "
         f"trainer.dtype {spec.trainer.dtype}"
     )
     print(plan.table())
@@ -100,11 +101,19 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         path = export_argo(spec, args.output, run_root=args.run_root)
         print(f"wrote {path}: a WorkflowTemplate and a CronWorkflow; `kubectl apply -n rlpipe -f {path}`")
-        return 0
-    from rlpipe.pipelines.compile import compile_pipeline
+    else:
+        from rlpipe.pipelines.compile import compile_pipeline
 
-    path = compile_pipeline(spec, args.output, run_root=args.run_root)
-    print(f"wrote {path}: upload it in the KFP UI or submit it with kfp.Client().create_run_from_pipeline_package")
+        path = compile_pipeline(spec, args.output, run_root=args.run_root)
+        print(f"wrote {path}: upload it in the KFP UI or submit it with kfp.Client().create_run_from_pipeline_package")
+    if spec.trainer.resident:
+        from rlpipe.pipelines.trainer_jobset import trainer_url, write_trainer
+
+        trainer = write_trainer(spec, args.output)
+        print(
+            f"wrote {trainer}: the resident trainer ({spec.trainer.nodes} node(s) x {spec.trainer.gpus} processes, "
+            f"a JobSet) and its Service {spec.trainer.endpoint or trainer_url(spec)}; `kubectl apply -f {trainer}`"
+        )
     return 0
 
 
@@ -157,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="estimate per-GPU training memory for the spec and say what to change")
     plan.add_argument("spec")
-    plan.add_argument("--gpus", type=int, default=1, help="GPUs the trainer shards over (FSDP)")
+    plan.add_argument(
+        "--gpus", type=int, help="GPUs the trainer shards over (FSDP; default: trainer.gpus x trainer.nodes)"
+    )
     plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
     plan.add_argument(
         "--seq-len",

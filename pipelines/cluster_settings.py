@@ -8,7 +8,7 @@ The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=
 from kfp import dsl, kubernetes
 
 from rlpipe.spec import RunSpec
-from rlpipe.steps import BY_NAME, sandboxed, uses_trainer_image
+from rlpipe.steps import BY_NAME, gpus_for, sandboxed, uses_trainer_image
 
 SANDBOX_LABEL = "rlpipe.dev/sandbox"  # selected by manifests/base/sandbox.yaml's NetworkPolicies
 RUNTIME_CLASS_ANNOTATION = "rlpipe.dev/runtime-class"
@@ -28,8 +28,8 @@ def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.Pipeli
         task.set_cpu_limit(pod.cpu_limit)
     if pod.memory_limit:
         task.set_memory_limit(pod.memory_limit)
-    if pod.gpus:
-        task.set_accelerator_type(pod.accelerator).set_accelerator_limit(pod.gpus)
+    if gpus := gpus_for(step, spec):
+        task.set_accelerator_type(pod.accelerator).set_accelerator_limit(gpus)
     for label, value in pod.node_selector.items():
         kubernetes.add_node_selector(task, label, value)
     for toleration in pod.tolerations:

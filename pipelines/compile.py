@@ -5,6 +5,7 @@ from pathlib import Path
 
 from kfp import compiler
 
+from rlpipe.pipelines.trainer_jobset import trainer_url
 from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.store.run_root import run_root_for
 
@@ -29,12 +30,8 @@ def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec,
             "rollout.engine sampler on a cluster needs samplers.endpoints, e.g. "
             "[http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000] (manifests/base/sampler.yaml)"
         )
-    if spec.trainer.resident and not spec.trainer.endpoint:
-        raise ValueError(
-            "trainer.resident on a cluster needs trainer.endpoint, e.g. "
-            "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001 (manifests/base/trainer.yaml), "
-            "or set trainer.resident: false to train in every update step's own pod"
-        )
+    if spec.trainer.resident and not spec.trainer.endpoint:  # the Service of the JobSet rlpipe compile writes
+        spec = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, endpoint=trainer_url(spec)))
     cache = spec.storage.cache or (f"{spec.cluster.mount_path.rstrip('/')}/cache" if spec.cluster.pvc else None)
     storage = dataclasses.replace(spec.storage, root=run_root.rsplit("/", 1)[0], cache=cache)
     return dataclasses.replace(spec, storage=storage), run_root

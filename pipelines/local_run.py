@@ -185,7 +185,12 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     if spec.trainer.resident and not spec.trainer.endpoint:
         from rlpipe.services.trainer_service import LocalTrainer
 
-        trainer = LocalTrainer(run_root)
+        if spec.trainer.nodes > 1:
+            raise ValueError(
+                "trainer.nodes > 1 is a multi-node job for a cluster (rlpipe compile writes its JobSet); "
+                "on this machine set trainer.nodes: 1 (trainer.gpus processes)"
+            )
+        trainer = LocalTrainer(run_root, spec.trainer.gpus, spec.trainer.device)
         spec_arg["trainer"]["endpoint"] = trainer.urls[0]
         say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 

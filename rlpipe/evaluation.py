@@ -67,10 +67,17 @@ def greedy_accuracy(
 
 
 def evaluate_policy(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str, policy: Policy | None = None
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    cache_root: str,
+    policy: Policy | None = None,
+    record: bool = True,
 ) -> dict[str, float]:
-    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json.
-    `policy`: a model already in memory at `weights` (the resident trainer's)."""
+    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json unless
+    `record` is False (the resident trainer's other processes). `policy`: a model already in memory at
+    `weights` (the resident trainer's)."""
     t0 = time.time()
     weights = as_ref(weights)
     from rlpipe.modeling import load_weights
@@ -97,5 +104,6 @@ def evaluate_policy(
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
-    write_json(eval_metrics_uri(run_root, iteration), metrics)
+    if record:
+        write_json(eval_metrics_uri(run_root, iteration), metrics)
     return metrics

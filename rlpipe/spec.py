@@ -291,28 +291,38 @@ class TrainerSpec:
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
     )
-    processes: int = setting(
+    gpus: int = setting(
         1,
         ge=1,
-        doc="Data-parallel processes of the update (torchrun, FSDP2: weights, gradients and optimizer state "
-        "sharded): one per GPU of the node; on CPU, gloo processes",
+        doc="GPUs the trainer trains on per node, the one count of them: the update (in its own pod, or in the "
+        "resident trainer) runs as that many torchrun processes, FSDP2 sharding weights, gradients and AdamW "
+        "state. On a cluster the update pod (or each resident trainer node) requests this many; the other "
+        "trainer-image steps (warm_start, generate with the torch engine, evaluate, score with a reward model) "
+        "compute on one device and request 1. With trainer.device cpu: that many gloo processes, no GPU requested",
     )
-
-    def __post_init__(self) -> None:
-        if self.processes > 1 and self.resident:
-            raise ValueError(
-                "trainer.processes > 1 runs the update under torchrun in the update step; the resident trainer "
-                "is one process for now: set trainer.resident: false, or trainer.processes: 1"
-            )
-
+    nodes: int = setting(
+        1,
+        ge=1,
+        doc="Nodes of the resident trainer: one torchrun job over nodes x gpus processes, which `rlpipe compile` "
+        "writes as a JobSet beside the pipeline; > 1 needs trainer.resident",
+    )
     resident: bool = setting(
         False,
         doc="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
         "iterations; the update step becomes a thin client (rlpipe run starts the trainer locally)",
     )
     endpoint: str | None = setting(
-        None, doc="URL of the resident trainer's Service on a cluster; empty locally: rlpipe run starts one"
+        None,
+        doc="URL of the resident trainer's Service on a cluster (rlpipe compile fills in its JobSet's Service "
+        "when empty); empty locally: rlpipe run starts one",
     )
+
+    def __post_init__(self) -> None:
+        if self.nodes > 1 and not self.resident:
+            raise ValueError(
+                "trainer.nodes > 1 runs the resident trainer as one multi-node job (rlpipe compile writes its "
+                "JobSet): set trainer.resident: true, or trainer.nodes: 1"
+            )
 
 
 @section
@@ -352,8 +362,9 @@ class PodSpec:
     memory: str = "2Gi"
     cpu_limit: str | None = None
     memory_limit: str | None = None
-    gpus: int = setting(0, ge=0)
-    accelerator: str = setting("nvidia.com/gpu", doc="KFP accelerator type when gpus > 0")
+    accelerator: str = setting(
+        "nvidia.com/gpu", doc="Resource name (KFP accelerator type) of the GPUs a step requests (trainer.gpus)"
+    )
     node_selector: dict[str, str] = setting(default_factory=dict)
     tolerations: list[Toleration] = setting(default_factory=list)
     timeout_s: int = setting(7200, ge=60)
@@ -374,7 +385,7 @@ class ClusterSpec:
     """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
 
     trainer: PodSpec = setting(
-        default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi", gpus=1)
+        default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi")
     )
     step: PodSpec = setting(default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/step:0.1.0"))
     pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
@@ -433,8 +444,8 @@ class RunSpec:
                 f"model.lora.rank {self.model.lora.rank} with rollout.engine {self.rollout.engine}: vLLM serves "
                 "LoRA ranks up to 512; lower the rank or use rollout.engine: torch"
             )
-        if self.model.lora is not None and self.trainer.processes > 1:
-            raise ValueError("model.lora trains in one process for now; set trainer.processes: 1")
+        if self.model.lora is not None and self.trainer.gpus * self.trainer.nodes > 1:
+            raise ValueError("model.lora trains in one process for now; set trainer.gpus: 1 and trainer.nodes: 1")
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(
@@ -581,6 +592,8 @@ def parse_spec(data: dict[str, Any], source: str = "<dict>") -> RunSpec:
     """Validate a spec dict; raise SpecError naming each bad key."""
     if isinstance(data, dict) and "task" in data:
         raise SpecError(f"invalid run spec {source}:\n  {old_task_section(data['task'])}")
+    if isinstance(data, dict) and (replaced := old_gpu_keys(data)):
+        raise SpecError("\n  ".join([f"invalid run spec {source}:", *replaced]))
     errors: list[str] = []
     spec = _build(RunSpec, data, "", errors)
     if errors:
@@ -602,6 +615,31 @@ def old_task_section(task: Any) -> str:
         "task: the `task` section is now `data` (which also reads data files, hub datasets and chat prompts); "
         f"write instead:\n  data:\n    {lines}"
     )
+
+
+def old_gpu_keys(data: dict[str, Any]) -> list[str]:
+    """What to write instead of trainer.processes and cluster.<pod>.gpus, both replaced by trainer.gpus
+    (one count of the trainer's GPUs per node), shown in the error."""
+    trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
+    cluster = data.get("cluster") if isinstance(data.get("cluster"), dict) else {}
+    pods = {name: pod for name, pod in cluster.items() if isinstance(pod, dict) and "gpus" in pod}
+    meaning = "the GPUs the trainer trains on per node; with trainer.device cpu, gloo processes"
+    problems = []
+    if "processes" in trainer:
+        problems.append(
+            f"trainer.processes: replaced by trainer.gpus ({meaning}); write instead:\n"
+            f"    trainer:\n      gpus: {trainer['processes']}"
+        )
+    if "trainer" in pods:
+        count = pods["trainer"]["gpus"]
+        instead = "device: cpu" if count in (0, "0") else f"gpus: {count}"
+        problems.append(
+            f"cluster.trainer.gpus: replaced by trainer.gpus ({meaning}: the update pod requests that many GPUs, "
+            f"the other trainer-image steps one); write instead:\n    trainer:\n      {instead}"
+        )
+    for name in sorted(set(pods) - {"trainer"}):
+        problems.append(f"cluster.{name}.gpus: removed (steps on the {name} image compute without torch); delete it")
+    return problems
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
@@ -645,7 +683,8 @@ RESUMABLE_KEYS = (
     "trainer.device",  # where it computes; the update is the same up to float rounding
     "trainer.micro_batch_tokens",  # the same update, accumulated in parts
     "trainer.gradient_checkpointing",
-    "trainer.processes",  # the same update, sharded (to float rounding)
+    "trainer.gpus",  # the same update, sharded (to float rounding)
+    "trainer.nodes",
 )
 WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
 

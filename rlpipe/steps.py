@@ -96,6 +96,15 @@ def uses_trainer_image(step: str, spec: RunSpec) -> bool:
     return BY_NAME[step].torch and service_for(step, spec) is None
 
 
+def gpus_for(step: str, spec: RunSpec) -> int:
+    """GPUs the step's pod requests on a cluster: trainer.gpus for an update that trains in its own pod
+    (torchrun, one process per GPU); 1 for the other trainer-image steps (they compute on one device);
+    none for the step image, nor with trainer.device cpu (gloo processes)."""
+    if spec.trainer.device == "cpu" or not uses_trainer_image(step, spec):
+        return 0
+    return spec.trainer.gpus if step == "update" else 1
+
+
 def sandboxed(step: str, spec: RunSpec) -> bool:
     """The score step runs candidates' code (a code_sandbox reward): on a cluster its pod runs under
     cluster.sandbox_runtime_class (gVisor) and the sandbox NetworkPolicy (no egress)."""

@@ -164,21 +164,57 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
 
 
 def test_resident_trainer_on_a_cluster(tmp_path: Path):
-    """trainer.resident needs the trainer Service's URL; update, evaluate (and generate, torch
-    engine: the trainer samples) then run on the light image."""
+    """trainer.resident: update, evaluate (and generate, torch engine: the trainer samples) run on the
+    light image as clients of the trainer that compile writes beside the pipeline (its JobSet's Service
+    is trainer.endpoint unless the spec names one: tests/test_manifests.py checks the JobSet)."""
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(tmp_path / "x.yaml"), "--set", "trainer.resident=true"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode != 0 and "needs trainer.endpoint" in result.stderr and "trainer.yaml" in result.stderr
-
-    endpoint = "http://rlpipe-trainer.rlpipe.svc.cluster.local:8001"
-    subprocess.run(command + ["--set", f"trainer.endpoint={endpoint}"], check=True)
+    subprocess.run(command, check=True, capture_output=True)
     pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
     executors = pipeline["deploymentSpec"]["executors"]
     for step in ("update", "generate", "evaluate"):
         container = executors[f"exec-{step}"]["container"]
         assert container["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in container.get("resources", {})
     assert executors["exec-warm-start"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    endpoint = "http://rlpipe-trainer-addition-demo.rlpipe.svc.cluster.local:8001"
+    assert spec["trainer"]["endpoint"] == endpoint
+    assert yaml.safe_load_all((tmp_path / "x.trainer.yaml").read_text())  # the JobSet and its Service
+
+    mine = "http://my-trainer.rlpipe.svc.cluster.local:8001"
+    subprocess.run(command + ["--set", f"trainer.endpoint={mine}"], check=True, capture_output=True)
+    pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
+    assert pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]["trainer"]["endpoint"] == mine
+
+
+def test_trainer_gpus_is_what_the_trainer_pods_request(tmp_path: Path):
+    """trainer.gpus: 8 trains the update in 8 torchrun processes: its pod requests 8 GPUs; the other
+    trainer-image steps compute on one device and request 1 (KFP and Argo alike); trainer.device cpu
+    requests none (trainer.gpus are then gloo processes)."""
+    rewards = "reward.functions=[{type: reward_model, path: gs://models/rm}]"  # puts score on the trainer image
+
+    def compile_(device: str, target: str) -> dict:
+        out = tmp_path / f"{device}-{target}.yaml"
+        command = [
+            sys.executable,
+            "-m",
+            "rlpipe.pipelines.cli",
+            "compile",
+            str(REPO / "examples" / "addition-gke.yaml"),
+        ]
+        command += ["--target", target, "-o", str(out), "--set", "trainer.gpus=8", "--set", f"trainer.device={device}"]
+        subprocess.run([*command, "--set", rewards], check=True, capture_output=True)
+        return next(yaml.safe_load_all(out.read_text()))
+
+    steps = ("update", "warm-start", "generate", "evaluate", "score", "advantages", "sync-weights")
+    for device, expected in (("auto", ("8", "1", "1", "1", "1", None, None)), ("cpu", (None,) * len(steps))):
+        executors = compile_(device, "kfp")["deploymentSpec"]["executors"]
+        accelerators = [executors[f"exec-{s}"]["container"].get("resources", {}).get("accelerator") for s in steps]
+        assert [a and a["resourceCount"] for a in accelerators] == list(expected), device
+    templates = {t["name"]: t for t in compile_("auto", "argo")["spec"]["templates"]}
+    argo_steps = ("update", "init", "generate", "evaluate", "score", "advantages")  # init computes warm_start
+    gpus = [templates[s]["container"]["resources"]["requests"].get("nvidia.com/gpu") for s in argo_steps]
+    assert gpus == ["8", "1", "1", "1", "1", None]
 
 
 def test_sandboxed_score_step_carries_the_runtime_class(tmp_path: Path):

@@ -225,8 +225,8 @@ def test_your_own_data_reward_and_chat_model(tmp_path: Path):
 
 @pytest.mark.slow
 def test_update_in_two_torchrun_processes(tmp_path: Path):
-    """trainer.processes: 2: the update step runs FSDP2 under torchrun (gloo here) inside kfp.local."""
-    spec = _write_spec(tmp_path, trainer={"processes": 2, "micro_batch_tokens": 64}, loop={"iterations": 1})
+    """trainer.gpus: 2: the update step runs FSDP2 under torchrun (2 gloo processes here) inside kfp.local."""
+    spec = _write_spec(tmp_path, trainer={"gpus": 2, "micro_batch_tokens": 64}, loop={"iterations": 1})
     result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(tmp_path / "run", 1)

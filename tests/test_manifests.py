@@ -5,6 +5,7 @@ fail), the Pod Security `restricted` profile, and what rlpipe needs from each pi
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -471,29 +472,141 @@ def test_kueue(build):
     assert lq["metadata"]["namespace"] == NAMESPACE and lq["spec"]["clusterQueue"] == "rlpipe"
 
 
-def test_resident_trainer(build):
-    """trainer.resident's Deployment: the update step's server, on the trainer pool, writing the PVC."""
+def test_resident_trainer_is_compiled_not_shipped(build):
+    """The manifests hold the resident trainer's identity; the trainer itself, sized by the run spec,
+    comes from `rlpipe compile` (test_compiled_multi_node_trainer)."""
     name, docs = build
-    dep = _find(docs, "Deployment", "rlpipe-trainer")
-    assert dep["spec"]["replicas"] == 0  # scaled up by runs that set trainer.resident
-    pod = _pod_spec(dep)
-    c = _container(dep, "trainer")
-    assert c["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
-    argv = c["command"] + c.get("args", [])
-    assert argv[:3] == ["python", "-m", "rlpipe.services.trainer_service"]
-    assert _flags(argv)["--port"] == "8001"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    weights = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "rlpipe-weights"]
-    assert len(weights) == 1 and not weights[0]["persistentVolumeClaim"].get("readOnly")
-    mount = next(m for m in c["volumeMounts"] if m["name"] == weights[0]["name"])
-    assert mount["mountPath"] == "/mnt/rlpipe" and not mount.get("readOnly")  # it stages v(N+1)
-    gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
-    assert gpus is None if name == "dev" else int(gpus) == 1
-    if name in GKE_BUILDS:
-        assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "trainer-pool"}
-    svc = _find(docs, "Service", "rlpipe-trainer")
-    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    assert _port_number(c, svc["spec"]["ports"][0]["targetPort"]) == 8001
+    account = _find(docs, "ServiceAccount", "rlpipe-trainer")
+    assert account["automountServiceAccountToken"] is False
+    assert not [d for d in docs if "trainer" in d["metadata"]["name"] and d["kind"] in WORKLOAD_KINDS | {"Service"}]
+
+
+# -- the resident trainer `rlpipe compile` writes ---------------------------------------------------
+
+JOBSET_SCHEMA = REPO / "tests" / "fixtures" / "jobset-v0.12.0-v1alpha2.schema.json"  # source: its $comment
+
+
+def _strict_crd(schema):
+    """Unknown fields fail wherever the CRD lists an object's fields (the API server would prune them)."""
+    if isinstance(schema, dict):
+        if "properties" in schema and "additionalProperties" not in schema:
+            if not schema.get("x-kubernetes-preserve-unknown-fields"):
+                schema["additionalProperties"] = False
+        for value in schema.values():
+            _strict_crd(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _strict_crd(value)
+    return schema
+
+
+def _compile_trainer(tmp_path: Path, *overrides: str) -> tuple[dict, dict, dict]:
+    """(pipeline IR, JobSet, Service) of examples/addition-gke.yaml compiled with `overrides`."""
+    import sys
+
+    out = tmp_path / "rl.yaml"
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    for override in overrides:
+        command += ["--set", override]
+    done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rl.trainer.yaml: the resident trainer" in done.stdout
+    jobset, service = yaml.safe_load_all((tmp_path / "rl.trainer.yaml").read_text())
+    return next(yaml.safe_load_all(out.read_text())), jobset, service
+
+
+def test_compiled_multi_node_trainer(tmp_path: Path):
+    """trainer.gpus: 8 on trainer.nodes: 2: a JobSet valid against JobSet's own CRD schema and a core
+    Service, carrying torchrun (nnodes, nproc-per-node, a static rendezvous at pod 0), 8 GPUs per node,
+    the trainer pool apart from the samplers' (as Kueue's trainer-gpu flavor), the RWX weights PVC and
+    the restricted pod profile; the Service reaches rank 0's HTTP port at the pipeline's trainer.endpoint."""
+    import jsonschema
+    import kubernetes_validate
+
+    pipeline, jobset, service = _compile_trainer(tmp_path, "trainer.gpus=8", "trainer.nodes=2", "trainer.resident=true")
+    schema = _strict_crd(json.loads(JOBSET_SCHEMA.read_text()))
+    jsonschema.validate(jobset, schema)
+    with pytest.raises(jsonschema.ValidationError):  # the strict schema does catch a misspelled field
+        jsonschema.validate(json.loads(json.dumps(jobset).replace('"parallelism"', '"paralellism"')), schema)
+    assert kubernetes_validate.validate(service, K8S_VERSION, strict=True) == "1.32"
+    (node,) = jobset["spec"]["replicatedJobs"]
+    job = node["template"]
+    # the Job and its pod template are core objects too: validate them against the 1.32 schemas
+    kubernetes_validate.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": job["spec"]},
+        K8S_VERSION,
+        strict=True,
+    )
+    name = jobset["metadata"]["name"]
+    assert jobset["metadata"]["namespace"] == service["metadata"]["namespace"] == NAMESPACE
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rlpipe"  # base/kueue.yaml's LocalQueue
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1  # a failed node restarts every node
+
+    # torchrun: 2 nodes x 8 processes, node rank = the pod's completion index, rendezvous at pod 0
+    assert node["replicas"] == 1 and job["spec"]["parallelism"] == job["spec"]["completions"] == 2
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["backoffLimit"] == 0
+    pod = job["spec"]["template"]["spec"]
+    c = _container({"kind": "Pod", "spec": pod}, "trainer")
+    argv = c["command"] + c["args"]
+    assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
+    flags = _flags(argv)
+    assert flags["--nnodes"] == "2" and flags["--nproc-per-node"] == "8"
+    network = jobset["spec"]["network"]
+    assert network["enableDNSHostnames"] is True
+    assert flags["--master-addr"] == f"{name}-{node['name']}-0-0.{network['subdomain']}"  # JobSet's pod DNS
+    assert len(f"{name}-{node['name']}-0-0") <= 63  # a pod host name is one DNS label
+    assert _port_number(c, "rendezvous") == int(flags["--master-port"])
+    assert argv[argv.index("-m", 3) + 1] == "rlpipe.services.trainer_service" and flags["--device"] == "auto"
+    rank = _env(c)["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert rank == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+    # 8 GPUs per node, on the trainer pool (the gke overlay's trainer-gpu flavor), not the samplers'
+    for kind in ("requests", "limits"):
+        assert c["resources"][kind]["nvidia.com/gpu"] == 8, kind
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "trainer-pool"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    gke = _build("gke")
+    flavor = _find(gke, "ResourceFlavor", "trainer-gpu")["spec"]["nodeLabels"]
+    assert pod["nodeSelector"] == flavor != _pod_spec(_find(gke, "Deployment", "rlpipe-sampler"))["nodeSelector"]
+
+    # the shared weights volume, read-write where the pipeline's steps mount it; the restricted profile
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    weights = volumes[mounts["/mnt/rlpipe"]["name"]]
+    assert weights["persistentVolumeClaim"] == {"claimName": "rlpipe-weights"} and not mounts["/mnt/rlpipe"].get(
+        "readOnly"
+    )
+    assert all(set(v) - {"name"} <= RESTRICTED_VOLUMES for v in volumes.values())
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]] and "emptyDir" in volumes[mounts["/dev/shm"]["name"]]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["serviceAccountName"] == "rlpipe-trainer" and pod["restartPolicy"] == "Never"
+
+    # the Service reaches rank 0 (node 0's pod) on the HTTP port, at the URL the pipeline's steps call
+    assert service["spec"]["selector"] == {
+        "jobset.sigs.k8s.io/jobset-name": name,
+        "batch.kubernetes.io/job-completion-index": "0",
+    }
+    (port,) = service["spec"]["ports"]
+    assert _port_number(c, port["targetPort"]) == int(flags["--port"]) == port["port"]
+    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    assert spec["trainer"]["endpoint"] == f"http://{name}.{NAMESPACE}.svc.cluster.local:{port['port']}"
+    assert (spec["trainer"]["gpus"], spec["trainer"]["nodes"]) == (8, 2)
+
+
+def test_compiled_trainer_on_cpu_requests_no_gpu(tmp_path: Path):
+    """trainer.device cpu (a dev cluster): trainer.gpus gloo processes per node, no GPU requested."""
+    _, jobset, _ = _compile_trainer(tmp_path, "trainer.gpus=2", "trainer.resident=true", "trainer.device=cpu")
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    c = job["template"]["spec"]["containers"][0]
+    assert _flags(c["command"])["--nproc-per-node"] == "2" and _flags(c["command"])["--nnodes"] == "1"
+    assert job["parallelism"] == 1 and _flags(c["args"])["--device"] == "cpu"
+    assert not any("gpu" in key for kind in c["resources"].values() for key in kind)
 
 
 def test_optional_kfp_runtime_class_policy_validates():

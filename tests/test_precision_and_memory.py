@@ -356,11 +356,6 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_processes_with_the_resident_trainer_is_refused(tmp_path: Path):
-    with pytest.raises(ValueError, match=r"the resident trainer is one process for now: set trainer.resident: false"):
-        parse_spec(tiny_spec_dict(tmp_path, trainer={"processes": 2, "resident": True}))
-
-
 def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     from rlpipe.engines.torch_engine import sample
     from rlpipe.training.trainer import pack, token_logprobs

@@ -166,3 +166,24 @@ def test_a_section_must_be_a_mapping():
         parse_spec({"name": "x", "trainer": 5})
     with pytest.raises(SpecError, match=r"<top level>: expected a mapping"):
         parse_spec(["name"])
+
+
+def test_the_replaced_gpu_keys_say_what_to_write(tmp_path: Path):
+    """trainer.gpus is the one count of the trainer's GPUs (gloo processes on CPU): specs that still
+    write trainer.processes or cluster.<pod>.gpus are told what to write instead, from a file too."""
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "trainer": {"processes": 4}})
+    assert "trainer.processes: replaced by trainer.gpus" in str(err.value)
+    assert str(err.value).endswith("write instead:\n    trainer:\n      gpus: 4")
+    old = {"name": "x", "cluster": {"trainer": {"image": "t", "gpus": 0}, "step": {"image": "s", "gpus": 0}}}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(SpecError) as err:
+        load_spec(tmp_path / "old.yaml")
+    lines = str(err.value).splitlines()
+    assert lines[1].strip().startswith("cluster.trainer.gpus: replaced by trainer.gpus")
+    assert lines[2:4] == ["    trainer:", "      device: cpu"]  # 0 GPUs: what trainer.device cpu now says
+    assert lines[4].strip() == "cluster.step.gpus: removed (steps on the step image compute without torch); delete it"
+    with pytest.raises(SpecError, match=r"trainer.nodes > 1 .* set trainer.resident: true, or trainer.nodes: 1"):
+        parse_spec({"name": "x", "trainer": {"nodes": 2}})
+    spec = parse_spec({"name": "x", "trainer": {"gpus": 8, "nodes": 2, "resident": True}})
+    assert (spec.trainer.gpus, spec.trainer.nodes) == (8, 2)

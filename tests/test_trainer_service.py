@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -158,3 +159,133 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))
     _, update_metrics = request_update(spec, run_root, v0, str(tmp_path / "b.parquet"), 1, cache)
     assert update_metrics["trainer/reloaded"] == 0.0
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The process of global rank `rank` among torchrun's children."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} among torchrun {torchrun_pid}'s processes {children}")
+
+
+def test_resident_trainer_in_two_processes_equals_one_process(initialized_run, tmp_path: Path):
+    """trainer.gpus: 2 on CPU: the resident trainer under torchrun, 2 gloo processes (FSDP2), samples,
+    trains and evaluates as one process does; an input error that every rank meets is answered and
+    served on; a rank that dies takes the trainer down, and `rlpipe run`'s supervisor restarts it."""
+    spec, run_root, cache = initialized_run
+    trainer = LocalTrainer(run_root, gpus=2, device="cpu")
+    trainer.start()
+    try:
+        data = spec_to_dict(spec)
+        data["trainer"] |= {"resident": True, "endpoint": trainer.urls[0], "gpus": 2}
+        two = parse_spec(data)
+        v0 = read_ref(run_root, 0)
+        request_generate(two, run_root, v0, 1, str(tmp_path / "two.parquet"), cache)
+        generate_rollouts(_in_step(spec), run_root, v0, 1, str(tmp_path / "one.parquet"), cache)
+        assert read_table(tmp_path / "two.parquet").to_pylist() == read_table(tmp_path / "one.parquet").to_pylist()
+        score_rollouts(spec, str(tmp_path / "two.parquet"), str(tmp_path / "s.parquet"))
+        compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))
+        # the 5-step warm start scores 0 everywhere, so every advantage is 0: give the update a signal
+        batch = read_table(tmp_path / "b.parquet")
+        signal_ = [1.0 if i % 3 == 0 else -0.5 for i in range(len(batch))]
+        pq.write_table(
+            batch.set_column(batch.schema.get_field_index("advantage"), "advantage", [signal_]), tmp_path / "b.parquet"
+        )
+
+        resident, two_metrics = request_update(two, run_root, v0, str(tmp_path / "b.parquet"), 1, cache)
+        assert two_metrics["trainer/reloaded"] == 0.0  # the policy generate sampled with, sharded
+        one, one_metrics = update_policy(spec, run_root, v0, str(tmp_path / "b.parquet"), 1, cache)
+        for key in ("policy/loss", "policy/grad_norm", "policy/clip_fraction", "policy/entropy", "kl/mean"):
+            assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
+        v0_tensors, ones, twos = _tensors(v0), _tensors(one), _tensors(resident)
+        assert ones.keys() == twos.keys()
+        for name, value in ones.items():
+            torch.testing.assert_close(twos[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        moved = max(float((ones[n] - v0_tensors[n]).abs().max()) for n in ones)
+        assert moved > 1e-4  # the tolerance is well below what the update moved
+
+        v1, _ = sync_weights(spec, run_root, resident, 1, {})
+        accuracy = request_evaluate(two, run_root, v1, 1, cache)["eval/accuracy_greedy"]
+        assert accuracy == pytest.approx(
+            evaluate_policy(_in_step(spec), run_root, v1, 1, cache)["eval/accuracy_greedy"]
+        )
+
+        # a batch every rank finds poisoned: both raise at the same check, the trainer answers and serves on
+        batch = read_table(tmp_path / "b.parquet")
+        nan = batch.set_column(batch.schema.get_field_index("advantage"), "advantage", [[float("nan")] * len(batch)])
+        pq.write_table(nan, tmp_path / "nan.parquet")
+        with pytest.raises(TrainerError, match="NonFiniteLossError: iteration 2: .* nothing was published"):
+            request_update(two, run_root, v1, str(tmp_path / "nan.parquet"), 2, cache)
+        assert trainer.replicas[0].restarts == 0
+
+        # rank 1 dies: torchrun stops rank 0 too, the supervisor restarts both, the update reloads v1
+        os.kill(_rank_pid(trainer.processes[0].pid, 1), signal.SIGKILL)
+        again, metrics = request_update(two, run_root, v1, str(tmp_path / "b.parquet"), 2, cache)
+        assert trainer.replicas[0].restarts == 1 and metrics["trainer/reloaded"] == 1.0
+        pids = list(trainer.started_pids) + [_rank_pid(trainer.processes[0].pid, r) for r in (0, 1)]
+    finally:
+        trainer.stop()
+    time.sleep(0.5)
+    alive = subprocess.run(["ps", "-o", "pid=", "-p", ",".join(map(str, pids))], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", "trainer processes outlived stop()"
+
+
+FAILING_RANK = """
+import sys
+
+import torch.distributed as dist
+
+from rlpipe.services import trainer_service
+
+update = trainer_service.ROUTES["/update"]
+
+
+def update_or_fail(request, held):
+    if request.get("fail_on_rank") == dist.get_rank():
+        raise RuntimeError("injected failure")
+    return update(request, held)
+
+
+trainer_service.ROUTES["/update"] = update_or_fail
+sys.exit(trainer_service.serve(sys.argv[1:]))
+"""
+
+
+def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run, tmp_path: Path):
+    """Rank 1 fails an update alone while rank 0 waits for it in FSDP's all-gather: rank 0's wait
+    times out (--collective-timeout-s), the client gets a 500 naming both ranks' errors, and every
+    process exits non-zero (to be restarted: see the test above)."""
+    from rlpipe.services.http_json import is_healthy, request_json
+    from rlpipe.services.local_servers import free_port
+
+    spec, run_root, cache = initialized_run
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    serve = ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--collective-timeout-s", "5"]
+    with open(tmp_path / "trainer.log", "wb") as log:
+        process = subprocess.Popen([*torchrun, str(script), *serve], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while not is_healthy(url):
+            assert process.poll() is None and time.time() < deadline, (tmp_path / "trainer.log").read_text()
+            time.sleep(0.5)
+        v0 = read_ref(run_root, 0)
+        batch = _batch(spec, run_root, cache, v0, 1, tmp_path)
+        data = spec_to_dict(spec)
+        data["trainer"] |= {"gpus": 2}
+        payload = {"spec": data, "run_root": run_root, "iteration": 1, "weights": v0, "cache_root": cache}
+        status, body = request_json("POST", f"{url}/update", payload | {"batch_uri": batch, "fail_on_rank": 1})
+        assert status == 500 and body["error"] == "RuntimeError", body
+        assert "rank 1 of 2: RuntimeError: injected failure" in body["message"]
+        assert "rank 0 of 2: " in body["message"]  # its all-gather timed out waiting for rank 1
+        assert "processes exit and are restarted" in body["message"]
+        assert process.wait(timeout=60) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -40,8 +40,9 @@ class Replica:
     restarts: int = 0
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the driver dies, even by SIGKILL (Linux)."""
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies, even by SIGKILL (Linux): set in a server's child
+    before exec (its parent: the driver), and in each torchrun process (its parent: the launcher)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -162,7 +163,7 @@ class LocalServers:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env},
                 start_new_session=True,  # its own process group: the server and its children
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.processes[index] = process
         self.started_pids.append(process.pid)

@@ -36,7 +36,8 @@ def wait_for_trainer(url: str, run_root: str) -> None:
             where = f"; its log: {log}" if log.exists() else ""
             raise TrainerError(
                 f"resident trainer {url} not ready after {timeout_s:.0f} s{where}. Check that it runs "
-                "(cluster: the rlpipe-trainer Deployment and trainer.endpoint), or set trainer.resident: false"
+                "(cluster: the JobSet `rlpipe compile` wrote beside the pipeline, and trainer.endpoint), or set "
+                "trainer.resident: false"
             )
         time.sleep(0.5)
 

@@ -15,23 +15,45 @@ drops what it holds: a failed batch may have applied some of its optimizer steps
                    4xx/5xx -> {error, message}
     GET  /health  -> {weights: WeightRef | null}
 
-Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint) and
-restarts it if it exits. Cluster: `python -m rlpipe.services.trainer_service --port 8001` in the
-trainer image (manifests/base/trainer.yaml), with the PVC mounted where the steps mount it.
+Several processes (trainer.gpus x trainer.nodes > 1) run under torchrun, one per GPU (gloo
+processes on CPU), FSDP2 sharding policy, gradients and optimizer state. Rank 0 serves HTTP and
+hands each request to its main thread, which broadcasts it to every rank over a gloo group of its
+own; all ranks execute it together, so FSDP's collectives line up (the same micro-batches, the same
+forward passes), and rank 0 answers. Generate and evaluate: every rank samples the same prompts
+with the same seed, after gathering the policy's whole weights once (distributed.gathered), and
+rank 0 alone writes what they produce. Redundant, but it costs no wall time (the other GPUs would
+wait anyway), needs nothing of the engines, and the decode loop runs no collectives, so processes
+that stop decoding at different steps cannot deadlock; data-parallel sampling would need a decode
+loop that keeps every rank's forward passes in step.
+
+Errors: after each request the ranks exchange their outcomes. When every rank succeeded, or every
+rank met the same input error (a bad request; a NaN loss, whose loss and gradient norm are reduced
+over the ranks before the check, so every rank raises at the same point), rank 0 answers and the
+trainer serves on, having dropped what it held. Any other failure (a rank failing alone, a
+collective that timed out, a rank gone) leaves the process group unusable: rank 0 answers 500 with
+each rank's error, then every process exits non-zero and is restarted (by `rlpipe run` locally, by
+the JobSet's failure policy on a cluster), and the next request reloads from the weight store. A
+rank waiting in a collective for one that failed alone waits at most --collective-timeout-s.
+
+Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint), under torchrun
+with trainer.gpus processes when that is more than 1, and restarts it if it exits. Cluster:
+`rlpipe compile` writes a JobSet that runs it under torchrun on trainer.nodes nodes
+(pipelines/trainer_jobset.py), with the PVC mounted where the steps mount it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from rlpipe.services.local_servers import LocalServers
+from rlpipe.services.local_servers import LocalServers, die_with_parent
 from rlpipe.spec import TRAINING_KEYS, RunSpec, parse_spec, pick, spec_to_dict
 
 if TYPE_CHECKING:
@@ -81,11 +103,12 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     from rlpipe.engines import Policy, generate_rollouts
     from rlpipe.modeling import release_memory
     from rlpipe.store.run_root import filesystem
+    from rlpipe.training.distributed import gathered, world
 
     started = time.time()
     trainer, reloaded = hold(request, held)
     loaded = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, gathered(trainer.policy):
         local = f"{tmp}/rollouts.parquet"
         metrics = generate_rollouts(
             trainer.spec,
@@ -96,9 +119,10 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
             request["cache_root"],
             policy=Policy(trainer.policy, trainer.tokenizer),
         )
-        fs, remote = filesystem(request["rollouts_uri"])
-        fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-        fs.put_file(local, remote)
+        if world()[0] == 0:
+            fs, remote = filesystem(request["rollouts_uri"])
+            fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(local, remote)
     keep(held, trainer)
     metrics["overhead/generate_load_s"] += loaded - started
     metrics |= release_memory(trainer.policy.device, "generate")
@@ -110,14 +134,22 @@ def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     from rlpipe.engines import Policy
     from rlpipe.evaluation import evaluate_policy
     from rlpipe.modeling import release_memory
+    from rlpipe.training.distributed import gathered, world
 
     started = time.time()
     trainer, reloaded = hold(request, held)
     loaded = time.time()
     policy = Policy(trainer.policy, trainer.tokenizer)
-    metrics = evaluate_policy(
-        trainer.spec, trainer.run_root, trainer.weights, int(request["iteration"]), request["cache_root"], policy
-    )
+    with gathered(trainer.policy):
+        metrics = evaluate_policy(
+            trainer.spec,
+            trainer.run_root,
+            trainer.weights,
+            int(request["iteration"]),
+            request["cache_root"],
+            policy,
+            record=world()[0] == 0,
+        )
     keep(held, trainer)
     metrics |= release_memory(trainer.policy.device, "evaluate")
     return {"metrics": metrics | {"overhead/evaluate_load_s": loaded - started, "trainer/reloaded": float(reloaded)}}
@@ -148,11 +180,36 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
 
 
 ROUTES = {"/generate": serve_generate, "/evaluate": serve_evaluate, "/update": serve_update}
+INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, NaN loss: 422
 
 
-def make_server(host: str, port: int) -> ThreadingHTTPServer:
-    """The HTTP server; requests run one at a time, /health answers during one."""
-    held = Held()
+def answer(path: str, request: dict[str, Any], held: Held) -> tuple[int, dict[str, Any]]:
+    """Run one request in this process: (HTTP status, body). A failed request leaves `held` empty."""
+    try:
+        return 200, ROUTES[path](request, held)
+    except INPUT_ERRORS as err:
+        return 422, {"error": type(err).__name__, "message": str(err)}
+    except Exception as err:  # noqa: BLE001 (reported to the step, which fails with it)
+        return 500, {"error": type(err).__name__, "message": str(err)}
+
+
+@dataclass
+class Job:
+    """A request rank 0's HTTP thread hands to its main thread, which runs it with every rank."""
+
+    path: str
+    request: dict[str, Any]
+    answer: tuple[int, dict[str, Any]] = (500, {})
+    done: threading.Event = field(default_factory=threading.Event)
+    replied: threading.Event = field(default_factory=threading.Event)
+
+
+def make_server(
+    host: str, port: int, held: Held | None = None, jobs: queue.Queue[Job] | None = None
+) -> ThreadingHTTPServer:
+    """The HTTP server; requests run one at a time, /health answers during one. One process: each
+    request runs on its handler thread. Several: it goes to `jobs`, for the main thread (run_ranks)."""
+    held = held or Held()
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -171,18 +228,19 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
             self._reply(200, {"weights": trainer.weights if trainer is not None else None})
 
         def do_POST(self) -> None:  # noqa: N802
-            route = ROUTES.get(self.path)
-            if route is None:
+            if self.path not in ROUTES:
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                try:
-                    body = route(request, held)
-                except (ValueError, FileNotFoundError, FloatingPointError) as err:  # bad input, NaN loss
-                    return self._reply(422, {"error": type(err).__name__, "message": str(err)})
-                except Exception as err:  # noqa: BLE001 (reported to the step, which fails with it)
-                    return self._reply(500, {"error": type(err).__name__, "message": str(err)})
-            self._reply(200, body)
+            if jobs is None:
+                with lock:
+                    return self._reply(*answer(self.path, request, held))
+            job = Job(self.path, request)
+            jobs.put(job)
+            job.done.wait()
+            try:
+                self._reply(*job.answer)
+            finally:
+                job.replied.set()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             print(f"rlpipe trainer: {format % args}", flush=True)
@@ -192,11 +250,65 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
     return server
 
 
-def LocalTrainer(run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
-    """One resident trainer on loopback; `<run root>/trainers/fleet.json` records it."""
+def run_ranks(held: Held, jobs: queue.Queue[Job], control: Any) -> int:
+    """Every rank's main loop under torchrun: take each request (rank 0: from `jobs`; the others: by
+    broadcast over the gloo group `control`), run it together, agree on the outcome. Returns the exit
+    code once the processes must be restarted (module docstring, "Errors")."""
+    import torch.distributed as dist
+
+    rank, processes = dist.get_rank(), dist.get_world_size()
+    while True:
+        job = jobs.get() if rank == 0 else None
+        message = [(job.path, job.request) if job else None]
+        try:
+            dist.broadcast_object_list(message, src=0, group=control)
+        except RuntimeError as err:  # rank 0 is gone
+            print(f"rlpipe trainer rank {rank}: lost rank 0 ({err}); exiting", flush=True)
+            return 1
+        status, body = answer(*message[0], held)
+        mine = (status, body.get("error"), body.get("message"))
+        outcomes: list[Any] = [None] * processes
+        try:
+            dist.all_gather_object(outcomes, mine, group=control)
+            reports = {f"rank {r} of {processes}": outcome for r, outcome in enumerate(outcomes)}
+        except RuntimeError as err:
+            reports = {f"rank {rank} of {processes}": mine, "another rank": (500, "RankGone", str(err))}
+        serve_on = status in (200, 422) and all(outcome[:2] == mine[:2] for outcome in reports.values())
+        if not serve_on:
+            failed = {who: outcome for who, outcome in reports.items() if outcome[0] != 200}
+            status, body = (
+                500,
+                {
+                    "error": next(iter(failed.values()))[1],
+                    "message": "; ".join(f"{who}: {error}: {text}" for who, (_, error, text) in failed.items())
+                    + f"; the trainer's {processes} processes exit and are restarted (the next request reloads "
+                    "from the weight store)",
+                },
+            )
+            print(f"rlpipe trainer rank {rank}: {body['message']}", flush=True)
+        if job is not None:
+            job.answer = (status, body)
+            job.done.set()
+            if not serve_on:
+                job.replied.wait(timeout=30)
+        if not serve_on:
+            try:  # rank 0 has answered: now all go (a rank leaving first gets the others killed)
+                dist.barrier(group=control)
+            except RuntimeError:
+                pass
+            return 1
+
+
+def LocalTrainer(run_root: str, gpus: int = 1, device: str = "auto") -> LocalServers:  # noqa: N802
+    """One resident trainer on loopback (under torchrun with `gpus` processes when more than one);
+    `<run root>/trainers/fleet.json` records it."""
 
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
-        return [sys.executable, "-m", "rlpipe.services.trainer_service", "--host", "127.0.0.1", "--port", str(port)], {}
+        serve = ["-m", "rlpipe.services.trainer_service", "--host", "127.0.0.1", "--port", str(port)]
+        if gpus == 1:
+            return [sys.executable, *serve, "--device", device], {}
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
+        return [*torchrun, *serve, "--device", device], {}
 
     # started at once: its imports overlap the warm start
     return LocalServers(
@@ -204,18 +316,47 @@ def LocalTrainer(run_root: str) -> LocalServers:  # noqa: N802 (reads as the thi
     )
 
 
-def serve(argv: list[str] | None = None) -> None:
-    """Container entrypoint: serve updates until stopped."""
+def serve(argv: list[str] | None = None) -> int:
+    """Container entrypoint: serve requests until stopped (or, under torchrun, until the processes
+    must restart: returns the exit code)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument(
+        "--device", default="auto", help="trainer.device the processes train on: picks NCCL (cuda) or gloo (cpu)"
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=1800.0,
+        help="under torchrun: how long a rank waits in a collective for the others before it fails",
+    )
     args = parser.parse_args(argv)
-    import rlpipe.training.trainer  # noqa: F401 (torch + transformers before the first request)
+    import datetime
 
-    server = make_server(args.host, args.port)
-    print(f"rlpipe trainer: serving on http://{args.host}:{args.port}", flush=True)
-    server.serve_forever()
+    import torch.distributed as dist
+
+    import rlpipe.training.trainer  # noqa: F401 (torch + transformers before the first request)
+    from rlpipe.modeling import resolve_device
+    from rlpipe.training.distributed import init_from_torchrun
+
+    rank, processes = init_from_torchrun(resolve_device(args.device), args.collective_timeout_s)
+    held = Held()
+    if processes == 1:
+        server = make_server(args.host, args.port, held)
+        print(f"rlpipe trainer: serving on http://{args.host}:{args.port}", flush=True)
+        server.serve_forever()
+        return 0
+    die_with_parent()  # torchrun starts each process in a session of its own: go when torchrun goes
+    # idle ranks wait here for the next request, for as long as the trainer lives
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    jobs: queue.Queue[Job] = queue.Queue()
+    if rank == 0:
+        server = make_server(args.host, args.port, held, jobs)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        print(f"rlpipe trainer: {processes} processes, serving on http://{args.host}:{args.port}", flush=True)
+    return run_ranks(held, jobs, control)
 
 
 if __name__ == "__main__":
-    serve()
+    sys.exit(serve())

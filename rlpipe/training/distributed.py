@@ -9,7 +9,10 @@ share of the one-pass loss: the mean over processes is then the one-pass gradien
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,16 +31,24 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_from_torchrun(device: torch.device) -> tuple[int, int]:
+def init_from_torchrun(device: torch.device, timeout_s: float | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env);
-    (0, 1) when not launched by torchrun. NCCL for GPUs, gloo for CPU."""
+    (0, 1) when not launched by torchrun. NCCL for GPUs, gloo for CPU; `timeout_s` bounds how long a
+    collective waits for the other processes (torch's default when None). A group already joined
+    must suit `device` (the resident trainer joins it before the first request names one)."""
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group(backend)
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    elif torch.distributed.get_backend() != backend:
+        raise ValueError(
+            f"trainer.device {device.type}: this trainer's processes joined a {torch.distributed.get_backend()} "
+            f"process group, which {backend} would need; set trainer.device to match, or restart the trainer"
+        )
     return world()
 
 
@@ -58,6 +69,31 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every FSDP unit holds its whole weights, gathered once on entry (a collective), and
+    keeps them through the forward passes, which then run no collectives; resharded on exit. For
+    sampling: a decode loop's forward count depends on when its rows stop, which the processes need
+    not agree on, and each token would otherwise all-gather the whole model. A no-op unsharded."""
+    if not is_sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        # what fully_shard sets: layers reshard after forward; the root (used again first in backward) does not
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
 
 
 def all_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -111,8 +147,8 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def update_in_processes(
     spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
 ) -> tuple[WeightRef, dict[str, float]]:
-    """The update under torchrun with trainer.processes processes on this node (one per GPU); the
-    first process's result. A process that fails fails the step, and nothing was sealed."""
+    """The update under torchrun with trainer.gpus processes on this node (one per GPU); the first
+    process's result. A process that fails fails the step, and nothing was sealed."""
     import json
     import subprocess
     import sys
@@ -135,17 +171,17 @@ def update_in_processes(
         with open(f"{tmp}/request.json", "w") as f:
             json.dump(request, f)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", str(spec.trainer.processes), "-m", "rlpipe.training.distributed"]
+        command += ["--nproc-per-node", str(spec.trainer.gpus), "-m", "rlpipe.training.distributed"]
         done = subprocess.run([*command, f"{tmp}/request.json"], capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
             raise RuntimeError(
-                f"update under torchrun ({spec.trainer.processes} processes) failed with exit code "
+                f"update under torchrun ({spec.trainer.gpus} processes) failed with exit code "
                 f"{done.returncode}; nothing was published:\n{tail}"
             )
         with open(request["result"]) as f:
             result = json.load(f)
-    metrics = result["metrics"] | {"policy/processes": float(spec.trainer.processes)}
+    metrics = result["metrics"] | {"policy/processes": float(spec.trainer.gpus)}
     metrics["overhead/update_launch_s"] = time.time() - started - metrics.get("time/update_s", 0.0)
     return result["staged"], metrics
 

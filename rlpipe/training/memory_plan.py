@@ -9,6 +9,7 @@ Per GPU, with P parameters, sharded over `gpus` by FSDP (weights, gradients and 
     activations        N (c L + s) b           one micro-batch of N tokens, L layers (below)
     logits             N V 4 x 3               fp32 logits, log-softmax and its gradient
     sampler KV cache   R T L 2 kv d b          colocated torch sampling: R rows of T tokens
+    sampler weights    4 P                     gpus > 1: the policy's whole weights, gathered for sampling
 Saved activations per token and layer, for a Llama/Qwen2 block with SDPA attention (no T^2 term):
     c = 12 h + 4 i values (norms, q/k/v/o inputs and outputs, residuals, gate/up/act/down);
     with gradient checkpointing only each layer's input is kept (c = h) and one layer at a time
@@ -143,6 +144,8 @@ def plan_memory(spec: RunSpec, shape: ModelShape, seq_len: int, gpus: int, gpu_m
         sample_rows = min(spec.rollout.batch_size, spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt)
         kv = sample_rows * seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * act_bytes
         rows.append((f"sampler KV cache ({sample_rows} rows)", kv))
+        if gpus > 1:  # FSDP units gathered whole while sampling (rlpipe.training.distributed.gathered)
+            rows.append(("sampler: whole policy gathered (fp32)", 4 * p))
     gpu_bytes = gpu_memory_gib * GIB
     plan = Plan(rows, gpu_bytes, [])
     return Plan(rows, gpu_bytes, advise(spec, shape, plan, seq_len, gpus) if plan.total > 0.9 * gpu_bytes else [])

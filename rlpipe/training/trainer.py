@@ -295,9 +295,9 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
 def update_policy(
     spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
 ) -> tuple[WeightRef, dict[str, float]]:
-    """Train on the batch from weights v(N) in this process (or, with trainer.processes > 1, in that
-    many torchrun processes); stage v(N+1) and its optimizer state."""
-    if spec.trainer.processes > 1 and "RANK" not in os.environ:
+    """Train on the batch from weights v(N) in this process (or, with trainer.gpus > 1, in that many
+    torchrun processes); stage v(N+1) and its optimizer state."""
+    if spec.trainer.gpus > 1 and "RANK" not in os.environ:
         from rlpipe.training.distributed import update_in_processes
 
         return update_in_processes(spec, run_root, weights, batch_path, iteration, cache_root)
