@@ -216,3 +216,25 @@ def test_the_loop_runs_with_lora_on_the_vllm_engine(tmp_path: Path):
     assert (folder / "adapter_model.safetensors").exists() and not (folder / "model.safetensors").exists()
     assert weights_bytes(weights["uri"]) == metrics["sync/bytes"]
     assert json.loads((Path(run_root) / "state.json").read_text())["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_rlpipe_run_with_lora_samplers(tmp_path: Path):
+    """The whole loop on kfp.local with model.lora and a local sampler: started on the base with
+    LoRA on, each version's adapter hot-loaded by sync_weights (sync/bytes: the adapter's)."""
+    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+
+    spec = _write_spec(tmp_path, model={"lora": LORA}, rollout={"engine": "sampler"}, samplers={"replicas": 1})
+    run_dir = tmp_path / "run"
+    result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_consistent(run_dir, 3)
+    full_bytes = json.loads((run_dir / "metrics" / "iter_000000.json").read_text())["sync/bytes"]
+    for i in (1, 2, 3):
+        metrics = json.loads((run_dir / "metrics" / f"iter_{i:06d}.json").read_text())
+        assert metrics["samplers/replicas"] == 1 and metrics["time/sampler_reload_s"] < 10
+        assert 0 < metrics["sync/bytes"] < full_bytes / 5
+        assert metrics["samplers/reloaded_stale"] == (1 if i == 1 else 0)  # started unlabelled on the base
+    fleet = json.loads((run_dir / "samplers" / "fleet.json").read_text())
+    assert [r["state"] for r in fleet["replicas"]] == ["stopped"]
+    assert not any(group_alive(r["pid"]) for r in fleet["replicas"])
