@@ -90,7 +90,7 @@ def test_lora_ranks_vllm_cannot_serve_or_several_processes_are_refused(tmp_path:
     with pytest.raises(ValueError, match="vLLM serves LoRA ranks up to 512"):
         parse_spec(tiny_spec_dict(tmp_path, model={"lora": {"rank": 1024}}, rollout={"engine": "vllm"}))
     with pytest.raises(ValueError, match="model.lora trains in one process for now"):
-        parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, trainer={"processes": 2}))
+        parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, trainer={"gpus": 2}))
 
 
 @pytest.mark.parametrize("resident", [True, pytest.param(False, marks=pytest.mark.slow)])
