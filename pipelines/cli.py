@@ -117,10 +117,23 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_how_to_start_the_trainer(spec: RunSpec, args: argparse.Namespace) -> None:
+    """A resident trainer is not part of the pipeline run: it must already serve (rlpipe compile writes it)."""
+    if spec.trainer.resident and not spec.trainer.endpoint:
+        from rlpipe.pipelines.trainer_jobset import trainer_url
+
+        print(
+            f"trainer.resident: the steps call {trainer_url(spec)}; start it first: `rlpipe compile {args.spec} "
+            "-o rl.yaml` writes it as rl.trainer.yaml, then `kubectl apply -f rl.trainer.yaml`"
+        )
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from rlpipe.pipelines.submit import submit_run
 
-    run = submit_run(_spec(args), args.host, args.experiment, args.run_root, args.wait, args.token)
+    spec = _spec(args)
+    _say_how_to_start_the_trainer(spec, args)
+    run = submit_run(spec, args.host, args.experiment, args.run_root, args.wait, args.token)
     print(f"run {run.id}: {run.url}")
     if run.state is not None:
         print(f"finished: {run.state}")
@@ -132,6 +145,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from rlpipe.pipelines.submit import schedule_run
 
     spec = _spec(args)
+    _say_how_to_start_the_trainer(spec, args)
     recurring = schedule_run(spec, args.host, args.experiment, args.cron, args.every, args.run_root, args.token)
     print(f"recurring run {recurring.id}: {recurring.url}")
     print(f"each run continues {spec.name} by up to {spec.loop.iterations_per_run} iterations; no-op when done")

@@ -30,10 +30,12 @@ Errors: after each request the ranks exchange their outcomes. When every rank su
 rank met the same input error (a bad request; a NaN loss, whose loss and gradient norm are reduced
 over the ranks before the check, so every rank raises at the same point), rank 0 answers and the
 trainer serves on, having dropped what it held. Any other failure (a rank failing alone, a
-collective that timed out, a rank gone) leaves the process group unusable: rank 0 answers 500 with
-each rank's error, then every process exits non-zero and is restarted (by `rlpipe run` locally, by
-the JobSet's failure policy on a cluster), and the next request reloads from the weight store. A
-rank waiting in a collective for one that failed alone waits at most --collective-timeout-s.
+collective that timed out) leaves the process group unusable: rank 0 answers 500 with each rank's
+error, then every process exits non-zero and is restarted (by `rlpipe run` locally, by the JobSet's
+failure policy on a cluster), and the next request reloads from the weight store. A rank waiting in
+a collective for one that failed alone waits at most --collective-timeout-s. A process that dies
+takes the others down unanswered (torchrun stops them; a broken exchange ends the rest), as a
+crashed one-process trainer does: the step's client asks the restarted trainer again.
 
 Local: `rlpipe run` starts it on loopback (trainer.resident, no trainer.endpoint), under torchrun
 with trainer.gpus processes when that is more than 1, and restarts it if it exits. Cluster:
@@ -250,41 +252,43 @@ def make_server(
     return server
 
 
+RESTARTING = "; the trainer's processes exit and are restarted (the next request reloads from the weight store)"
+
+
+def agree(status: int, body: dict[str, Any], control: Any) -> tuple[int, dict[str, Any], bool]:
+    """Exchange one request's outcome between the ranks over `control`: (status and body to answer,
+    whether to serve on). Serve on when every rank succeeded or met the same input error; otherwise
+    answer 500 with each failing rank's error."""
+    import torch.distributed as dist
+
+    processes = dist.get_world_size()
+    mine = (status, body.get("error"), body.get("message"))
+    outcomes: list[Any] = [None] * processes
+    dist.all_gather_object(outcomes, mine, group=control)
+    if status in (200, 422) and all(outcome[:2] == mine[:2] for outcome in outcomes):
+        return status, body, True
+    failed = [(rank, error, text) for rank, (code, error, text) in enumerate(outcomes) if code != 200]
+    errors = "; ".join(f"rank {rank} of {processes}: {error}: {text}" for rank, error, text in failed)
+    return 500, {"error": failed[0][1], "message": errors + RESTARTING}, False
+
+
 def run_ranks(held: Held, jobs: queue.Queue[Job], control: Any) -> int:
     """Every rank's main loop under torchrun: take each request (rank 0: from `jobs`; the others: by
     broadcast over the gloo group `control`), run it together, agree on the outcome. Returns the exit
     code once the processes must be restarted (module docstring, "Errors")."""
     import torch.distributed as dist
 
-    rank, processes = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     while True:
         job = jobs.get() if rank == 0 else None
         message = [(job.path, job.request) if job else None]
         try:
             dist.broadcast_object_list(message, src=0, group=control)
-        except RuntimeError as err:  # rank 0 is gone
-            print(f"rlpipe trainer rank {rank}: lost rank 0 ({err}); exiting", flush=True)
+            status, body, serve_on = agree(*answer(*message[0], held), control)
+        except RuntimeError as err:  # a process is gone: leave unanswered, as a crashed trainer does
+            print(f"rlpipe trainer rank {rank}: a process is gone ({err}); exiting to be restarted", flush=True)
             return 1
-        status, body = answer(*message[0], held)
-        mine = (status, body.get("error"), body.get("message"))
-        outcomes: list[Any] = [None] * processes
-        try:
-            dist.all_gather_object(outcomes, mine, group=control)
-            reports = {f"rank {r} of {processes}": outcome for r, outcome in enumerate(outcomes)}
-        except RuntimeError as err:
-            reports = {f"rank {rank} of {processes}": mine, "another rank": (500, "RankGone", str(err))}
-        serve_on = status in (200, 422) and all(outcome[:2] == mine[:2] for outcome in reports.values())
         if not serve_on:
-            failed = {who: outcome for who, outcome in reports.items() if outcome[0] != 200}
-            status, body = (
-                500,
-                {
-                    "error": next(iter(failed.values()))[1],
-                    "message": "; ".join(f"{who}: {error}: {text}" for who, (_, error, text) in failed.items())
-                    + f"; the trainer's {processes} processes exit and are restarted (the next request reloads "
-                    "from the weight store)",
-                },
-            )
             print(f"rlpipe trainer rank {rank}: {body['message']}", flush=True)
         if job is not None:
             job.answer = (status, body)
