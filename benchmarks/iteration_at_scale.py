@@ -296,15 +296,24 @@ def main() -> None:
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
     machine = describe_machine()
+    command = f"python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} " + (
+        f"--modes {' '.join(args.modes)}"
+    )
+    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
+    headline = f"`{command}` on {machine}; torch {torch.__version__}; {settings}"
+    print(write_results(args.tag or ("cuda" if gpu else "cpu"), headline, record))
+
+
+def write_results(tag: str, headline: str, record: dict) -> str:
+    """benchmarks/results/iteration_at_scale_<tag>.{md,json}; returns the markdown."""
     lines = [
-        f"`python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} --modes "
-        f"{' '.join(args.modes)}` on {machine}; torch {torch.__version__}; {settings}",
+        headline,
         "",
         "| shape | mode | generate | update (tokens/s) | stage v1 | sync | iteration | peak memory "
         "| version size | swap into sampler |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    for r in record["results"]:
         cells = [
             f"{r['shape']} ({r['parameters'] / 1e6:.0f}M)",
             r["mode"],
@@ -318,12 +327,12 @@ def main() -> None:
             f"{r['swap_in_sampler_s']:.2f} s",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    print("\n".join(lines))
-    tag = args.tag or ("cuda" if gpu else "cpu")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
-    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
-    (RESULTS / f"iteration_at_scale_{tag}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / f"iteration_at_scale_{tag}.json").write_text(
+        json.dumps(record | {"headline": headline}, indent=2) + "\n"
+    )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
