@@ -253,10 +253,22 @@ class AlgorithmSpec:
     name: str = setting(
         "grpo", doc="A registered algorithm (rlpipe.algorithms), or 'package.module:name' for one that module registers"
     )
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    clip_eps: float = setting(0.2, gt=0)
-    kl_coef: float = setting(0.0, ge=0, doc="beta for the k3 KL to the frozen reference (v0)")
-    loss_aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
+    scale_rewards: Literal["group", "batch", "none"] | None = setting(
+        None, doc="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO). null: the algorithm's"
+    )
+    clip_eps: float | None = setting(None, gt=0, doc="Lower clip range of the ratio. null: the algorithm's (0.2)")
+    clip_eps_high: float | None = setting(
+        None, gt=0, doc="Upper clip range (DAPO's clip-higher: 0.28). null: the algorithm's, else clip_eps"
+    )
+    kl_coef: float = setting(0.0, ge=0, doc="beta for the KL to the frozen reference (v0)")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = setting(
+        None, doc="KL estimator: k1 = log pi - log ref, k2 = squared / 2, k3 = GRPO's. null: the algorithm's"
+    )
+    entropy_coef: float = setting(0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
+    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] | None = setting(
+        None, doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)"
+    )
+    length_norm: int | None = setting(None, ge=1, doc="sequence_sum's constant divisor. null: rollout.max_new_tokens")
     track_reference_kl: bool = setting(
         True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
     )

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlpipe.algorithms.grpo import STD_EPS, clipped_policy_loss, group_advantages
+from rlpipe.algorithms.grpo import STD_EPS, group_advantages
+from rlpipe.algorithms.policy_gradient import clipped_policy_loss
 
 
 def test_group_advantages_by_hand():

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from rlpipe.algorithms import Algorithm, register_algorithm
-from rlpipe.algorithms.grpo import grpo_loss
+from rlpipe.algorithms.grpo import surrogate_loss
 from rlpipe.data import register_source
 from rlpipe.rewards import register_reward_type
 
@@ -23,7 +23,7 @@ def sign_advantages(rewards: np.ndarray, group_ids: np.ndarray, options) -> tupl
     return np.sign(centered), zero_variance
 
 
-register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, grpo_loss))
+register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, surrogate_loss))
 
 
 def doubling_rows(rng: random.Random, n: int, **_: object) -> list[dict[str, str]]:

@@ -7,16 +7,29 @@ modules):
         numpy only: the advantages step never imports torch
     loss(logprobs, old_logprobs, advantages, mask, ref_logprobs, options) -> (loss, stats)
         torch, called by the update only
-where `options` is the spec's `algorithm` section. Register one with `register_algorithm`;
-`algorithm.name` is a registered name, or 'package.module:name' for one that module registers
-(imported first, in every step's process, so a KFP task finds it too).
+    defaults: its values of the tuned options it reads (TUNED_OPTIONS); setting one it does not
+        read is an error, one left unset (null) takes its default
+where `options` is the spec's `algorithm` section with the defaults filled in (`resolve_options`).
+Register one with `register_algorithm`; `algorithm.name` is a registered name, or
+'package.module:name' for one that module registers (imported first, in every step's process, so a
+KFP task finds it too).
+
+Built in (formulas beside the code):
+    grpo          group-normalised advantages, clipped surrogate, sequence mean     (grpo.py)
+    dr_grpo       no std scaling, token sums over a constant length (no length bias) (grpo.py)
+    dapo          clip-higher (eps_low 0.2, eps_high 0.28), token mean              (grpo.py)
+    gspo          sequence-level importance ratio, clipped at 3e-4 / 4e-4           (grpo.py)
+    rloo          leave-one-out baseline                                            (reinforce.py)
+    reinforce_pp  batch-whitened advantages, the KL folded into the token reward    (reinforce.py)
+Every one takes kl_coef with kl_estimator k1/k2/k3 to the frozen v0, and entropy_coef.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +38,18 @@ from rlpipe.plugins import look_up
 from rlpipe.rollouts import read_table, write_table
 
 if TYPE_CHECKING:
-    from rlpipe.spec import RunSpec
+    from rlpipe.spec import AlgorithmSpec, RunSpec
+
+
+# Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
+TUNED_OPTIONS = ("scale_rewards", "clip_eps", "clip_eps_high", "loss_aggregation", "length_norm", "kl_estimator")
+GRPO_DEFAULTS: Mapping[str, Any] = {
+    "scale_rewards": "group",
+    "clip_eps": 0.2,
+    "clip_eps_high": None,  # = clip_eps
+    "loss_aggregation": "sequence_mean",
+    "kl_estimator": "k3",
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,7 @@ class Algorithm:
     needs: frozenset[str]  # what the run provides it: "groups" (G samples per prompt), "reference" (frozen v0)
     advantages: Callable[..., tuple[np.ndarray, np.ndarray]]
     loss: Callable[..., tuple[Any, dict[str, Any]]]
+    defaults: Mapping[str, Any] = field(default_factory=lambda: dict(GRPO_DEFAULTS))
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -49,6 +74,25 @@ def get_algorithm(name: str) -> Algorithm:
     return look_up(name, ALGORITHMS, "algorithm.name", "algorithm", "rlpipe.algorithms.register_algorithm")[1]
 
 
+def resolve_options(spec: RunSpec) -> AlgorithmSpec:
+    """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
+    options; length_norm defaults to rollout.max_new_tokens. A tuned option the algorithm does not
+    read is an error naming the ones it does."""
+    options = spec.algorithm
+    algorithm = get_algorithm(options.name)
+    unread = [key for key in TUNED_OPTIONS if getattr(options, key) is not None and key not in algorithm.defaults]
+    if unread:
+        reads = ", ".join(k for k in TUNED_OPTIONS if k in algorithm.defaults) or "none of them"
+        raise ValueError(
+            f"algorithm.{unread[0]} is not an option of algorithm {algorithm.name} (its tuned options: {reads}); "
+            f"remove it, or pick an algorithm that uses it"
+        )
+    filled = {key: value for key, value in algorithm.defaults.items() if getattr(options, key) is None}
+    if "length_norm" in filled and filled["length_norm"] is None:
+        filled["length_norm"] = spec.rollout.max_new_tokens
+    return dataclasses.replace(options, **filled)
+
+
 def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[str, float]:
     """Add the `advantage` column; count groups whose rewards were all equal."""
     started = time.time()
@@ -57,7 +101,8 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
         raise ValueError(f"{scored_path} has no reward column: run score before advantages")
     group_ids = table.column("group_id").to_numpy()
     algorithm = get_algorithm(spec.algorithm.name)
-    advantages, zero_variance = algorithm.advantages(table.column("reward").to_numpy(), group_ids, spec.algorithm)
+    options = resolve_options(spec)
+    advantages, zero_variance = algorithm.advantages(table.column("reward").to_numpy(), group_ids, options)
     write_table(table.append_column("advantage", [np.asarray(advantages, dtype=np.float32)]), out_path)
     groups = np.unique(group_ids)
     zero_groups = np.unique(group_ids[zero_variance])
@@ -68,4 +113,4 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
     }
 
 
-from rlpipe.algorithms import grpo  # noqa: E402, F401 (registers the built-in algorithms; needs the names above)
+from rlpipe.algorithms import grpo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)

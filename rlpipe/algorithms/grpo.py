@@ -1,7 +1,15 @@
-"""GRPO: group-normalized advantages and the clipped policy-gradient loss with a k3 KL.
+"""GRPO and its variants: group-relative advantages with the clipped policy-gradient loss.
 
-Advantages use numpy only (the advantages step stays torch-free); the loss imports torch
-when called (only the update calls it).
+    grpo     A_i = (r_i - mean_g r) / (std_g r + eps), clip eps 0.2, sequence mean       (DeepSeekMath)
+    dr_grpo  A_i =  r_i - mean_g r, token sums / a constant length: neither the std nor
+             1/|o_i| biases the update (Liu et al., "Understanding R1-Zero-like training")
+    dapo     GRPO's advantages, clip-higher eps_low 0.2 / eps_high 0.28, token mean
+             (Yu et al., DAPO; its overlong shaping is the length_penalty reward type)
+    gspo     one importance ratio per sequence, the geometric mean of its token ratios,
+             clipped at 3e-4 / 4e-4 (Zheng et al., GSPO)
+
+Advantages use numpy only (the advantages step stays torch-free); the losses import torch
+when called (only the update calls them).
 """
 
 from __future__ import annotations
@@ -10,7 +18,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms import Algorithm, register_algorithm
+from rlpipe.algorithms import GRPO_DEFAULTS, Algorithm, register_algorithm
+from rlpipe.algorithms.policy_gradient import clipped_policy_loss
 
 if TYPE_CHECKING:
     import torch
@@ -56,63 +65,13 @@ def group_advantages(
     return advantages, zero_variance
 
 
-def clipped_policy_loss(
-    logprobs: "torch.Tensor",
-    old_logprobs: "torch.Tensor",
-    advantages: "torch.Tensor",
-    mask: "torch.Tensor",
-    clip_eps: float,
-    ref_logprobs: "torch.Tensor | None" = None,
-    kl_coef: float = 0.0,
-    aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean",
-) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
-    """PPO/GRPO clipped surrogate with an optional k3 KL penalty.
-
-    Per token t of completion i (shapes [B, T], mask marks completion tokens):
-        r_it   = exp(logp_it - logp_old_it)                 (importance ratio to the sampler)
-        pg_it  = -min(r_it * A_i, clip(r_it, 1-eps, 1+eps) * A_i)
-        kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3, >= 0, unbiased)
-        l_it   = pg_it + beta * kl_it
-    aggregation:
-        sequence_mean  L = mean_i [ sum_t l_it m_it / sum_t m_it ]   (GRPO)
-        token_mean     L = sum_it l_it m_it / sum_it m_it            (DAPO-style)
-    """
-    import torch
-
-    mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages.unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
-    tokens = mask.sum().clamp(min=1.0)
-    if aggregation == "sequence_mean":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    else:
-        loss = (per_token * mask).sum() / tokens
-    with torch.no_grad():
-        was_clipped = (clipped < unclipped).to(mask.dtype)  # the clip bound was the active term
-        stats = {
-            "clip_fraction": (was_clipped * mask).sum() / tokens,
-            "kl": (kl * mask).sum() / tokens,
-            "ratio": (ratio * mask).sum() / tokens,
-        }
-    return loss, stats
-
-
 def grpo_advantages(
     rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
 ) -> tuple[np.ndarray, np.ndarray]:
     return group_advantages(rewards, group_ids, options.scale_rewards)
 
 
-def grpo_loss(
+def surrogate_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -120,6 +79,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None,
     options: AlgorithmSpec,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate (rlpipe.algorithms.policy_gradient) with the algorithm's options."""
     return clipped_policy_loss(
         logprobs,
         old_logprobs,
@@ -129,7 +89,68 @@ def grpo_loss(
         ref_logprobs=ref_logprobs,
         kl_coef=options.kl_coef,
         aggregation=options.loss_aggregation,
+        clip_eps_high=options.clip_eps_high,
+        kl_estimator=options.kl_estimator,
+        length_norm=options.length_norm or 1,
     )
 
 
-GRPO = register_algorithm(Algorithm("grpo", frozenset({"groups"}), grpo_advantages, grpo_loss))
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    options: AlgorithmSpec,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the sequence's ratio s_i = exp( sum_t m_it (logp_it - logp_old_it) / sum_t m_it ),
+        L = -mean_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+    computed per token as GSPO-token does: s_it = sg[s_i] exp(logp_it - sg[logp_it]) has the value
+    s_i and the gradient s_i grad logp_it, so the sequence mean of the token terms is L with L's gradient."""
+    mask_f = mask.to(logprobs.dtype)
+    log_ratio = ((logprobs - old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+    ratio = (log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()).exp()
+    return clipped_policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps=options.clip_eps,
+        ref_logprobs=ref_logprobs,
+        kl_coef=options.kl_coef,
+        aggregation="sequence_mean",
+        clip_eps_high=options.clip_eps_high,
+        kl_estimator=options.kl_estimator,
+        ratio=ratio,
+    )
+
+
+GROUPS = frozenset({"groups"})
+GRPO = register_algorithm(Algorithm("grpo", GROUPS, grpo_advantages, surrogate_loss, GRPO_DEFAULTS))
+DR_GRPO = register_algorithm(
+    Algorithm(
+        "dr_grpo",
+        GROUPS,
+        grpo_advantages,
+        surrogate_loss,
+        GRPO_DEFAULTS | {"scale_rewards": "none", "loss_aggregation": "sequence_sum", "length_norm": None},
+    )
+)
+DAPO = register_algorithm(
+    Algorithm(
+        "dapo",
+        GROUPS,
+        grpo_advantages,
+        surrogate_loss,
+        GRPO_DEFAULTS | {"clip_eps_high": 0.28, "loss_aggregation": "token_mean"},
+    )
+)
+GSPO = register_algorithm(
+    Algorithm(
+        "gspo",
+        GROUPS,
+        grpo_advantages,
+        gspo_loss,
+        {"scale_rewards": "group", "clip_eps": 3e-4, "clip_eps_high": 4e-4, "kl_estimator": "k3"},
+    )
+)

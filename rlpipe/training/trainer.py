@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.algorithms import get_algorithm
+from rlpipe.algorithms import get_algorithm, resolve_options
+from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
@@ -48,12 +49,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (no gradient),
-    from one log-softmax over the vocabulary."""
+    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (with a gradient
+    only for an entropy bonus), from one log-softmax over the vocabulary."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -157,10 +158,10 @@ def micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
 
 def micro_batch_weight(mb: dict[str, torch.Tensor], rows: int, tokens: float, aggregation: str) -> float:
     """The share w_j of micro-batch j in its mini-batch's loss, so that sum_j w_j L_j = L:
-        sequence_mean  w_j = n_j / n          (n: sequences)
-        token_mean     w_j = T_j / T          (T: completion tokens)
+        sequence_mean, sequence_sum  w_j = n_j / n          (n: sequences)
+        token_mean                   w_j = T_j / T          (T: completion tokens)
     Gradients accumulate as sum_j w_j grad L_j = grad L: the one-pass update."""
-    if aggregation == "sequence_mean":
+    if aggregation in ("sequence_mean", "sequence_sum"):
         return len(mb["advantages"]) / rows
     return float(mb["completion_mask"].sum()) / max(tokens, 1.0)
 
@@ -172,6 +173,8 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     that would apply a NaN/inf gradient."""
     spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
     algorithm = get_algorithm(spec.algorithm.name)
+    options = resolve_options(spec)  # the algorithm's defaults for what the spec leaves unset
+    aggregation = options.loss_aggregation or "sequence_mean"
     started = time.time()
     device = policy.device
     rank, processes = world()
@@ -197,7 +200,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             budget = spec.trainer.micro_batch_tokens
             # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
             # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-            use_reference = reference is not None and (spec.algorithm.kl_coef > 0 or steps == 0)
+            use_reference = reference is not None and (options.kl_coef > 0 or steps == 0)
             optimizer.zero_grad(set_to_none=True)
             step = {key: 0.0 for key in totals}
             # the same micro-batches on every process (FSDP's collectives line up); each takes every
@@ -206,12 +209,12 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 part = group[rank::processes] or group[:1]
                 present = float(bool(group[rank::processes]))  # a process with no row: weight 0
                 mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
-                weight = present * micro_batch_weight(mb, len(mini), completion_tokens, spec.algorithm.loss_aggregation)
+                weight = present * micro_batch_weight(mb, len(mini), completion_tokens, aggregation)
                 share = present * float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
                 targets = mb["input_ids"][:, 1:]
                 with autocast:
                     logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-                logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
+                logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature, options.entropy_coef > 0)
                 ref_logprobs = None
                 if use_reference:
                     adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
@@ -219,8 +222,14 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                         ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
                     ref_logprobs = token_logprobs(ref_logits[:, :-1], targets, temperature)
                 loss, stats = algorithm.loss(
-                    logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, spec.algorithm
+                    logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, options
                 )
+                if options.entropy_coef:  # L - c H, H aggregated as the loss is
+                    mask_f = mb["completion_mask"].to(entropy.dtype)
+                    loss = loss - options.entropy_coef * aggregate(
+                        entropy, mask_f, aggregation, options.length_norm or 1
+                    )
+                    entropy = entropy.detach()
                 (processes * weight * loss).backward()
                 mask = mb["completion_mask"]  # entropy: averaged over completion tokens
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))

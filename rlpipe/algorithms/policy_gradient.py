@@ -1,0 +1,101 @@
+"""The policy-gradient loss every online algorithm shares: a clipped importance-weighted
+surrogate, a KL estimator to the frozen reference, and how token losses become one number.
+
+Shapes are [B, T] (B completions, T tokens; `mask` marks completion tokens). Torch is imported
+when a function is called: only the update calls these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+Aggregation = Literal["sequence_mean", "token_mean", "sequence_sum"]
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence"),
+    with d = log ref - log pi:
+        k1 = -d                       unbiased, can be negative
+        k2 = d^2 / 2                  biased, low variance
+        k3 = exp(d) - d - 1           unbiased, >= 0 (GRPO's)
+    """
+    import torch
+
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"algorithm.kl_estimator must be k1, k2 or k3, got {estimator!r}")
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, length_norm: int = 1
+) -> torch.Tensor:
+    """One loss from token losses l_it:
+    sequence_mean  L = mean_i [ sum_t l_it m_it / sum_t m_it ]   (GRPO: each completion weighs the same)
+    token_mean     L = sum_it l_it m_it / sum_it m_it            (DAPO: each token weighs the same)
+    sequence_sum   L = mean_i [ sum_t l_it m_it ] / length_norm  (Dr. GRPO: no 1/|o_i|, so no length
+                                                                  bias; length_norm a constant)
+    """
+    if aggregation == "sequence_mean":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if aggregation == "token_mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if aggregation == "sequence_sum":
+        return (per_token * mask).sum(-1).mean() / length_norm
+    raise ValueError(
+        f"algorithm.loss_aggregation must be sequence_mean, token_mean or sequence_sum, got {aggregation!r}"
+    )
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    aggregation: Aggregation = "sequence_mean",
+    clip_eps_high: float | None = None,
+    kl_estimator: str = "k3",
+    length_norm: int = 1,
+    ratio: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate with an optional KL penalty, per token t of completion i:
+        r_it  = exp(logp_it - logp_old_it)        (importance ratio to the sampler; `ratio` overrides it)
+        pg_it = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it)
+        l_it  = pg_it + beta kl_it                (kl_estimate; beta = kl_coef)
+    then aggregated (`aggregate`). `advantages` is [B] (one per completion) or [B, T] (per token).
+    eps_high = eps_low unless given (DAPO's clip-higher: eps_high > eps_low lets unlikely tokens rise).
+    """
+    import torch
+
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs) if ratio is None else ratio
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    loss = aggregate(per_token, mask, aggregation, length_norm)
+    tokens = mask.sum().clamp(min=1.0)
+    with torch.no_grad():
+        was_clipped = (clipped < unclipped).to(mask.dtype)  # the clip bound was the active term
+        stats = {
+            "clip_fraction": (was_clipped * mask).sum() / tokens,
+            "kl": (kl * mask).sum() / tokens,
+            "ratio": (ratio * mask).sum() / tokens,
+        }
+    return loss, stats
