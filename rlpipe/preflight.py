@@ -88,11 +88,12 @@ def _tokenizer_is_local(spec: RunSpec) -> bool:
 
 
 def check_algorithm(spec: RunSpec) -> str:
-    """algorithm.name is registered (or its module registers it)."""
-    from rlpipe.algorithms import get_algorithm
+    """algorithm.name is registered (or its module registers it), and it reads every option set."""
+    from rlpipe.algorithms import get_algorithm, resolve_options
 
     try:
         algorithm = get_algorithm(spec.algorithm.name)
+        resolve_options(spec)
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     return f"algorithm {algorithm.name}"

@@ -153,3 +153,12 @@ def test_every_algorithm_trains(tmp_path: Path, name: str):
     metrics = train_on_batch(trainer, _batch(tmp_path), 1)
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["kl/mean"] != 0  # the reference was used
     assert max(float((p - before[k]).abs().max()) for k, p in _params(trainer).items()) > 1e-4
+
+
+def test_rlpipe_check_names_an_option_the_algorithm_does_not_read(tmp_path: Path):
+    from rlpipe.preflight import CheckFailed, check_algorithm
+
+    spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "gspo", "loss_aggregation": "token_mean"}))
+    with pytest.raises(CheckFailed, match="algorithm.loss_aggregation is not an option of algorithm gspo"):
+        check_algorithm(spec)
+    assert check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dapo"}))) == "algorithm dapo"
