@@ -269,6 +269,14 @@ class AlgorithmSpec:
         None, doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)"
     )
     length_norm: int | None = setting(None, ge=1, doc="sequence_sum's constant divisor. null: rollout.max_new_tokens")
+    dynamic_sampling: bool | None = setting(
+        None,
+        doc="DAPO's dynamic sampling: drop groups whose rewards are all equal and fill the batch with more "
+        "sampled prompts, up to max_oversample. null: the algorithm's (on for dapo)",
+    )
+    max_oversample: float = setting(
+        3.0, ge=1, doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration"
+    )
     track_reference_kl: bool = setting(
         True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
     )

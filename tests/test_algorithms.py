@@ -162,3 +162,83 @@ def test_rlpipe_check_names_an_option_the_algorithm_does_not_read(tmp_path: Path
     with pytest.raises(CheckFailed, match="algorithm.loss_aggregation is not an option of algorithm gspo"):
         check_algorithm(spec)
     assert check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dapo"}))) == "algorithm dapo"
+
+
+def _scored(tmp_path: Path, rewards_by_group: list[list[float]]) -> str:
+    import pyarrow as pa
+
+    rows = [
+        {"group_id": g, "reward": r, "prompt_id": g, "completion_token_ids": [5], "logprobs": [-1.0]}
+        for g, rewards in enumerate(rewards_by_group)
+        for r in rewards
+    ]
+    path = tmp_path / "scored.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path: Path):
+    from rlpipe.algorithms import compute_advantages
+
+    spec = parse_spec(
+        tiny_spec_dict(
+            tmp_path, algorithm={"name": "dapo"}, rollout={"prompts_per_iteration": 4, "samples_per_prompt": 2}
+        )
+    )
+    assert resolve_options(spec).dynamic_sampling
+    # 8 groups sampled for 4 wanted; every other one has no spread
+    scored = _scored(tmp_path, [[1, 1], [1, 0], [0, 0], [0, 1], [1, 1], [1, 0], [0, 0], [1, 0]])
+    metrics = compute_advantages(spec, scored, str(tmp_path / "batch.parquet"))
+    batch = pq.read_table(tmp_path / "batch.parquet").to_pylist()
+    assert sorted({row["group_id"] for row in batch}) == [1, 3, 5, 7] and len(batch) == 4 * 2  # the requested size
+    assert all(abs(row["advantage"]) > 0.5 for row in batch)  # every kept completion carries a gradient
+    assert metrics["groups/zero_variance_fraction"] == 0.5
+    assert (metrics["dynamic_sampling/zero_spread_dropped"], metrics["dynamic_sampling/short"]) == (4.0, 0.0)
+
+    # too few informative groups: all of them, and the shortfall counted
+    scored = _scored(tmp_path, [[1, 1], [1, 0], [0, 0], [0, 1], [1, 1], [0, 0]])
+    metrics = compute_advantages(spec, scored, str(tmp_path / "batch.parquet"))
+    assert len(pq.read_table(tmp_path / "batch.parquet")) == 2 * 2 and metrics["dynamic_sampling/short"] == 2.0
+    off = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dapo", "dynamic_sampling": False}))
+    compute_advantages(off, scored, str(tmp_path / "batch.parquet"))
+    assert len(pq.read_table(tmp_path / "batch.parquet")) == 6 * 2  # off: every group stays, as in GRPO
+
+
+def test_dynamic_sampling_samples_within_the_cap(tmp_path: Path):
+    from rlpipe.engines import iteration_prompts, prompt_indices
+    from rlpipe.store.run_root import iteration_metrics_uri, write_json
+
+    algorithm = {"name": "dapo", "max_oversample": 2.0}
+    spec = parse_spec(tiny_spec_dict(tmp_path, algorithm=algorithm, rollout={"prompts_per_iteration": 10}))
+    run_root = str(tmp_path / "run")
+    first = iteration_prompts(spec, run_root, 200, 1)  # nothing known yet: the cap
+    assert len(first) == 20 and len(set(first)) == 20 and first[:10] == prompt_indices(200, 10, 1, 0)
+    assert iteration_prompts(spec, run_root, 200, 1) == first  # deterministic
+    for zero_fraction, sampled in ((0.5, 20), (0.2, 14), (0.0, 11), (1.0, 20)):  # ceil(1.1 x 10 / f), capped
+        write_json(iteration_metrics_uri(run_root, 1), {"groups/zero_variance_fraction": zero_fraction})
+        assert len(iteration_prompts(spec, run_root, 200, 2)) == sampled, zero_fraction
+    grpo = parse_spec(tiny_spec_dict(tmp_path, rollout={"prompts_per_iteration": 10}))
+    assert iteration_prompts(grpo, run_root, 200, 2) == prompt_indices(200, 10, 2, 0)  # off: unchanged
+
+
+def test_dapo_runs_whole_iterations_with_dynamic_sampling(tmp_path: Path):
+    from rlpipe import loop
+    from rlpipe.rollouts import read_table
+
+    spec = parse_spec(
+        tiny_spec_dict(
+            tmp_path,
+            algorithm={"name": "dapo", "max_oversample": 2.0},
+            reward={"functions": [{"type": "tests.toy_plugins:length", "target": 2}]},
+        )
+    )
+    run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
+    loop.prepare(spec, run_root)
+    staged, warm = loop.warm_start(spec, run_root, cache)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    for iteration in (1, 2):
+        weights, metrics = loop.run_iteration(spec, run_root, weights, iteration, tmp_path, cache)
+        rollouts, batch = read_table(str(tmp_path / "rollouts.parquet")), read_table(str(tmp_path / "batch.parquet"))
+        assert metrics["dynamic_sampling/groups_sampled"] * 4 == rollouts.num_rows <= 16 * 4  # P x cap groups of 4
+        assert batch.num_rows == metrics["dynamic_sampling/groups_kept"] * 4 <= 8 * 4
+    assert weights["version"] == 2

@@ -42,9 +42,18 @@ if TYPE_CHECKING:
 
 
 # Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
-TUNED_OPTIONS = ("scale_rewards", "clip_eps", "clip_eps_high", "loss_aggregation", "length_norm", "kl_estimator")
+TUNED_OPTIONS = (
+    "scale_rewards",
+    "clip_eps",
+    "clip_eps_high",
+    "loss_aggregation",
+    "length_norm",
+    "kl_estimator",
+    "dynamic_sampling",
+)
 GRPO_DEFAULTS: Mapping[str, Any] = {
     "scale_rewards": "group",
+    "dynamic_sampling": False,
     "clip_eps": 0.2,
     "clip_eps_high": None,  # = clip_eps
     "loss_aggregation": "sequence_mean",
@@ -93,8 +102,33 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     return dataclasses.replace(options, **filled)
 
 
+def group_spread(rewards: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's group index, each group's reward variance mean_g (r - mean_g r)^2)."""
+    _, inverse = np.unique(group_ids, return_inverse=True)
+    counts = np.bincount(inverse)
+    means = np.bincount(inverse, weights=rewards) / counts
+    return inverse, np.bincount(inverse, weights=(rewards - means[inverse]) ** 2) / counts
+
+
+def informative_groups(inverse: np.ndarray, spread: np.ndarray, wanted: int) -> tuple[np.ndarray, dict[str, float]]:
+    """Dynamic sampling (DAPO): the rows of the first `wanted` groups, in group order, whose rewards
+    are not all equal (spread > 0); when fewer exist, all of those (and if none, the first `wanted`
+    groups, which train nothing). Returns (row mask, metrics)."""
+    informative = np.flatnonzero(spread > 0.0)
+    kept = informative[:wanted] if len(informative) else np.arange(min(wanted, len(spread)))
+    metrics = {
+        "dynamic_sampling/groups_sampled": float(len(spread)),
+        "dynamic_sampling/zero_spread_dropped": float(len(spread) - len(informative)),
+        "dynamic_sampling/groups_kept": float(len(kept)),
+        "dynamic_sampling/short": float(max(0, wanted - len(informative))),
+    }
+    return np.isin(inverse, kept), metrics
+
+
 def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[str, float]:
-    """Add the `advantage` column; count groups whose rewards were all equal."""
+    """Add the `advantage` column; count groups whose rewards were all equal. With dynamic sampling,
+    the batch is the first rollout.prompts_per_iteration groups with a reward spread
+    (`informative_groups`), and their advantages are computed among themselves."""
     started = time.time()
     table = read_table(scored_path)
     if "reward" not in table.column_names:
@@ -102,12 +136,16 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
     group_ids = table.column("group_id").to_numpy()
     algorithm = get_algorithm(spec.algorithm.name)
     options = resolve_options(spec)
-    advantages, zero_variance = algorithm.advantages(table.column("reward").to_numpy(), group_ids, options)
+    rewards = table.column("reward").to_numpy().astype(np.float64)
+    inverse, spread = group_spread(rewards, group_ids)
+    metrics = {"groups/zero_variance_fraction": float(np.mean(spread == 0.0))}  # of every group sampled
+    if options.dynamic_sampling:
+        keep, selection = informative_groups(inverse, spread, spec.rollout.prompts_per_iteration)
+        table, group_ids, rewards = table.filter(keep), group_ids[keep], rewards[keep]
+        metrics |= selection
+    advantages, _ = algorithm.advantages(rewards, group_ids, options)
     write_table(table.append_column("advantage", [np.asarray(advantages, dtype=np.float32)]), out_path)
-    groups = np.unique(group_ids)
-    zero_groups = np.unique(group_ids[zero_variance])
-    return {
-        "groups/zero_variance_fraction": len(zero_groups) / len(groups),
+    return metrics | {
         "advantage/abs_mean": float(np.abs(advantages).mean()),
         "time/advantages_s": time.time() - started,
     }

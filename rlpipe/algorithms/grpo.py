@@ -142,7 +142,7 @@ DAPO = register_algorithm(
         GROUPS,
         grpo_advantages,
         surrogate_loss,
-        GRPO_DEFAULTS | {"clip_eps_high": 0.28, "loss_aggregation": "token_mean"},
+        GRPO_DEFAULTS | {"clip_eps_high": 0.28, "loss_aggregation": "token_mean", "dynamic_sampling": True},
     )
 )
 GSPO = register_algorithm(
@@ -151,6 +151,12 @@ GSPO = register_algorithm(
         GROUPS,
         grpo_advantages,
         gspo_loss,
-        {"scale_rewards": "group", "clip_eps": 3e-4, "clip_eps_high": 4e-4, "kl_estimator": "k3"},
+        {
+            "scale_rewards": "group",
+            "clip_eps": 3e-4,
+            "clip_eps_high": 4e-4,
+            "kl_estimator": "k3",
+            "dynamic_sampling": False,
+        },
     )
 )

@@ -77,7 +77,13 @@ RLOO = register_algorithm(
         frozenset({"groups"}),
         rloo_advantages,
         surrogate_loss,
-        {"clip_eps": 0.2, "clip_eps_high": None, "loss_aggregation": "sequence_mean", "kl_estimator": "k3"},
+        {
+            "clip_eps": 0.2,
+            "clip_eps_high": None,
+            "loss_aggregation": "sequence_mean",
+            "kl_estimator": "k3",
+            "dynamic_sampling": False,
+        },
     )
 )
 REINFORCE_PP = register_algorithm(

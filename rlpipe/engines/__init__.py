@@ -12,6 +12,7 @@ Every engine (rollout.engine) is a module with one function and returns one type
 from __future__ import annotations
 
 import importlib
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -68,6 +69,33 @@ def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int)
     return indices
 
 
+REFILL_MARGIN = 1.1  # dynamic sampling samples 10% more than the last informative fraction asks for
+
+
+def iteration_prompts(spec: RunSpec, run_root: str, num_rows: int, iteration: int) -> list[int]:
+    """The iteration's prompt rows: its slice of the data (`prompt_indices`), then, with dynamic
+    sampling (algorithm.dynamic_sampling), refill prompts drawn apart from that slice:
+        sampled = clamp(ceil(margin P / f), P, floor(P max_oversample))
+    P = rollout.prompts_per_iteration, f = the informative (non-zero-spread) fraction of the previous
+    iteration's groups; the first iteration, with none before it, samples the cap. The advantages step
+    keeps the first P informative groups."""
+    from rlpipe.algorithms import resolve_options
+    from rlpipe.store.run_root import iteration_metrics_uri, read_json
+
+    options, per_iteration = resolve_options(spec), spec.rollout.prompts_per_iteration
+    order = prompt_indices(num_rows, per_iteration, iteration, spec.seed)
+    if not options.dynamic_sampling:
+        return order
+    cap = math.floor(per_iteration * options.max_oversample)
+    previous = read_json(iteration_metrics_uri(run_root, iteration - 1)) if iteration > 1 else None
+    informative = 1.0 - previous["groups/zero_variance_fraction"] if previous else 0.0
+    wanted = cap if informative <= 0 else math.ceil(REFILL_MARGIN * per_iteration / informative)
+    extra = min(max(wanted, per_iteration), cap) - per_iteration
+    taken = set(order)
+    rest = [row for row in range(num_rows) if row not in taken]
+    return order + random.Random(f"{spec.seed}-refill-{iteration}").sample(rest, min(extra, len(rest)))
+
+
 def sample_seed(seed: int, iteration: int) -> int:
     """Seed of this iteration's sampling; vLLM engines seed sample j of prompt i with
     sample_seed + i * G + j."""
@@ -89,7 +117,7 @@ def generate_rollouts(
     t0 = time.time()
     weights = as_ref(weights)
     table = pq.read_table(filesystem(data_uri(run_root, "train"))[1])
-    order = prompt_indices(table.num_rows, spec.rollout.prompts_per_iteration, iteration, spec.seed)
+    order = iteration_prompts(spec, run_root, table.num_rows, iteration)
     rows = table.take(order).to_pylist()
     group = spec.rollout.samples_per_prompt
     prompt_ids = [list(row["prompt_token_ids"]) for row in rows]
