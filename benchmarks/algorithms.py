@@ -51,7 +51,7 @@ def run(name: str, seed: int, run_dir: Path) -> float | None:
     settings = {"algorithm.name": name, "seed": seed} | ALGORITHMS[name][0]
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(SPEC), "--run-dir", str(run_dir)]
     for key, value in settings.items():
-        command += ["--set", f"{key}={value}"]
+        command += ["--set", f"{key}={'null' if value is None else value}"]
     started = time.time()
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
