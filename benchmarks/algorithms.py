@@ -9,7 +9,8 @@ algorithm is known by. Writes benchmarks/results/algorithms.{json,md}.
 DAPO keeps 256 prompts per iteration out of at most 512 sampled (dynamic sampling, max_oversample 2),
 so it generates no more than the others. Each run is `rlpipe run examples/addition.yaml --set
 algorithm.name=... --set seed=S --run-dir runs/algorithms/<name>-seed<S>`; a complete run is read,
-not re-run (its wall is then unknown).
+not re-run, and an interrupted one resumes. Wall is the sum of the iterations' wall clocks
+(time/iteration_wall_s: generate to commit, without the warm start and evals), so it survives both.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,27 +42,25 @@ ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
 }
 
 
-def run(name: str, seed: int, run_dir: Path) -> float | None:
-    """Wall seconds of the run; None when it was already complete."""
+def run(name: str, seed: int, run_dir: Path) -> None:
+    """Run (or resume) the algorithm's run, unless it is complete."""
     iterations = yaml.safe_load(SPEC.read_text())["loop"]["iterations"]
     state = run_dir / "state.json"
     if state.exists() and json.loads(state.read_text()).get("iteration", 0) >= iterations:
-        return None
+        return
     settings = {"algorithm.name": name, "seed": seed} | ALGORITHMS[name][0]
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(SPEC), "--run-dir", str(run_dir)]
     for key, value in settings.items():
         command += ["--set", f"{key}={'null' if value is None else value}"]
-    started = time.time()
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
+    with log.open("a") as out:
         subprocess.run(
             command, check=True, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )
-    return time.time() - started
 
 
-def result(name: str, seed: int, run_dir: Path, wall_s: float | None) -> dict:
+def result(name: str, seed: int, run_dir: Path) -> dict:
     """What the run directory says: the eval curve, completions generated, the known-by metric's mean."""
     evals = {
         int(path.stem.split("_")[1]): json.loads(path.read_text())["eval/accuracy_greedy"]
@@ -84,7 +82,7 @@ def result(name: str, seed: int, run_dir: Path, wall_s: float | None) -> dict:
         "completions": int(generated),
         "known_by": metric,
         "known_by_mean": sum(m.get(metric, 0.0) for m in iterations) / max(len(iterations), 1),
-        "wall_s": None if wall_s is None else round(wall_s),
+        "wall_s": round(sum(m["time/iteration_wall_s"] for m in iterations)),
     }
 
 
@@ -102,8 +100,8 @@ def main() -> None:
         for seed in range(args.seeds)
     ]
     with ThreadPoolExecutor(args.jobs) as pool:
-        walls = list(pool.map(lambda job: run(*job), jobs))
-    rows = [result(name, seed, run_dir, wall) for (name, seed, run_dir), wall in zip(jobs, walls, strict=True)]
+        list(pool.map(lambda job: run(*job), jobs))
+    rows = [result(*job) for job in jobs]
     machine = describe_machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
@@ -111,15 +109,14 @@ def main() -> None:
         f"{args.jobs} run(s) at a time",
         "",
         "| algorithm | seed | held-out accuracy: warm start -> last | gain (points) | completions "
-        "| known by (mean) | wall |",
+        "| known by (mean) | wall (iterations) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (list(ALGORITHMS).index(r["algorithm"]), r["seed"])):
         evals = r["evals"]
-        wall = "already run" if r["wall_s"] is None else f"{r['wall_s']} s"
         lines.append(
             f"| {r['algorithm']} | {r['seed']} | {evals[min(evals)]:.3f} -> {evals[max(evals)]:.3f} | "
-            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {r['known_by_mean']:.3f} | {wall} |"
+            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {r['known_by_mean']:.3f} | {r['wall_s']} s |"
         )
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)

@@ -43,8 +43,9 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
     cache = Path(cache_root_for(spec.storage.root, spec.storage.cache))
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        (cache / ".preflight").write_text("ok")
-        (cache / ".preflight").unlink()
+        cache_probe = cache / f".preflight-{uuid.uuid4().hex[:8]}"  # unique: runs may share a cache
+        cache_probe.write_text("ok")
+        cache_probe.unlink()
     except OSError as err:
         raise CheckFailed(f"storage.cache: cannot write {cache} ({err}); set storage.cache to a writable dir") from None
     return f"run root {run_root} and cache {cache} are writable"
