@@ -17,7 +17,7 @@ from hera.workflows import models as m
 from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_dict
-from rlpipe.steps import EVERY_ITERATION, gpus_for, sandboxed, uses_trainer_image
+from rlpipe.steps import gpus_for, iteration_steps, sandboxed, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -79,11 +79,11 @@ def _sandbox_settings(step: str, spec: RunSpec) -> dict:
     return settings
 
 
-def _dag(iterations_per_run: int) -> m.Template:
+def _dag(iterations_per_run: int, steps: tuple[str, ...]) -> m.Template:
     tasks = [m.DAGTask(name="init", template="init"), m.DAGTask(name="evaluate-0", template="evaluate", depends="init")]
     previous = "evaluate-0"
     for k in range(1, iterations_per_run + 1):
-        for step in (*EVERY_ITERATION, "evaluate"):
+        for step in (*steps, "evaluate"):
             template = step.replace("_", "-")
             tasks.append(m.DAGTask(name=f"{template}-{k}", template=template, depends=previous))
             previous = f"{template}-{k}"
@@ -93,8 +93,10 @@ def _dag(iterations_per_run: int) -> m.Template:
 def build_argo(spec: RunSpec, run_root: str | None = None) -> tuple[m.WorkflowTemplate, m.CronWorkflow]:
     spec, run_root = cluster_spec_and_root(spec, run_root)
     name = f"rlpipe-{spec.name}".lower().replace("_", "-").replace(".", "-")
-    steps = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: the init phase's steps in one pod
-    templates = [_dag(spec.loop.iterations_per_run)] + [_template(s.replace("_", "-"), s, spec) for s in steps]
+    every_iteration = iteration_steps(spec)
+    steps = ("init", *every_iteration, "evaluate", "track")  # init: the init phase's steps in one pod
+    templates = [_dag(spec.loop.iterations_per_run, every_iteration)]
+    templates += [_template(s.replace("_", "-"), s, spec) for s in steps]
     cluster = spec.cluster
     workflow_spec = m.WorkflowSpec(
         entrypoint="loop",

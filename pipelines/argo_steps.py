@@ -14,7 +14,7 @@ import sys
 
 from rlpipe import loop
 from rlpipe.spec import RunSpec, parse_spec
-from rlpipe.steps import EVERY_ITERATION
+from rlpipe.steps import EVERY_ITERATION, iteration_steps
 from rlpipe.store.run_root import filesystem, join, read_json, read_state, write_json
 
 STEPS = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: prepare, warm_start, publish_warm_start
@@ -50,7 +50,10 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     iteration = start.iteration + 1
     if iteration > spec.loop.iterations:
         return f"loop done at iteration {start.iteration}"
-    rollouts, scored, batch = (_work(run_root, iteration, f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
+    rollouts, scored, valued, batch = (
+        _work(run_root, iteration, f"{n}.parquet") for n in ("rollouts", "scored", "valued", "batch")
+    )
+    steps = iteration_steps(spec)
 
     def step_metrics(name: str) -> str:
         return join(run_root, "work", f"iter_{iteration:06d}", f"{name}_metrics.json")
@@ -59,14 +62,16 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         values = loop.generate(spec, run_root, start.weights, iteration, rollouts, spec.cache_root)
     elif step == "score":
         values = loop.score(spec, rollouts, scored)
+    elif step == "values":
+        values = loop.values(spec, run_root, start.weights, iteration, scored, valued, spec.cache_root)
     elif step == "advantages":
-        values = loop.advantages(spec, scored, batch)
+        values = loop.advantages(spec, valued if "values" in steps else scored, batch)
     elif step == "update":
         staged, metrics = loop.update(spec, run_root, start.weights, batch, iteration, spec.cache_root)
         values = {"staged": staged, "metrics": metrics}
     else:  # sync_weights
         updated = read_json(step_metrics("update"))
-        before_update = EVERY_ITERATION[: EVERY_ITERATION.index("update")]
+        before_update = steps[: steps.index("update")]
         earlier = [read_json(step_metrics(name)) or {} for name in before_update]
         loop.sync_weights(spec, run_root, updated["staged"], iteration, *earlier, updated["metrics"])
         return f"{step} iteration {iteration}"

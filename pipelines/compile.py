@@ -7,6 +7,7 @@ from kfp import compiler
 
 from rlpipe.pipelines.trainer_jobset import trainer_url
 from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.steps import iteration_steps
 from rlpipe.store.run_root import run_root_for
 
 
@@ -51,7 +52,9 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
     output.parent.mkdir(parents=True, exist_ok=True)
     spec, run_root = cluster_spec_and_root(spec, run_root)
     compiler.Compiler().compile(
-        pipeline_func=build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement=spec),
+        pipeline_func=build_run_pipeline(
+            spec.loop.iterations_per_run, spec.loop.eval_every, placement=spec, steps=iteration_steps(spec)
+        ),
         package_path=str(output),
         pipeline_parameters={
             "spec": spec_to_dict(spec),

@@ -23,6 +23,7 @@ from rich.table import Table
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
 from rlpipe.spec import RESUMABLE_KEYS, RunSpec, spec_to_dict, without
+from rlpipe.steps import iteration_steps
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -166,7 +167,9 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
-    pipeline = build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement=None)
+    pipeline = build_run_pipeline(
+        spec.loop.iterations_per_run, spec.loop.eval_every, placement=None, steps=iteration_steps(spec)
+    )
     progress = Progress(total=spec.loop.iterations)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup

@@ -1,7 +1,8 @@
 """The DAGs: one RL iteration, and a pipeline run that unrolls K of them.
 
-    rl_iteration(weights v(N)):  generate -> score -> advantages -> update -> sync_weights
+    rl_iteration(weights v(N)):  generate -> score [-> values] -> advantages -> update -> sync_weights
                                   -> evaluate, only when v(N+1) is due an eval
+                                  (values: only for an algorithm with a critic, rlpipe.steps.iteration_steps)
     rl_run (K unrolled):          prepare -> warm_start -> publish_warm_start -> plan, iterations_todo
                                   -> evaluate (if pending) -> iteration 1 -> ... -> iteration K
                                   (iteration k runs under If(iterations_todo >= k))
@@ -27,7 +28,7 @@ from kfp import dsl
 
 from rlpipe.pipelines.cluster_settings import place
 from rlpipe.spec import RunSpec
-from rlpipe.steps import EVERY_ITERATION, STEP_NAMES
+from rlpipe.steps import BY_NAME, EVERY_ITERATION, STEP_NAMES
 
 # the KFP component of every step in the table: rlpipe.components.<step>.component:<step>
 COMPONENTS = {
@@ -38,18 +39,22 @@ COMPONENTS = {
 def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
     """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
     and earlier tasks' outputs), placed for the cluster; its outputs join `available` (a step's
-    `step_metrics` as `<step>_metrics`)."""
+    `step_metrics` as `<step>_metrics`; a step that `stands_for` an artifact replaces it)."""
     component = COMPONENTS[step]
     task = component(**{name: available[name] for name in component.component_spec.inputs})
     for name in component.component_spec.outputs or {}:
         if name != "metrics":
             available[f"{step}_metrics" if name == "step_metrics" else name] = task.outputs[name]
+    if BY_NAME[step].stands_for:
+        available[BY_NAME[step].stands_for] = task.outputs[BY_NAME[step].outputs[0]]
     return place(task, step, placement)
 
 
-def build_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
-    """One iteration as a pipeline (nested in the run pipeline, or run on its own): the steps of
-    rlpipe.steps.EVERY_ITERATION in order, then evaluate when due. `placement`: the spec whose
+def build_iteration_pipeline(
+    placement: RunSpec | None = None, steps: tuple[str, ...] = EVERY_ITERATION
+) -> Callable:
+    """One iteration as a pipeline (nested in the run pipeline, or run on its own): `steps` in order
+    (rlpipe.steps.iteration_steps of the spec), then evaluate when due. `placement`: the spec whose
     cluster section places the tasks (None: the local runner)."""
 
     @dsl.pipeline(name="rlpipe-iteration", description="One RL iteration: weights v(N) in, v(N+1) published.")
@@ -66,7 +71,7 @@ def build_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
         """The run's `position`-th iteration; it evaluates v(N+1) when eval_phase == due_phase (N+1 is a
         multiple of loop.eval_every) or iterations_left == position (the loop's last iteration)."""
         available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
-        for step in EVERY_ITERATION:
+        for step in steps:
             add_task(step, available, placement)
         # sync_weights put the published v(N+1) in available["weights"]
         with dsl.If(eval_phase == due_phase, name="eval-due"):
@@ -79,10 +84,16 @@ def build_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
     return rl_iteration
 
 
-def build_run_pipeline(iterations_per_run: int, eval_every: int, placement: RunSpec | None = None) -> Callable:
+def build_run_pipeline(
+    iterations_per_run: int,
+    eval_every: int,
+    placement: RunSpec | None = None,
+    steps: tuple[str, ...] = EVERY_ITERATION,
+) -> Callable:
     """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations,
-    evaluating every `eval_every` iterations (loop settings of the spec it is built for)."""
-    rl_iteration = build_iteration_pipeline(placement)
+    evaluating every `eval_every` iterations (loop settings of the spec it is built for), each
+    iteration running `steps`."""
+    rl_iteration = build_iteration_pipeline(placement, steps)
 
     @dsl.pipeline(
         name="rlpipe-run",

@@ -1,6 +1,7 @@
 """One RL iteration in plain Python: start reading rlpipe here.
 
-    weights v(N) --generate--> rollouts --score--> scored --advantages--> batch
+    weights v(N) --generate--> rollouts --score--> scored (--values--> scored + V_t, PPO)
+                 --advantages--> batch
                  --update--> staged v(N+1) --sync_weights--> v(N+1) published, state.json committed
                  (--evaluate--> held-out accuracy, when due)
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.metric_keys import STARTED_AT
-from rlpipe.steps import service_for
+from rlpipe.steps import iteration_steps, service_for
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -101,6 +102,21 @@ def score(spec: RunSpec, rollouts_path: str, scored_path: str) -> dict[str, floa
     return score_rollouts(spec, rollouts_path, scored_path)
 
 
+def values(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, scored_path: str, valued_path: str,
+    cache_root: str,
+) -> dict[str, float]:
+    """The critic's value V_t of every completion token under critic v(N), beside the scored rollouts
+    (algorithms with a critic: PPO)."""
+    if service_for("values", spec) == "trainer":
+        from rlpipe.services.trainer_client import request_values
+
+        return request_values(spec, run_root, weights, iteration, scored_path, valued_path, cache_root)
+    from rlpipe.training.critic import compute_values
+
+    return compute_values(spec, run_root, weights, scored_path, valued_path, cache_root)
+
+
 def advantages(spec: RunSpec, scored_path: str, batch_path: str) -> dict[str, float]:
     """The algorithm's advantage for every completion (GRPO: normalized within its group)."""
     from rlpipe.algorithms import compute_advantages
@@ -157,14 +173,20 @@ def run_iteration(
     """Iteration `iteration`: v(N) = `weights` in, v(N+1) published and committed; its metrics (and
     the held-out evaluation's, when one was due). The artifacts (rollouts, scored, batch) are Parquet
     files in `work_dir`."""
-    rollouts, scored, batch = (str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "batch"))
+    rollouts, scored, valued, batch = (
+        str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")
+    )
     begun = {STARTED_AT: time.time()}  # sync_weights records the iteration's wall time from here
     generated = generate(spec, run_root, weights, iteration, rollouts, cache_root)
     scores = score(spec, rollouts, scored)
+    valued_stats = {}
+    if "values" in iteration_steps(spec):
+        valued_stats = values(spec, run_root, weights, iteration, scored, valued, cache_root)
+        scored = valued
     advantage_stats = advantages(spec, scored, batch)
     staged, trained = update(spec, run_root, weights, batch, iteration, cache_root)
     published, metrics = sync_weights(
-        spec, run_root, staged, iteration, begun, generated, scores, advantage_stats, trained
+        spec, run_root, staged, iteration, begun, generated, scores, valued_stats, advantage_stats, trained
     )
     evaluated = evaluate(spec, run_root, published, iteration, cache_root)
     return published, metrics | (evaluated or {})

@@ -277,6 +277,16 @@ class AlgorithmSpec:
     max_oversample: float = setting(
         3.0, ge=1, doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration"
     )
+    gamma: float | None = setting(None, ge=0, le=1, doc="PPO: discount of GAE. null: the algorithm's (1.0)")
+    lam: float | None = setting(None, ge=0, le=1, doc="PPO: GAE's lambda. null: the algorithm's (0.95)")
+    value_clip: float | None = setting(
+        None, gt=0, doc="PPO: how far a value may move from the values step's per update (clipped value loss). "
+        "null: the algorithm's (0.2)"
+    )
+    whiten_advantages: bool | None = setting(
+        None, doc="PPO: normalise the per-token advantages over the batch. null: the algorithm's (true)"
+    )
+    critic_lr: float | None = setting(None, gt=0, doc="PPO: the critic's learning rate. null: trainer.lr")
     track_reference_kl: bool = setting(
         True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
     )

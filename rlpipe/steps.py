@@ -7,7 +7,7 @@ plain function named in `function` (rlpipe/loop.py for the iteration's steps).
 
 Whether a step computes in its own process or asks a long-lived service is decided here, in
 `service_for`: generate asks the resident trainer (torch engine) and is itself the client of the
-samplers (sampler engine); update and evaluate ask the resident trainer.
+samplers (sampler engine); values, update and evaluate ask the resident trainer.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class Step:
     computes_with: tuple[str, ...] = ()  # modules its process imports when it computes the step itself
     inputs: tuple[str, ...] = ()  # KFP artifacts it reads
     outputs: tuple[str, ...] = ()  # KFP artifacts it writes
+    stands_for: str | None = None  # the artifact its output replaces for the steps after it
+    needs: str | None = None  # runs only for an algorithm that needs this (rlpipe.algorithms: "critic")
 
 
 STEPS: tuple[Step, ...] = (
@@ -47,6 +49,9 @@ STEPS: tuple[Step, ...] = (
          torch=True, run_root=True, computes_with=("rlpipe.engines",), outputs=("rollouts",)),
     Step("score", "reward every completion", "iteration", "rlpipe.loop:score",
          torch=False, run_root=False, computes_with=("rlpipe.rewards",), inputs=("rollouts",), outputs=("scored",)),
+    Step("values", "the critic's value of every completion token under critic v(N) (PPO)", "iteration",
+         "rlpipe.loop:values", torch=True, run_root=True, computes_with=("rlpipe.training.critic",),
+         inputs=("scored",), outputs=("valued",), stands_for="scored", needs="critic"),
     Step("advantages", "the algorithm's advantage per completion", "iteration", "rlpipe.loop:advantages",
          torch=False, run_root=False, computes_with=("rlpipe.algorithms",), inputs=("scored",), outputs=("batch",)),
     Step("update", "train v(N) on the batch; stage v(N+1)", "iteration", "rlpipe.loop:update",
@@ -66,12 +71,21 @@ ITERATION_STEPS = tuple(step.name for step in STEPS if step.phase == "iteration"
 EVERY_ITERATION = tuple(name for name in ITERATION_STEPS if name != "evaluate")
 
 
+def iteration_steps(spec: RunSpec) -> tuple[str, ...]:
+    """The steps every iteration of this spec runs, in order: EVERY_ITERATION without the steps for
+    what its algorithm does not need (the values step runs only with a critic)."""
+    from rlpipe.algorithms import get_algorithm
+
+    needs = get_algorithm(spec.algorithm.name).needs
+    return tuple(name for name in EVERY_ITERATION if BY_NAME[name].needs in (None, *needs))
+
+
 def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler"] | None:
     """The long-lived service that computes `step` for this spec, or None: it computes in its own
     process. A step with a service is a thin client: no torch, the light image, no GPU."""
     if step == "generate" and spec.rollout.engine == "sampler":
         return "sampler"
-    if step in ("generate", "update", "evaluate") and spec.trainer.resident:
+    if step in ("generate", "values", "update", "evaluate") and spec.trainer.resident:
         return "trainer" if step != "generate" or spec.rollout.engine == "torch" else None
     return None
 

@@ -10,6 +10,10 @@ modules):
     defaults: its values of the tuned options it reads (TUNED_OPTIONS); setting one it does not
         read is an error, one left unset (null) takes its default
 where `options` is the spec's `algorithm` section with the defaults filled in (`resolve_options`).
+An algorithm that `needs` a "critic" (PPO) gets the values step's per-token values too, and its
+advantages are per token, with the critic's regression targets:
+    advantages(rewards, group_ids, options, values) -> (advantages per token, returns per token)
+    value_loss(values, old_values, returns, mask, clip) -> (loss, stats)
 Register one with `register_algorithm`; `algorithm.name` is a registered name, or
 'package.module:name' for one that module registers (imported first, in every step's process, so a
 KFP task finds it too).
@@ -21,6 +25,7 @@ Built in (formulas beside the code):
     gspo          sequence-level importance ratio, clipped at 3e-4 / 4e-4           (grpo.py)
     rloo          leave-one-out baseline                                            (reinforce.py)
     reinforce_pp  batch-whitened advantages, the KL folded into the token reward    (reinforce.py)
+    ppo           a critic: GAE per-token advantages, clipped value loss             (ppo.py)
 Every one takes kl_coef with kl_estimator k1/k2/k3 to the frozen v0, and entropy_coef.
 """
 
@@ -50,6 +55,11 @@ TUNED_OPTIONS = (
     "length_norm",
     "kl_estimator",
     "dynamic_sampling",
+    "gamma",
+    "lam",
+    "value_clip",
+    "whiten_advantages",
+    "critic_lr",
 )
 GRPO_DEFAULTS: Mapping[str, Any] = {
     "scale_rewards": "group",
@@ -64,10 +74,16 @@ GRPO_DEFAULTS: Mapping[str, Any] = {
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    needs: frozenset[str]  # what the run provides it: "groups" (G samples per prompt), "reference" (frozen v0)
-    advantages: Callable[..., tuple[np.ndarray, np.ndarray]]
+    needs: frozenset[str]  # what the run provides it: "groups" (G samples per prompt), "critic" (a value model)
+    advantages: Callable[..., tuple[Any, Any]]
     loss: Callable[..., tuple[Any, dict[str, Any]]]
     defaults: Mapping[str, Any] = field(default_factory=lambda: dict(GRPO_DEFAULTS))
+    value_loss: Callable[..., tuple[Any, dict[str, Any]]] | None = None  # with "critic"
+
+
+def needs_critic(spec: RunSpec) -> bool:
+    """Whether the spec's algorithm trains a value model (PPO): the iteration then has a values step."""
+    return "critic" in get_algorithm(spec.algorithm.name).needs
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -85,8 +101,8 @@ def get_algorithm(name: str) -> Algorithm:
 
 def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
-    options; length_norm defaults to rollout.max_new_tokens. A tuned option the algorithm does not
-    read is an error naming the ones it does."""
+    options; length_norm defaults to rollout.max_new_tokens, critic_lr to trainer.lr. A tuned option
+    the algorithm does not read is an error naming the ones it does."""
     options = spec.algorithm
     algorithm = get_algorithm(options.name)
     unread = [key for key in TUNED_OPTIONS if getattr(options, key) is not None and key not in algorithm.defaults]
@@ -99,6 +115,8 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     filled = {key: value for key, value in algorithm.defaults.items() if getattr(options, key) is None}
     if "length_norm" in filled and filled["length_norm"] is None:
         filled["length_norm"] = spec.rollout.max_new_tokens
+    if "critic_lr" in filled and filled["critic_lr"] is None:
+        filled["critic_lr"] = spec.trainer.lr
     return dataclasses.replace(options, **filled)
 
 
@@ -143,12 +161,47 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
         keep, selection = informative_groups(inverse, spread, spec.rollout.prompts_per_iteration)
         table, group_ids, rewards = table.filter(keep), group_ids[keep], rewards[keep]
         metrics |= selection
-    advantages, _ = algorithm.advantages(rewards, group_ids, options)
-    write_table(table.append_column("advantage", [np.asarray(advantages, dtype=np.float32)]), out_path)
-    return metrics | {
-        "advantage/abs_mean": float(np.abs(advantages).mean()),
-        "time/advantages_s": time.time() - started,
-    }
+    if "critic" in algorithm.needs:
+        table, metrics["advantage/abs_mean"] = critic_advantages(algorithm, table, rewards, group_ids, options, metrics)
+    else:
+        advantages, _ = algorithm.advantages(rewards, group_ids, options)
+        table = table.append_column("advantage", [np.asarray(advantages, dtype=np.float32)])
+        metrics["advantage/abs_mean"] = float(np.abs(advantages).mean())
+    write_table(table, out_path)
+    return metrics | {"time/advantages_s": time.time() - started}
 
 
-from rlpipe.algorithms import grpo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)
+def critic_advantages(
+    algorithm: Algorithm,
+    table: Any,
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    options: AlgorithmSpec,
+    metrics: dict[str, float],
+) -> tuple[Any, float]:
+    """A critic algorithm's per-token `token_advantages` and `returns` columns from the values step's
+    `values`; adds critic/explained_variance and critic/value_mean to `metrics`. Returns (table, mean |A|)."""
+    import pyarrow as pa
+
+    from rlpipe.algorithms.ppo import explained_variance
+
+    if "values" not in table.column_names:
+        raise ValueError(
+            f"algorithm {algorithm.name} needs the values step's `values` column, which this pipeline did not "
+            "compute: it was built for an algorithm without a critic. Compile it again for this spec (rlpipe compile)"
+        )
+    values = [np.asarray(v, dtype=np.float64) for v in table.column("values").to_pylist()]
+    advantages, returns = algorithm.advantages(rewards, group_ids, options, values)
+    every_value, every_return = (np.concatenate(x) if x else np.zeros(0) for x in (values, returns))
+    explained = explained_variance(every_value, every_return)
+    if explained is not None:  # undefined when every return is the same (a metric is never NaN)
+        metrics["critic/explained_variance"] = explained
+    metrics["critic/value_mean"] = float(every_value.mean()) if len(every_value) else 0.0
+    as_lists = [pa.array([a.astype(np.float32) for a in column], type=pa.list_(pa.float32())) for column in (
+        advantages, returns)]
+    table = table.append_column("token_advantages", as_lists[0]).append_column("returns", as_lists[1])
+    every_advantage = np.concatenate(advantages) if advantages else np.zeros(1)
+    return table, float(np.abs(every_advantage).mean())
+
+
+from rlpipe.algorithms import grpo, ppo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)

@@ -85,6 +85,30 @@ def request_generate(
     return metrics
 
 
+def request_values(
+    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, scored_path: str, out_path: str,
+    cache_root: str,
+) -> dict[str, float]:
+    """The scored rollouts with the values of the critic the resident trainer holds beside the policy
+    (both files cross through the run root: the trainer may be another pod)."""
+    started = time.time()
+    scored_uri, valued_uri = (join(run_root, "trainer", f"{n}-{iteration:06d}.parquet") for n in ("scored", "valued"))
+    fs, scored_remote = filesystem(scored_uri)
+    _, valued_remote = filesystem(valued_uri)
+    fs.makedirs(scored_remote.rsplit("/", 1)[0], exist_ok=True)
+    fs.put_file(scored_path, scored_remote)
+    payload = {"weights": as_ref(weights), "scored_uri": scored_uri, "valued_uri": valued_uri, "cache_root": cache_root}
+    try:
+        metrics = post(spec, run_root, "/values", payload, iteration)["metrics"]
+        fs.get_file(valued_remote, out_path)
+    finally:
+        for remote in (scored_remote, valued_remote):
+            if fs.exists(remote):
+                fs.rm_file(remote)
+    metrics["overhead/values_request_s"] = time.time() - started - metrics["time/values_s"]
+    return metrics
+
+
 def request_evaluate(
     spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
 ) -> dict[str, float]:

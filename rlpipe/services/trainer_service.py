@@ -10,6 +10,8 @@ drops what it holds: a failed batch may have applied some of its optimizer steps
 
     POST /generate {spec, run_root, weights, iteration, rollouts_uri, cache_root} -> {metrics}
                    (rollout.engine torch: sample with the held policy, colocated as in TRL)
+    POST /values   {spec, run_root, weights, iteration, scored_uri, valued_uri, cache_root} -> {metrics}
+                   (PPO: the held critic's values of the scored rollouts, written to valued_uri)
     POST /evaluate {spec, run_root, weights, iteration, cache_root} -> {metrics}
     POST /update   {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
                    4xx/5xx -> {error, message}
@@ -131,6 +133,36 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
 
+def serve_values(request: dict[str, Any], held: Held) -> dict[str, Any]:
+    """The held critic's value of every completion token of the scored rollouts (the values step)."""
+    import tempfile
+
+    from rlpipe.modeling import release_memory
+    from rlpipe.store.run_root import filesystem
+    from rlpipe.training.critic import compute_values
+    from rlpipe.training.distributed import world
+
+    started = time.time()
+    trainer, reloaded = hold(request, held)
+    if trainer.critic is None:
+        raise ValueError(f"algorithm {trainer.spec.algorithm.name} has no critic: its iterations have no values step")
+    loaded = time.time()
+    fs, scored_remote = filesystem(request["scored_uri"])
+    _, valued_remote = filesystem(request["valued_uri"])
+    with tempfile.TemporaryDirectory() as tmp:
+        fs.get_file(scored_remote, f"{tmp}/scored.parquet")
+        metrics = compute_values(
+            trainer.spec, trainer.run_root, trainer.weights, f"{tmp}/scored.parquet", f"{tmp}/valued.parquet",
+            request["cache_root"], critic=trainer.critic,
+        )
+        if world()[0] == 0:
+            fs.put_file(f"{tmp}/valued.parquet", valued_remote)
+    keep(held, trainer)
+    metrics["overhead/values_load_s"] = loaded - started
+    metrics |= release_memory(trainer.policy.device, "values")
+    return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
+
+
 def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
     from rlpipe.engines import Policy
@@ -181,7 +213,7 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     }
 
 
-ROUTES = {"/generate": serve_generate, "/evaluate": serve_evaluate, "/update": serve_update}
+ROUTES = {"/generate": serve_generate, "/values": serve_values, "/evaluate": serve_evaluate, "/update": serve_update}
 INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, NaN loss: 422
 
 

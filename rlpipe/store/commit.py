@@ -7,7 +7,7 @@ Commit order (a kill at any point leaves a resumable store):
       generate reloads v(N)). sync/bytes: the version's weight bytes, what each sampler loads
   2. write metrics/iter_(N+1).json
   3. state.json: iteration = N+1                                       <- the commit point
-  4. prune old weight and optimizer versions
+  4. prune old weight and optimizer versions (the policy's and a critic's)
 A rerun after a kill before 3 redoes the iteration from v(N); after 3 it is a no-op.
 """
 
@@ -65,12 +65,13 @@ def sync_weights(
         weights_version=ref["version"],
         weights_sha256=ref["sha256"],
     )
-    prune(run_root, spec.storage.keep_versions, ref["version"])
-    fs, opt_dir = filesystem(optimizer_dir(run_root))
-    if fs.exists(opt_dir):
-        for path in fs.ls(opt_dir, detail=False):
-            name = path.rsplit("/", 1)[-1]
-            stale = name.endswith(".pt") and int(name[1:7]) < ref["version"]
-            if name.startswith("v") and (stale or name.endswith(".tmp")):  # .tmp: a save killed midway
-                fs.rm(path)
+    for lineage in ("policy", "critic"):
+        prune(run_root, spec.storage.keep_versions, ref["version"], lineage)
+        fs, opt_dir = filesystem(optimizer_dir(run_root, lineage))
+        if fs.exists(opt_dir):
+            for path in fs.ls(opt_dir, detail=False):
+                name = path.rsplit("/", 1)[-1]
+                stale = name.endswith(".pt") and int(name[1:7]) < ref["version"]
+                if name.startswith("v") and (stale or name.endswith(".tmp")):  # .tmp: a save killed midway
+                    fs.rm(path)
     return ref, metrics

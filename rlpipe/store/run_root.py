@@ -110,13 +110,14 @@ def data_counts_uri(run_root: str) -> str:
     return join(run_root, "data", "counts.json")
 
 
-def optimizer_dir(run_root: str) -> str:
-    return join(run_root, "optimizer")
+def optimizer_dir(run_root: str, lineage: str = "policy") -> str:
+    """optimizer/ for the policy, critic/optimizer/ for a critic's (rlpipe.store.weights.LINEAGES)."""
+    return join(run_root, "optimizer") if lineage == "policy" else join(run_root, lineage, "optimizer")
 
 
-def optimizer_uri(run_root: str, version: int) -> str:
+def optimizer_uri(run_root: str, version: int, lineage: str = "policy") -> str:
     """The trainer's optimizer state after training weights v(version), beside that version."""
-    return join(optimizer_dir(run_root), f"v{version:06d}.pt")
+    return join(optimizer_dir(run_root, lineage), f"v{version:06d}.pt")
 
 
 def state_uri(run_root: str) -> str:

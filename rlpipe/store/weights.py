@@ -6,6 +6,9 @@
 
 Steps pass a WeightRef {"uri", "version", "sha256"}, never the weights themselves.
 Publish = verify sha256 of the staged files, move them to v{N}/, then move LATEST.
+
+A critic (PPO) is a second lineage with the same layout under critic/: critic/v{N}/ is the value
+model trained beside policy v{N} (rlpipe.training.critic).
 """
 
 from __future__ import annotations
@@ -41,16 +44,19 @@ def version_name(version: int) -> str:
     return f"v{version:06d}"
 
 
-def weights_root(run_root: str) -> str:
-    return join(run_root, "weights")
+LINEAGES = {"policy": "weights", "critic": "critic"}  # lineage -> its directory under the run root
 
 
-def staging_uri(run_root: str, version: int) -> str:
-    return join(weights_root(run_root), ".staging", f"{version_name(version)}-{uuid.uuid4().hex[:8]}")
+def weights_root(run_root: str, lineage: str = "policy") -> str:
+    return join(run_root, LINEAGES[lineage])
 
 
-def version_uri(run_root: str, version: int) -> str:
-    return join(weights_root(run_root), version_name(version))
+def staging_uri(run_root: str, version: int, lineage: str = "policy") -> str:
+    return join(weights_root(run_root, lineage), ".staging", f"{version_name(version)}-{uuid.uuid4().hex[:8]}")
+
+
+def version_uri(run_root: str, version: int, lineage: str = "policy") -> str:
+    return join(weights_root(run_root, lineage), version_name(version))
 
 
 BASE_FILE = "base.json"  # in an adapter version: the WeightRef of the sealed base it applies to
@@ -133,11 +139,11 @@ def seal(uri: str, version: int, iteration: int, parent: int | None) -> WeightRe
     return {"uri": uri, "version": version, "sha256": sha}
 
 
-def publish(run_root: str, staged: WeightRef) -> WeightRef:
+def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> WeightRef:
     """Verify a staged version and make it v{N}; move LATEST last. Idempotent per version."""
     staged = as_ref(staged)
     version = staged["version"]
-    final = version_uri(run_root, version)
+    final = version_uri(run_root, version, lineage)
     fs, final_path = filesystem(final)
     sha, _ = directory_sha256(staged["uri"])
     if sha != staged["sha256"]:
@@ -148,12 +154,12 @@ def publish(run_root: str, staged: WeightRef) -> WeightRef:
     if fs.exists(final_path):  # left by an attempt that died before committing state
         fs.rm(final_path, recursive=True)
     move(staged["uri"], final)
-    atomic_write_text(join(weights_root(run_root), "LATEST"), version_name(version))
+    atomic_write_text(join(weights_root(run_root, lineage), "LATEST"), version_name(version))
     return {"uri": final, "version": version, "sha256": sha}
 
 
-def read_ref(run_root: str, version: int) -> WeightRef:
-    uri = version_uri(run_root, version)
+def read_ref(run_root: str, version: int, lineage: str = "policy") -> WeightRef:
+    uri = version_uri(run_root, version, lineage)
     fs, path = filesystem(join(uri, MANIFEST))
     if not fs.exists(path):
         raise FileNotFoundError(f"weights {uri} have no manifest: version {version} was never published")
@@ -229,10 +235,12 @@ def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
     return str(local)
 
 
-def prune(run_root: str, keep: int, current: int) -> list[int]:
+def prune(run_root: str, keep: int, current: int, lineage: str = "policy") -> list[int]:
     """Delete versions older than the last `keep` (v0, the reference, is always kept), and
     staging left by attempts that died before publishing (versions <= current)."""
-    fs, root = filesystem(weights_root(run_root))
+    fs, root = filesystem(weights_root(run_root, lineage))
+    if not fs.exists(root):
+        return []
     staging = f"{root}/.staging"
     if fs.exists(staging):
         for path in fs.ls(staging, detail=False):

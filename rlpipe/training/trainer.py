@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.algorithms import get_algorithm, resolve_options
+from rlpipe.algorithms import get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
+from rlpipe.training.critic import Critic, load_critic, save_critic, token_values
 from rlpipe.training.distributed import (
     all_sum,
     full_model_state,
@@ -59,18 +60,23 @@ def token_logprobs_and_entropy(
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
+PER_TOKEN = {"logprobs": "old_logprobs", "token_advantages": "advantages", "returns": "returns", "values": "old_values"}
+
+
 def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion; tensors aligned to next-token targets (length L-1).
 
-    completion_mask[t] = 1 where target t is a completion token; old_logprobs and
-    advantages are laid out on those positions.
+    completion_mask[t] = 1 where target t is a completion token; the per-token columns the rows
+    have (PER_TOKEN: sampler log-probs, and a critic's advantages, returns and values) are laid out
+    on those positions. Without token_advantages, `advantages` is one per row (0 before the
+    advantages step).
     """
     width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     completion_mask = torch.zeros((n, width - 1))
-    old_logprobs = torch.zeros((n, width - 1))
+    per_token = {name: torch.zeros((n, width - 1)) for column, name in PER_TOKEN.items() if column in rows[0]}
     for i, row in enumerate(rows):
         prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
         sequence = prompt + completion
@@ -78,21 +84,20 @@ def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         attention[i, : len(sequence)] = 1
         start = len(prompt) - 1  # target index of the first completion token
         completion_mask[i, start : start + len(completion)] = 1
-        old_logprobs[i, start : start + len(completion)] = torch.tensor(row["logprobs"])
-    return {
-        "input_ids": input_ids,
-        "attention": attention,
-        "completion_mask": completion_mask,
-        "old_logprobs": old_logprobs,
-        "advantages": torch.tensor([row["advantage"] for row in rows], dtype=torch.float32),
-    }
+        for column, name in PER_TOKEN.items():
+            if name in per_token:
+                per_token[name][i, start : start + len(completion)] = torch.tensor(row[column])
+    if "advantages" not in per_token:
+        per_token["advantages"] = torch.tensor([row.get("advantage", 0.0) for row in rows], dtype=torch.float32)
+    return {"input_ids": input_ids, "attention": attention, "completion_mask": completion_mask} | per_token
 
 
 @dataclass
 class Trainer:
     """What training holds between optimizer steps: the policy at `weights`, its optimizer, the
     frozen reference (when the KL is used; with LoRA the policy itself, adapters disabled), the
-    sealed base its adapters apply to (LoRA), and the spec it was built for."""
+    sealed base its adapters apply to (LoRA), the critic at the same version (PPO), and the spec
+    it was built for."""
 
     spec: RunSpec
     run_root: str
@@ -102,6 +107,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     reference: PreTrainedModel | None
     base: WeightRef | None = None
+    critic: Critic | None = None
 
 
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
@@ -135,7 +141,10 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
         reference.eval().requires_grad_(False)
         if sharded:
             shard(reference, reference.device)
-    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base)
+    critic = None
+    if needs_critic(spec):
+        critic = load_critic(spec, run_root, weights["version"], cache_root, trainable=True, sharded=sharded)
+    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic)
 
 
 def micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
@@ -172,6 +181,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     trainer.micro_batch_tokens accumulate their gradients. Raises NonFiniteLossError before the step
     that would apply a NaN/inf gradient."""
     spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
+    critic = trainer.critic
     algorithm = get_algorithm(spec.algorithm.name)
     options = resolve_options(spec)  # the algorithm's defaults for what the spec leaves unset
     aggregation = options.loss_aggregation or "sequence_mean"
@@ -185,6 +195,8 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
     temperature = spec.rollout.temperature
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
+    if critic is not None:
+        totals |= {"value_loss": 0.0, "value_clip_fraction": 0.0, "critic_grad_norm": 0.0}
     steps = kl_steps = micro_steps = 0
     tokens = 0
     size = math.ceil(len(rows) / spec.trainer.mini_batches)
@@ -193,8 +205,13 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         for start in range(0, len(rows), size):
             # linear warmup: lr_s = lr * min(1, (s + 1) / warmup), s = optimizer steps so far in the run
             global_step = (iteration - 1) * steps_per_iteration + steps
+            warmup = min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
             for group in optimizer.param_groups:
-                group["lr"] = spec.trainer.lr * min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
+                group["lr"] = spec.trainer.lr * warmup
+            if critic is not None:
+                for group in critic.optimizer.param_groups:
+                    group["lr"] = options.critic_lr * warmup
+                critic.optimizer.zero_grad(set_to_none=True)
             mini = rows[start : start + size]
             completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
             budget = spec.trainer.micro_batch_tokens
@@ -231,6 +248,15 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                     )
                     entropy = entropy.detach()
                 (processes * weight * loss).backward()
+                if critic is not None:  # the value loss is a token mean: micro-batch j weighs T_j / T
+                    with autocast:
+                        values = token_values(critic.model, mb["input_ids"], mb["attention"])
+                    value_loss, value_stats = algorithm.value_loss(
+                        values, mb["old_values"], mb["returns"], mb["completion_mask"], options.value_clip
+                    )
+                    (processes * share * value_loss).backward()
+                    step["value_loss"] += share * value_loss.item()
+                    step["value_clip_fraction"] += share * float(value_stats["value_clip_fraction"])
                 mask = mb["completion_mask"]  # entropy: averaged over completion tokens
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
                 step["loss"] += weight * loss.item()
@@ -241,13 +267,20 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             step = all_sum(step, device)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), spec.trainer.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if not (math.isfinite(step["loss"]) and torch.isfinite(grad_norm)):
+            if critic is not None:
+                critic_norm = torch.nn.utils.clip_grad_norm_(critic.model.parameters(), spec.trainer.max_grad_norm)
+                critic_norm = critic_norm.full_tensor() if hasattr(critic_norm, "full_tensor") else critic_norm
+                step["critic_grad_norm"] = float(critic_norm)
+            finite = [step["loss"], step.get("value_loss", 0.0), float(grad_norm), step.get("critic_grad_norm", 0.0)]
+            if not all(math.isfinite(value) for value in finite):
                 raise NonFiniteLossError(
                     f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
                     "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
                     "functions for extreme values; then run again: the loop resumes from the last version."
                 )
             optimizer.step()
+            if critic is not None:
+                critic.optimizer.step()
             step["grad_norm"] = float(grad_norm)
             for key, value in step.items():
                 totals[key] += value
@@ -255,7 +288,14 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             steps += 1
     trained = time.time()
     tokens = int(all_sum({"tokens": tokens}, device)["tokens"])
-    return {
+    critic_metrics = {}
+    if critic is not None:
+        critic_metrics = {
+            "critic/value_loss": totals["value_loss"] / steps,
+            "critic/value_clip_fraction": totals["value_clip_fraction"] / steps,
+            "critic/grad_norm": totals["critic_grad_norm"] / steps,
+        }
+    return critic_metrics | {
         "policy/loss": totals["loss"] / steps,
         "policy/clip_fraction": totals["clip_fraction"] / steps,
         "policy/entropy": totals["entropy"] / steps,
@@ -293,6 +333,8 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
         with fs.open(tmp_path, "wb") as f:
             torch.save(optimizer_state, f)
         move(final_opt + ".tmp", final_opt)
+    if trainer.critic is not None:
+        save_critic(trainer.critic, run_root, iteration)
     if processes > 1:
         shared = [ref]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -1,0 +1,116 @@
+"""PPO with a critic (Schulman et al. 2017; as InstructGPT, OpenRLHF and verl apply it to LLMs).
+
+A value model V (rlpipe.training.critic) estimates, at each completion token t, the return still
+to come. The values step records V_t of every rollout under critic v(N); the advantages step turns
+rewards and values into per-token advantages with GAE (numpy only):
+
+    r_t     = R at the completion's last token, 0 before it       (the sequence reward)
+    delta_t = r_t + gamma V_{t+1} - V_t                           (V_T = 0 past the last token)
+    A_t     = sum_l (gamma lambda)^l delta_{t+l}                  (GAE, Schulman et al. 2016)
+    G_t     = A_t + V_t                                           (the critic's regression target)
+    A_t    <- (A_t - mean A) / (std A + eps) over every token of the batch   (whiten_advantages)
+
+The update trains the policy on PPO's clipped surrogate with the per-token A_t
+(policy_gradient.clipped_policy_loss, token mean) and the critic on the clipped value loss
+
+    L_V = 1/2 mean_t max( (V_t - G_t)^2, (V_old_t + clip(V_t - V_old_t, -c, c) - G_t)^2 )
+
+(c = value_clip), each with its own optimizer. Explained variance 1 - Var(G - V_old) / Var(G)
+says how much of the return the critic predicted (1: all; <= 0: no better than a constant).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlpipe.algorithms import Algorithm, register_algorithm
+from rlpipe.algorithms.grpo import STD_EPS, surrogate_loss
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlpipe.spec import AlgorithmSpec
+
+
+def gae(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """(A_t, G_t) of one completion from its per-token rewards r_t and values V_t (formulas above)."""
+    advantages = np.zeros(len(values), dtype=np.float64)
+    running = 0.0
+    for t in reversed(range(len(values))):
+        next_value = values[t + 1] if t + 1 < len(values) else 0.0
+        delta = token_rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages, advantages + np.asarray(values, dtype=np.float64)
+
+
+def ppo_advantages(
+    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec, values: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-token (advantages, returns) of every completion: GAE on the sequence reward placed at the
+    last token, advantages whitened over the batch's tokens when options.whiten_advantages."""
+    advantages, returns = [], []
+    for reward, completion_values in zip(rewards, values, strict=True):
+        completion_values = np.asarray(completion_values, dtype=np.float64)
+        token_rewards = np.zeros(len(completion_values))
+        if len(token_rewards):
+            token_rewards[-1] = reward
+        a, g = gae(token_rewards, completion_values, options.gamma, options.lam)
+        advantages.append(a)
+        returns.append(g)
+    if options.whiten_advantages:
+        every = np.concatenate(advantages) if advantages else np.zeros(0)
+        mean, std = (every.mean(), every.std()) if len(every) else (0.0, 1.0)
+        advantages = [(a - mean) / (std + STD_EPS) for a in advantages]
+    return advantages, returns
+
+
+def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
+    """1 - Var(G - V) / Var(G) over tokens; None (undefined) when the returns do not vary."""
+    spread = np.var(returns)
+    return float(1.0 - np.var(returns - values) / spread) if spread > 0 else None
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped value loss L_V above (token mean over `mask`); clip None: the plain squared error."""
+    import torch
+
+    mask = mask.to(values.dtype)
+    tokens = mask.sum().clamp(min=1.0)
+    squared = (values - returns) ** 2
+    if clip is None:
+        per_token = squared
+        clipped_fraction = torch.zeros(())
+    else:
+        kept = old_values + torch.clamp(values - old_values, -clip, clip)
+        squared_clipped = (kept - returns) ** 2
+        per_token = torch.maximum(squared, squared_clipped)
+        clipped_fraction = ((squared_clipped > squared).to(mask.dtype) * mask).sum().detach() / tokens
+    loss = 0.5 * (per_token * mask).sum() / tokens
+    return loss, {"value_clip_fraction": clipped_fraction, "value_mean": ((values * mask).sum() / tokens).detach()}
+
+
+PPO = register_algorithm(
+    Algorithm(
+        "ppo",
+        frozenset({"critic"}),
+        ppo_advantages,
+        surrogate_loss,
+        {
+            "clip_eps": 0.2,
+            "clip_eps_high": None,
+            "loss_aggregation": "token_mean",
+            "kl_estimator": "k3",
+            "gamma": 1.0,
+            "lam": 0.95,
+            "value_clip": 0.2,
+            "whiten_advantages": True,
+            "critic_lr": None,  # = trainer.lr
+        },
+        value_loss=value_loss,
+    )
+)
