@@ -38,10 +38,11 @@ COMPONENTS = {
 
 def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
     """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
-    and earlier tasks' outputs), placed for the cluster; its outputs join `available` (a step's
+    and earlier tasks' outputs; an optional input, when no earlier step gave it), placed for the cluster; its outputs join `available` (a step's
     `step_metrics` as `<step>_metrics`; a step that `stands_for` an artifact replaces it)."""
     component = COMPONENTS[step]
-    task = component(**{name: available[name] for name in component.component_spec.inputs})
+    inputs = component.component_spec.inputs
+    task = component(**{name: available[name] for name in inputs if name in available or not inputs[name].optional})
     for name in component.component_spec.outputs or {}:
         if name != "metrics":
             available[f"{step}_metrics" if name == "step_metrics" else name] = task.outputs[name]

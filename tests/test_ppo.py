@@ -2,6 +2,7 @@
 the critic's lineage in the weight store; whole iterations with the values step (in process, on
 the resident trainer, and on the KFP local runner); the compiled pipeline."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -186,6 +187,7 @@ def test_ppo_loop_on_the_kfp_local_runner(tmp_path: Path):
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(run_dir, 2)
     assert _mlflow_steps(run_dir, "critic/value_loss") == [1, 2]
+    assert "time/values_s" in json.loads((run_dir / "metrics" / "iter_000002.json").read_text())
     assert sorted(p.name for p in (run_dir / "critic").glob("v*")) == ["v000001", "v000002"]
     assert sorted(p.name for p in (run_dir / "critic" / "optimizer").glob("*.pt")) == ["v000002.pt"]
     log = re.sub(r"\x1b\[[0-9;]*m", "", (run_dir / "logs" / "kfp-local.log").read_text())
@@ -216,3 +218,17 @@ def test_compiled_ppo_yaml_parses_strictly(tmp_path: Path):
     scored = iteration["advantages"].inputs.artifacts["scored"].task_output_artifact
     assert (scored.producer_task, scored.output_artifact_key) == ("values", "valued")
     assert iteration["values"].inputs.artifacts["scored"].task_output_artifact.producer_task == "score"
+    # its metrics reach the iteration's record
+    assert iteration["sync-weights"].inputs.parameters["values_metrics"].task_output_parameter.producer_task == "values"
+
+
+def test_the_memory_plan_counts_the_critic(tmp_path: Path):
+    from rlpipe.training.memory_plan import model_shape, plan_memory
+
+    def rows(spec):
+        return dict(plan_memory(spec, model_shape(spec, tmp_path), 64, gpus=2, gpu_memory_gib=80).rows)
+
+    ppo = parse_spec(tiny_spec_dict(tmp_path, algorithm=PPO))
+    shape = model_shape(ppo, tmp_path)
+    assert rows(ppo)["critic: weights, gradients, AdamW"] == 16 * shape.parameters / 2
+    assert not any(what.startswith("critic") for what in rows(parse_spec(tiny_spec_dict(tmp_path))))

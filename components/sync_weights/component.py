@@ -16,6 +16,7 @@ def sync_weights(
     advantages_metrics: dict,
     update_metrics: dict,
     metrics: dsl.Output[dsl.Metrics],
+    values_metrics: dict = {},  # noqa: B006 (KFP's default for an optional input; only PPO has a values step)
 ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
     """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights)."""
     import time
@@ -26,7 +27,7 @@ def sync_weights(
     run_spec, overhead = start("sync_weights", spec, entered)
     from rlpipe import loop
 
-    step_metrics = (generate_metrics, score_metrics, advantages_metrics, update_metrics, overhead)
+    step_metrics = (generate_metrics, score_metrics, values_metrics, advantages_metrics, update_metrics, overhead)
     weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics)
     finish(metrics, values)
     return (weights, iteration + 1)

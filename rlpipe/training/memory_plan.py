@@ -6,6 +6,8 @@ Per GPU, with P parameters, sharded over `gpus` by FSDP (weights, gradients and 
     gradients          4 P / gpus              fp32
     AdamW state        8 P / gpus              two fp32 moments
     reference          b P / gpus              frozen v0 for the KL (b = 2 in bf16, 4 in fp32)
+    critic             16 P / gpus             PPO's value model: weights, gradients, AdamW (its
+                                               activations come after the policy's are freed)
     activations        N (c L + s) b           one micro-batch of N tokens, L layers (below)
     logits             N V 4 x 3               fp32 logits, log-softmax and its gradient
     sampler KV cache   R T L 2 kv d b          colocated torch sampling: R rows of T tokens
@@ -28,6 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rlpipe.algorithms import needs_critic
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -133,6 +137,8 @@ def plan_memory(spec: RunSpec, shape: ModelShape, seq_len: int, gpus: int, gpu_m
     ]
     if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
         rows.append((f"reference ({'bf16' if bf16 else 'fp32'})", act_bytes * p / gpus))
+    if needs_critic(spec):
+        rows.append(("critic: weights, gradients, AdamW", 16 * p / gpus))
     rows.append(
         (
             f"activations ({tokens} tokens{', checkpointed' if spec.trainer.gradient_checkpointing else ''})",
