@@ -232,3 +232,27 @@ def test_the_memory_plan_counts_the_critic(tmp_path: Path):
     shape = model_shape(ppo, tmp_path)
     assert rows(ppo)["critic: weights, gradients, AdamW"] == 16 * shape.parameters / 2
     assert not any(what.startswith("critic") for what in rows(parse_spec(tiny_spec_dict(tmp_path))))
+
+
+@pytest.mark.slow
+def test_ppo_update_in_two_torchrun_processes(tmp_path: Path):
+    """trainer.gpus: 2 (gloo processes here): FSDP2 shards the critic too; the first process publishes
+    critic v1 (whole weights) and its AdamW state, which one process loads and trains on."""
+    from rlpipe import loop
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.weights import read_ref
+    from rlpipe.training.critic import load_critic
+
+    spec = _ppo_spec(tmp_path)
+    run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
+    loop.prepare(spec, run_root)
+    staged, warm = loop.warm_start(spec, run_root, cache)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    data = spec_to_dict(spec)
+    data["trainer"] |= {"gpus": 2, "device": "cpu", "micro_batch_tokens": 64}
+    two = parse_spec(data)
+    weights, metrics = loop.run_iteration(two, run_root, weights, 1, tmp_path, cache)
+    assert metrics["policy/processes"] == 2 and math.isfinite(metrics["critic/value_loss"])
+    assert read_ref(run_root, 1, "critic")["version"] == 1
+    critic = load_critic(spec, run_root, 1, cache, trainable=True)  # one process, from the 2-process save
+    assert critic.optimizer.state and float(critic.model.score.weight.abs().max()) > 0  # the head trained
