@@ -22,6 +22,10 @@ Built in (formulas beside the code):
     rloo          leave-one-out baseline                                            (reinforce.py)
     reinforce_pp  batch-whitened advantages, the KL folded into the token reward    (reinforce.py)
 Every one takes kl_coef with kl_estimator k1/k2/k3 to the frozen v0, and entropy_coef.
+    dpo           offline DPO over a preference set, its own pipeline                (dpo.py)
+    online_dpo    DPO on pairs sampled and ranked by the reward each iteration       (dpo.py)
+An algorithm that `needs` "pairs" trains on (chosen, rejected) pairs: its advantage column is the
+role (+1 chosen, -1 rejected, 0 unpaired) and the update keeps each pair in one micro-batch.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ if TYPE_CHECKING:
 
 # Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
 TUNED_OPTIONS = (
+    "beta",  # DPO
+    "label_smoothing",
+    "dpo_loss",
+    "rpo_alpha",
     "scale_rewards",
     "clip_eps",
     "clip_eps_high",
@@ -151,4 +159,4 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
     }
 
 
-from rlpipe.algorithms import grpo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)
+from rlpipe.algorithms import dpo, grpo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)
