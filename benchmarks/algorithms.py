@@ -39,6 +39,7 @@ ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
     "gspo": ({}, "policy/clip_fraction"),
     "rloo": ({}, "advantage/abs_mean"),
     "reinforce_pp": ({}, "advantage/abs_mean"),
+    "online_dpo": ({}, "policy/preference_accuracy"),  # on the fresh pairs, each mini-batch before its step
 }
 
 
