@@ -259,7 +259,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 step["loss"] += weight * loss.item()
                 for key in ("clip_fraction", "ratio") + (("kl",) if kl_measured else ()):
                     step[key] += share * float(stats[key])
-                for key in stats.keys() - totals.keys():  # the algorithm's own (DPO: preference_accuracy, ...)
+                for key in stats.keys() - STANDARD_STATS:  # the algorithm's own (DPO: preference_accuracy, ...)
                     step[key] = step.get(key, 0.0) + weight * float(stats[key])
                 tokens += int(present * mb["attention"].sum())
                 micro_steps += 1
