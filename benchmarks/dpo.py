@@ -77,13 +77,15 @@ def result(name: str, seed: int, run_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only", type=int, nargs="+", metavar="SEED", help="run just these seeds (of --seeds)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses about one core)")
     parser.add_argument("--runs", type=Path, default=Path("runs/dpo"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override for every run")
     parser.add_argument("--name", default="dpo", help="the variant's name (run directories, the results' rows)")
     parser.add_argument("--results", default="dpo", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
-    jobs = [(seed, (args.runs / f"{args.name}-seed{seed}").resolve()) for seed in range(args.seeds)]
+    seeds = args.only if args.only else range(args.seeds)
+    jobs = [(seed, (args.runs / f"{args.name}-seed{seed}").resolve()) for seed in seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: run(*job, args.set), jobs))
     rows = [result(args.name, *job) for job in jobs]
