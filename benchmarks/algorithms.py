@@ -40,6 +40,7 @@ ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
     "rloo": ({}, "advantage/abs_mean"),
     "reinforce_pp": ({}, "advantage/abs_mean"),
     "ppo": ({}, "critic/explained_variance"),
+    "online_dpo": ({}, "policy/preference_accuracy"),  # on the fresh pairs, each mini-batch before its step
 }
 
 

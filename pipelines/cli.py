@@ -98,6 +98,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if args.target == "argo":
         from rlpipe.pipelines.argo_export import export_argo
+        from rlpipe.preferences import is_offline_dpo
+
+        if is_offline_dpo(spec):
+            raise ValueError("algorithm.name dpo compiles to KFP only (its own pipeline); drop --target argo")
 
         path = export_argo(spec, args.output, run_root=args.run_root)
         print(f"wrote {path}: a WorkflowTemplate and a CronWorkflow; `kubectl apply -n rlpipe -f {path}`")

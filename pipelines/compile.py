@@ -7,7 +7,6 @@ from kfp import compiler
 
 from rlpipe.pipelines.trainer_jobset import trainer_url
 from rlpipe.spec import RunSpec, spec_to_dict
-from rlpipe.steps import iteration_steps
 from rlpipe.store.run_root import run_root_for
 
 
@@ -46,15 +45,13 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
     spec is a pipeline parameter, editable when creating a run. `spec.cluster` is applied to
     every task (pipelines/cluster_settings.py).
     """
-    from rlpipe.pipelines.rl_pipeline import build_run_pipeline
+    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     spec, run_root = cluster_spec_and_root(spec, run_root)
     compiler.Compiler().compile(
-        pipeline_func=build_run_pipeline(
-            spec.loop.iterations_per_run, spec.loop.eval_every, placement=spec, steps=iteration_steps(spec)
-        ),
+        pipeline_func=build_pipeline_for(spec, placement=spec),  # offline DPO's, or the RL loop's
         package_path=str(output),
         pipeline_parameters={
             "spec": spec_to_dict(spec),

@@ -23,7 +23,6 @@ from rich.table import Table
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
 from rlpipe.spec import RESUMABLE_KEYS, RunSpec, spec_to_dict, without
-from rlpipe.steps import iteration_steps
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -157,7 +156,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     """Drive the loop to `spec.loop.iterations`; returns the final state."""
     from kfp import local
 
-    from rlpipe.pipelines.rl_pipeline import build_run_pipeline
+    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
 
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
@@ -167,9 +166,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
-    pipeline = build_run_pipeline(
-        spec.loop.iterations_per_run, spec.loop.eval_every, placement=None, steps=iteration_steps(spec)
-    )
+    pipeline = build_pipeline_for(spec, placement=None)  # offline DPO's, or the RL loop's
     progress = Progress(total=spec.loop.iterations)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup

@@ -290,6 +290,39 @@ class AlgorithmSpec:
     track_reference_kl: bool = setting(
         True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
     )
+    beta: float | None = setting(
+        None, gt=0, doc="DPO's beta (dpo, online_dpo): how far the policy may move from the reference. null: 0.1"
+    )
+    label_smoothing: float | None = setting(
+        None, ge=0, lt=0.5, doc="DPO: the chance a preference label is flipped (cDPO). null: 0"
+    )
+    dpo_loss: Literal["sigmoid", "ipo"] | None = setting(
+        None, doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss). null: sigmoid"
+    )
+    rpo_alpha: float | None = setting(
+        None, ge=0, doc="DPO: weight of the chosen completion's NLL per token added to the loss (RPO). null: 0"
+    )
+
+
+@section
+class PreferencesSpec:
+    """Offline DPO's preference set (algorithm.name: dpo), made once per run by the preferences step.
+
+    From the task (default): rollout.samples_per_prompt completions of each train and held-out prompt
+    are sampled from v0 (the warm start) at rollout.temperature and scored with reward.verifier; chosen
+    = one it accepts, rejected = one it rejects; a prompt without both gives no pair. From data files:
+    set data.path to rows with a prompt and the `chosen` and `rejected` columns (the prompt goes through
+    data's templates like any prompt; the held-out split is data's). Each iteration trains on the next
+    rollout.prompts_per_iteration pairs of a per-epoch shuffle."""
+
+    chosen: str = setting("chosen", doc="Column of the preferred completion, when data.path has one")
+    rejected: str = setting("rejected", doc="Column of the dispreferred completion, when data.path has one")
+    pairs_per_prompt: int = setting(
+        1, ge=1, doc="Pairs made from one prompt's samples at most (disjoint: a completion is in one pair)"
+    )
+    eval_pairs: int = setting(
+        256, ge=1, doc="Held-out pairs whose preference accuracy each iteration reports (and as many train pairs)"
+    )
 
 
 @section
@@ -454,6 +487,7 @@ class RunSpec:
     storage: StorageSpec = setting(default_factory=StorageSpec)
     tracking: TrackingSpec = setting(default_factory=TrackingSpec)
     cluster: ClusterSpec = setting(default_factory=ClusterSpec)
+    preferences: PreferencesSpec = setting(default_factory=PreferencesSpec)
 
     @property
     def cache_root(self) -> str:

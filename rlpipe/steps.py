@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class Step:
     name: str  # KFP task, Argo template (with - for _), spec name
     does: str
-    phase: Literal["init", "iteration", "exit"]
+    phase: Literal["init", "iteration", "exit", "dpo"]
     function: str  # module:function, the step's plain logic
     torch: bool  # computes with torch: the trainer image and GPU on a cluster, unless a thin client
     run_root: bool  # reads or writes the run root (mounts the shared volume); False: KFP artifacts only
@@ -62,6 +62,15 @@ STEPS: tuple[Step, ...] = (
          torch=True, run_root=True, computes_with=("rlpipe.evaluation",)),
     Step("track", "copy committed metrics to MLflow (exit handler)", "exit", "rlpipe.tracking:flush_metrics",
          torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
+    # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
+    Step("preferences", "build the preference pairs once: v0's samples ranked by the verifier, or the data's",
+         "dpo", "rlpipe.preferences:build_preferences", torch=True, run_root=True,
+         computes_with=("rlpipe.training.dpo",)),
+    Step("reference_logprobs", "the frozen v0's log-probs of every chosen and rejected completion, once", "dpo",
+         "rlpipe.preferences:compute_reference_logprobs", torch=True, run_root=True,
+         computes_with=("rlpipe.training.dpo",)),
+    Step("dpo_update", "DPO on v(N) with the iteration's pairs; stage v(N+1)", "dpo",
+         "rlpipe.preferences:dpo_update", torch=True, run_root=True, computes_with=("rlpipe.training.dpo",)),
 )  # fmt: skip
 
 BY_NAME = {step.name: step for step in STEPS}

@@ -26,7 +26,11 @@ Built in (formulas beside the code):
     rloo          leave-one-out baseline                                            (reinforce.py)
     reinforce_pp  batch-whitened advantages, the KL folded into the token reward    (reinforce.py)
     ppo           a critic: GAE per-token advantages, clipped value loss             (ppo.py)
+    dpo           offline DPO over a preference set, its own pipeline                (dpo.py)
+    online_dpo    DPO on pairs sampled and ranked by the reward each iteration       (dpo.py)
 Every one takes kl_coef with kl_estimator k1/k2/k3 to the frozen v0, and entropy_coef.
+An algorithm that `needs` "pairs" trains on (chosen, rejected) pairs: its advantage column is the
+role (+1 chosen, -1 rejected, 0 unpaired) and the update keeps each pair in one micro-batch.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ if TYPE_CHECKING:
 
 # Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
 TUNED_OPTIONS = (
+    "beta",  # DPO
+    "label_smoothing",
+    "dpo_loss",
+    "rpo_alpha",
     "scale_rewards",
     "clip_eps",
     "clip_eps_high",
@@ -204,4 +212,4 @@ def critic_advantages(
     return table, float(np.abs(every_advantage).mean())
 
 
-from rlpipe.algorithms import grpo, ppo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)
+from rlpipe.algorithms import dpo, grpo, ppo, reinforce  # noqa: E402, F401 (register the built-ins; need the names above)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.algorithms import get_algorithm, needs_critic, resolve_options
+from rlpipe.algorithms.dpo import pair_micro_batches, paired_rows
 from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
 from rlpipe.rollouts import read_table
@@ -37,6 +38,9 @@ from rlpipe.training.distributed import (
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+STANDARD_STATS = {"loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"}  # reported under their own names
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -60,16 +64,22 @@ def token_logprobs_and_entropy(
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
-PER_TOKEN = {"logprobs": "old_logprobs", "token_advantages": "advantages", "returns": "returns", "values": "old_values"}
+PER_TOKEN = {  # row column -> packed name
+    "logprobs": "old_logprobs",
+    "ref_logprobs": "ref_logprobs",  # offline DPO: the reference's, computed once
+    "token_advantages": "advantages",  # a critic's (PPO), with:
+    "returns": "returns",
+    "values": "old_values",
+}
 
 
 def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion; tensors aligned to next-token targets (length L-1).
 
     completion_mask[t] = 1 where target t is a completion token; the per-token columns the rows
-    have (PER_TOKEN: sampler log-probs, and a critic's advantages, returns and values) are laid out
-    on those positions. Without token_advantages, `advantages` is one per row (0 before the
-    advantages step).
+    have (PER_TOKEN: sampler log-probs, stored reference log-probs, a critic's advantages, returns
+    and values) are laid out on those positions. Without token_advantages, `advantages` is one per
+    row (0 before the advantages step).
     """
     width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows)
     n = len(rows)
@@ -134,9 +144,11 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
         with fs.open(opt_path, "rb") as f:
             load_optimizer_state(policy, optimizer, torch.load(f, weights_only=True, map_location=policy.device))
     reference = None
-    if (spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl) and base is not None:
+    wants_reference = spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl
+    wants_reference |= "reference" in get_algorithm(spec.algorithm.name).needs  # online DPO's loss
+    if wants_reference and base is not None:
         reference = policy  # the base = the policy with its adapters disabled: no second copy
-    elif spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
+    elif wants_reference:
         reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
         reference.eval().requires_grad_(False)
         if sharded:
@@ -192,7 +204,13 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     # gradients and AdamW's moments stay fp32, and log-probs are taken in fp32 (token_logprobs)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
     rows = read_table(batch_path).to_pylist()
-    random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
+    pairs = "pairs" in algorithm.needs  # DPO: [chosen, rejected] pairs, kept together (rlpipe.algorithms.dpo)
+    if pairs:
+        rows = paired_rows(rows, spec.seed * 1_000_003 + iteration)
+        if not rows:
+            return {"policy/optimizer_steps": 0.0, "policy/pairs": 0.0}
+    else:
+        random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
     temperature = spec.rollout.temperature
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
     if critic is not None:
@@ -200,6 +218,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     steps = kl_steps = micro_steps = 0
     tokens = 0
     size = math.ceil(len(rows) / spec.trainer.mini_batches)
+    size += size % 2 if pairs else 0
     steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
     for _ in range(spec.trainer.epochs):
         for start in range(0, len(rows), size):
@@ -217,14 +236,20 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             budget = spec.trainer.micro_batch_tokens
             # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
             # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-            use_reference = reference is not None and (options.kl_coef > 0 or steps == 0)
+            use_reference = reference is not None and (
+                options.kl_coef > 0 or steps == 0 or "reference" in algorithm.needs
+            )
+            kl_measured = use_reference
             optimizer.zero_grad(set_to_none=True)
             step = {key: 0.0 for key in totals}
             # the same micro-batches on every process (FSDP's collectives line up); each takes every
             # world-th row of each, and scales by `processes` since FSDP averages gradients over them
-            for group in micro_batches(mini, budget * processes if budget else None):
-                part = group[rank::processes] or group[:1]
-                present = float(bool(group[rank::processes]))  # a process with no row: weight 0
+            unit = 2 if pairs else 1  # rows that stay together
+            split = pair_micro_batches if pairs else micro_batches
+            for group in split(mini, budget * processes if budget else None):
+                part = [r for k in range(rank * unit, len(group), processes * unit) for r in group[k : k + unit]]
+                present = float(bool(part))  # a process with no row: weight 0
+                part = part or group[:unit]
                 mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
                 weight = present * micro_batch_weight(mb, len(mini), completion_tokens, aggregation)
                 share = present * float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
@@ -232,8 +257,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 with autocast:
                     logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
                 logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature, options.entropy_coef > 0)
-                ref_logprobs = None
-                if use_reference:
+                ref_logprobs = mb.get("ref_logprobs")  # computed once (offline DPO), else the reference's
+                kl_measured |= ref_logprobs is not None
+                if use_reference and ref_logprobs is None:
                     adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
                     with torch.no_grad(), autocast, adapters_off:
                         ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
@@ -260,8 +286,10 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 mask = mb["completion_mask"]  # entropy: averaged over completion tokens
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
                 step["loss"] += weight * loss.item()
-                for key in ("clip_fraction", "ratio") + (("kl",) if use_reference else ()):
+                for key in ("clip_fraction", "ratio") + (("kl",) if kl_measured else ()):
                     step[key] += share * float(stats[key])
+                for key in stats.keys() - STANDARD_STATS:  # the algorithm's own (DPO: preference_accuracy, ...)
+                    step[key] = step.get(key, 0.0) + weight * float(stats[key])
                 tokens += int(present * mb["attention"].sum())
                 micro_steps += 1
             step = all_sum(step, device)
@@ -283,8 +311,8 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                 critic.optimizer.step()
             step["grad_norm"] = float(grad_norm)
             for key, value in step.items():
-                totals[key] += value
-            kl_steps += int(use_reference)
+                totals[key] = totals.get(key, 0.0) + value
+            kl_steps += int(kl_measured)
             steps += 1
     trained = time.time()
     tokens = int(all_sum({"tokens": tokens}, device)["tokens"])
@@ -306,7 +334,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         "policy/micro_batches": float(micro_steps),
         "policy/lr": optimizer.param_groups[0]["lr"],
         "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
-    }
+    } | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS} | (
+        {"policy/pairs": len(rows) / 2} if pairs else {}
+    )
 
 
 def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef:

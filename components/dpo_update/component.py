@@ -1,0 +1,31 @@
+from typing import NamedTuple
+
+from kfp import dsl
+
+from rlpipe.components import TRAINER_IMAGE
+
+
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def dpo_update(
+    spec: dict,
+    run_root: str,
+    weights: dict,
+    iteration: int,
+    metrics: dsl.Output[dsl.Metrics],
+) -> NamedTuple("Outputs", staged=dict, step_metrics=dict):
+    """DPO on `weights` with the iteration's pairs; stages v(N+1) (rlpipe.preferences.dpo_update)."""
+    import time
+
+    entered = time.time()
+    from rlpipe.components import finish, start
+
+    run_spec, values = start("dpo_update", spec, entered)
+    from rlpipe import preferences as dpo
+
+    staged, trained = dpo.dpo_update(run_spec, run_root, weights, iteration, run_spec.cache_root)
+    values |= trained
+    finish(metrics, values)
+    from rlpipe.metric_keys import STARTED_AT
+
+    values[STARTED_AT] = entered  # the iteration began: sync_weights records its wall time
+    return (staged, values)

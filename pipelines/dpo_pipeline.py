@@ -1,0 +1,129 @@
+"""Offline DPO's DAG (algorithm.name: dpo; rlpipe/preferences.py has its steps' logic).
+
+    dpo_iteration(weights v(N)):  dpo_update -> sync_weights -> evaluate, only when v(N+1) is due
+    dpo_run (K unrolled):         prepare -> warm_start -> publish_warm_start -> preferences
+                                  -> reference_logprobs -> plan, iterations_todo -> evaluate (if pending)
+                                  -> iteration 1 -> ... -> iteration K   (iteration k under If(todo >= k))
+                                  exit handler: track (MLflow)
+
+The run pipeline's shape (pipelines/rl_pipeline.py) with the preference set made once instead of
+rollouts each iteration: the same init, plan, sync_weights, evaluate and track components, and the
+same driver (`rlpipe run` keeps starting runs until state.json says the loop is done).
+"""
+
+from contextlib import ExitStack
+from typing import Any, Callable, NamedTuple
+
+from kfp import dsl
+
+from rlpipe.pipelines.cluster_settings import place
+from rlpipe.pipelines.rl_pipeline import COMPONENTS, add_task, build_run_pipeline
+from rlpipe.preferences import check_dpo_spec, is_offline_dpo
+from rlpipe.spec import RunSpec
+from rlpipe.steps import iteration_steps
+
+
+def build_dpo_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
+    """One DPO iteration as a pipeline: dpo_update, sync_weights (the update's metrics in its
+    update_metrics; its other step metrics empty), then evaluate when due."""
+
+    @dsl.pipeline(name="rlpipe-dpo-iteration", description="One DPO iteration: weights v(N) in, v(N+1) published.")
+    def dpo_iteration(
+        spec: dict,
+        run_root: str,
+        weights: dict,
+        iteration: int,
+        eval_phase: int,
+        due_phase: int,
+        iterations_left: int,
+        position: int,
+    ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
+        available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
+        add_task("dpo_update", available, placement)
+        available["update_metrics"] = available.pop("dpo_update_metrics")
+        for name in COMPONENTS["sync_weights"].component_spec.inputs:
+            if name.endswith("_metrics"):  # the RL steps DPO does not run
+                available.setdefault(name, {})
+        add_task("sync_weights", available, placement)
+        with dsl.If(eval_phase == due_phase, name="eval-due"):
+            add_task("evaluate", dict(available), placement)
+        with dsl.Elif(iterations_left == position, name="last-iteration"):
+            add_task("evaluate", dict(available), placement)
+        outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
+        return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
+
+    return dpo_iteration
+
+
+def build_dpo_pipeline(iterations_per_run: int, eval_every: int, placement: RunSpec | None = None) -> Callable:
+    """The pipeline one run of which advances offline DPO by up to `iterations_per_run` iterations."""
+    dpo_iteration = build_dpo_iteration_pipeline(placement)
+
+    @dsl.pipeline(
+        name="rlpipe-dpo",
+        description=f"Offline DPO: initialize and build the preference set if needed, then up to "
+        f"{iterations_per_run} iterations from state.json.",
+    )
+    def dpo_run(spec: dict, run_root: str):
+        flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
+        with dsl.ExitHandler(flush, name="iterations"):
+            data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
+            initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
+            published = place(
+                COMPONENTS["publish_warm_start"](
+                    spec=spec,
+                    run_root=run_root,
+                    staged=initial.outputs["staged"],
+                    step_metrics=initial.outputs["step_metrics"],
+                ),
+                "publish_warm_start",
+                placement,
+            )
+            pairs = place(
+                COMPONENTS["preferences"](spec=spec, run_root=run_root).after(published), "preferences", placement
+            )
+            reference = place(
+                COMPONENTS["reference_logprobs"](spec=spec, run_root=run_root).after(pairs),
+                "reference_logprobs",
+                placement,
+            )
+            start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(reference), "plan", placement)
+            todo = place(
+                COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(reference),
+                "iterations_todo",
+                placement,
+            )
+            pending = place(
+                COMPONENTS["evaluate"](
+                    spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
+                ),
+                "evaluate",
+                placement,
+            )
+            weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
+            with ExitStack() as nested:
+                for k in range(1, iterations_per_run + 1):
+                    nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
+                    step = dpo_iteration(
+                        spec=spec,
+                        run_root=run_root,
+                        weights=weights,
+                        iteration=iteration,
+                        eval_phase=start.outputs["eval_phase"],
+                        due_phase=-k % eval_every,
+                        iterations_left=start.outputs["iterations_left"],
+                        position=k,
+                    )
+                    if k == 1:
+                        step.after(pending)
+                    weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
+
+    return dpo_run
+
+
+def build_pipeline_for(spec: RunSpec, placement: RunSpec | None = None) -> Callable:
+    """The pipeline `spec` runs: offline DPO's for algorithm.name dpo, else the RL run pipeline."""
+    if is_offline_dpo(spec):
+        check_dpo_spec(spec)
+        return build_dpo_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement)
+    return build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement, iteration_steps(spec))

@@ -1,0 +1,176 @@
+"""Offline DPO's torch work: sample the preference set from v0, the reference's log-probs of each pair
+(once), and one iteration of DPO updates on the next slice of pairs. The step functions that call
+these are in rlpipe/preferences.py; the loss is rlpipe.algorithms.dpo."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import torch
+
+from rlpipe.modeling import load_weights
+from rlpipe.rollouts import write_table
+from rlpipe.training.trainer import load_trainer, save_trained, token_logprobs, train_on_batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
+
+
+def sample_groups(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
+    """rollout.samples_per_prompt completions per prompt (prompt-major): (token ids, decoded texts)."""
+    from rlpipe.engines.torch_engine import sample_in_batches
+
+    model.eval()
+    group = spec.rollout.samples_per_prompt
+    completions = sample_in_batches(
+        model,
+        [ids for ids in prompt_ids for _ in range(group)],
+        batch_size=spec.rollout.batch_size,
+        max_new_tokens=spec.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        temperature=spec.rollout.temperature,
+        top_k=spec.rollout.top_k,
+        top_p=spec.rollout.top_p,
+        generator=torch.Generator(device=model.device).manual_seed(seed),
+    )
+    return completions.token_ids, tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def completion_logprobs(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    temperature: float,
+    batch_size: int = 256,
+) -> list[list[float]]:
+    """log pi(token | prefix) of each completion token after its prompt, as the update computes them
+    (right-padded prompt + completion, softmax(logits / T) in fp32)."""
+    model.eval()
+    out: list[list[float]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(zip(prompts[start : start + batch_size], completions[start : start + batch_size]))
+        width = max(len(p) + len(c) for p, c in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, (p, c) in enumerate(chunk):
+            ids[i, : len(p) + len(c)] = torch.tensor(list(p) + list(c))
+            attention[i, : len(p) + len(c)] = 1
+        ids, attention = ids.to(model.device), attention.to(model.device)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], temperature).cpu()
+        for i, (p, c) in enumerate(chunk):
+            out.append(logp[i, len(p) - 1 : len(p) - 1 + len(c)].tolist())
+    return out
+
+
+def reference_columns(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> dict[str, list[list[float]]]:
+    """ref_chosen_logprobs and ref_rejected_logprobs of every pair under `model` (the frozen v0)."""
+    prompts = [p["prompt_token_ids"] for p in pairs]
+    return {
+        f"ref_{role}_logprobs": completion_logprobs(
+            model, prompts, [p[f"{role}_token_ids"] for p in pairs], tokenizer.pad_token_id, spec.rollout.temperature
+        )
+        for role in ("chosen", "rejected")
+    }
+
+
+def preference_accuracy(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> dict[str, float]:
+    """On `pairs`: the fraction with h_w > h_l (h = log pi - log pi_ref, summed over the completion:
+    DPO's implicit reward ranks them right), the mean margin beta (h_w - h_l), and the fraction with
+    log pi(y_w|x) > log pi(y_l|x) (the policy itself prefers the chosen one)."""
+    if not pairs:
+        return {}
+    policy = {
+        role: completion_logprobs(
+            model,
+            [p["prompt_token_ids"] for p in pairs],
+            [p[f"{role}_token_ids"] for p in pairs],
+            tokenizer.pad_token_id,
+            spec.rollout.temperature,
+        )
+        for role in ("chosen", "rejected")
+    }
+    beta = spec.algorithm.beta or 0.1
+    right = margin = prefers = 0.0
+    for i, pair in enumerate(pairs):
+        chosen, rejected = sum(policy["chosen"][i]), sum(policy["rejected"][i])
+        h_w = chosen - sum(pair["ref_chosen_logprobs"])
+        h_l = rejected - sum(pair["ref_rejected_logprobs"])
+        right += h_w > h_l
+        margin += beta * (h_w - h_l)
+        prefers += chosen > rejected
+    n = len(pairs)
+    return {"preference_accuracy": right / n, "reward_margin": margin / n, "logprob_accuracy": prefers / n}
+
+
+def batch_rows(pairs: list[dict]) -> list[dict]:
+    """The pairs as update rows (rlpipe.training.trainer.pack): chosen (advantage +1) and rejected
+    (-1) of pair k in group k, with the reference's log-probs computed once; the sampler log-probs
+    (pi_old, only in the ratio statistic) are the reference's too."""
+    rows = []
+    for k, pair in enumerate(pairs):
+        for index, (role, sign) in enumerate((("chosen", 1.0), ("rejected", -1.0))):
+            ref = pair[f"ref_{role}_logprobs"]
+            rows.append(
+                {
+                    "group_id": k,
+                    "sample_index": index,
+                    "prompt_token_ids": pair["prompt_token_ids"],
+                    "completion_token_ids": pair[f"{role}_token_ids"],
+                    "logprobs": ref,
+                    "ref_logprobs": ref,
+                    "advantage": sign,
+                }
+            )
+    return rows
+
+
+def dpo_iteration(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    cache_root: str,
+    pairs: list[dict],
+    check: dict[str, list[dict]],
+) -> tuple[WeightRef, dict[str, float]]:
+    """Train v(N) on `pairs` (the iteration's slice), stage and seal v(N+1); then the preference
+    accuracy of v(N+1) on each of `check`'s pair sets (dpo/<name>_preference_accuracy, ...)."""
+    t0 = time.time()
+    # the reference's log-probs come with the pairs: no reference model in memory
+    algorithm = dataclasses.replace(spec.algorithm, track_reference_kl=False)
+    trainer = load_trainer(dataclasses.replace(spec, algorithm=algorithm), run_root, weights, cache_root)
+    loaded = time.time()
+    with tempfile.TemporaryDirectory() as scratch:
+        batch = str(Path(scratch) / "batch.parquet")
+        write_table(pa.Table.from_pylist(batch_rows(pairs)), batch)
+        metrics = train_on_batch(trainer, batch, iteration)
+    trained = time.time()
+    for name, rows in check.items():
+        for key, value in preference_accuracy(spec, trainer.policy, trainer.tokenizer, rows).items():
+            metrics[f"dpo/{name}_{key}"] = value
+    trainer.policy.train()
+    checked = time.time()
+    ref = save_trained(trainer, iteration, cache_root)
+    return ref, metrics | {
+        "overhead/update_load_s": loaded - t0,
+        "time/update_s": trained - loaded + time.time() - checked,
+        "time/preference_check_s": checked - trained,
+    }
+
+
+def load_reference(spec: RunSpec, weights: WeightRef, cache_root: str):
+    """The frozen v0 (model, tokenizer) for sampling pairs and their reference log-probs."""
+    model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
+    return model.eval().requires_grad_(False), tokenizer
