@@ -91,10 +91,13 @@ def _tokenizer_is_local(spec: RunSpec) -> bool:
 def check_algorithm(spec: RunSpec) -> str:
     """algorithm.name is registered (or its module registers it), and it reads every option set."""
     from rlpipe.algorithms import get_algorithm, resolve_options
+    from rlpipe.preferences import check_dpo_spec, is_offline_dpo
 
     try:
         algorithm = get_algorithm(spec.algorithm.name)
         resolve_options(spec)
+        if is_offline_dpo(spec):
+            check_dpo_spec(spec)
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     return f"algorithm {algorithm.name}"

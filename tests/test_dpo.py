@@ -190,6 +190,10 @@ def test_dpo_settings_are_checked(tmp_path: Path):
 
     with pytest.raises(ValueError, match="trainer.resident: false"):
         build_pipeline_for(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"resident": True})))
+    from rlpipe.preflight import CheckFailed, check_algorithm
+
+    with pytest.raises(CheckFailed, match="set trainer.gpus: 1"):  # rlpipe check says so before anything runs
+        check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"gpus": 2})))
     with pytest.raises(ValueError, match="not an option of algorithm grpo"):
         resolve_options(parse_spec(tiny_spec_dict(tmp_path, algorithm={"beta": 0.2})))
     with pytest.raises(SpecError, match="algorithm.dpo_loss"):
