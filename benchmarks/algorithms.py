@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses about one core)")
     parser.add_argument("--runs", type=Path, default=Path("runs/algorithms"))
+    parser.add_argument("--note", default="", help="a line for the results, e.g. what else shared the machine")
     args = parser.parse_args()
     # seeds side by side first: the two runs of a seed never warm-start into the cache at once
     jobs = [
@@ -109,6 +110,7 @@ def main() -> None:
     lines = [
         f"`python benchmarks/algorithms.py --seeds {args.seeds} --jobs {args.jobs}` on {machine}, commit {commit}; "
         f"{args.jobs} run(s) at a time",
+        *([args.note] if args.note else []),
         "",
         "| algorithm | seed | held-out accuracy: warm start -> last | gain (points) | completions "
         "| known by (mean) | wall (iterations) |",
@@ -123,7 +125,7 @@ def main() -> None:
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "algorithms.md").write_text("\n".join(lines) + "\n")
-    record = {"machine": machine, "commit": commit, "runs": rows}
+    record = {"machine": machine, "commit": commit, "note": args.note, "runs": rows}
     (RESULTS / "algorithms.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
