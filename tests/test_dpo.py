@@ -239,6 +239,7 @@ def test_offline_dpo_steps_in_process(tmp_path: Path, initialized_run):
     sync_weights(spec, run_root, staged, 1, metrics)
 
 
+@pytest.mark.slow
 def test_whole_dpo_run_on_the_kfp_local_runner(tmp_path: Path):
     """prepare -> warm_start -> publish -> preferences -> reference_logprobs -> 2 x (dpo_update ->
     sync_weights) -> evaluate -> track, every step its own process (~40 s on a quiet 2-core machine)."""
