@@ -95,7 +95,7 @@ def test_missing_model_path_says_what_to_change(tmp_path: Path):
 @pytest.mark.parametrize(
     ("kill_in", "resident"),
     [
-        ("update", False),
+        pytest.param("update", False, marks=pytest.mark.slow),  # the per-step kill: CI's slow step
         ("update", True),  # the driver, the update step and (by PDEATHSIG) the resident trainer
         pytest.param("generate", False, marks=pytest.mark.slow),
         pytest.param("sync-weights", False, marks=pytest.mark.slow),

@@ -216,7 +216,9 @@ print(json.dumps({"measured": rss("VmHWM") - before, "estimate": estimate}))
 """
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
+@pytest.mark.parametrize(
+    "checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "checkpointed"]
+)
 def test_memory_estimate_is_near_the_measured_peak(tmp_path: Path, checkpointing: bool):
     """One update of a 30M-parameter shape on 7,936 tokens in a fresh process: the plan's estimate
     against the growth of the process's peak RSS."""
