@@ -120,7 +120,8 @@ def main() -> None:
         evals = r["evals"]
         lines.append(
             f"| {r['algorithm']} | {r['seed']} | {evals[min(evals)]:.3f} -> {evals[max(evals)]:.3f} | "
-            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {r['known_by_mean']:.3f} | {r['wall_s']} s |"
+            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {r['known_by_mean']:.3f} | "
+            f"{r['wall_s']} s |"
         )
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)

@@ -194,6 +194,17 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         spec_arg["trainer"]["endpoint"] = trainer.urls[0]
         say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 
+    producer = None
+    if spec.loop.max_staleness >= 1:  # asynchronous: generation runs ahead into the rollout buffer
+        from rlpipe.services.rollout_producer import LocalProducer
+
+        producer_spec = Path(run_root) / "producers" / "spec.json"
+        producer_spec.parent.mkdir(exist_ok=True)
+        producer_spec.write_text(json.dumps(spec_arg))  # with the local samplers' endpoints
+        producer = LocalProducer(run_root, str(producer_spec), spec.cache_root)
+        logs = Path(run_root) / "logs"
+        say(f"        rollout producer, loop.max_staleness {spec.loop.max_staleness} (log {logs}/producer-0.log)")
+
     stop = threading.Event()
     interactive = console.is_terminal
 
@@ -214,6 +225,9 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         if trainer is not None:
             trainer.start()
             stack.callback(trainer.stop)
+        if producer is not None:
+            producer.start()
+            stack.callback(producer.stop)
         live = (
             stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
         )

@@ -38,8 +38,9 @@ COMPONENTS = {
 
 def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
     """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
-    and earlier tasks' outputs; an optional input, when no earlier step gave it), placed for the cluster; its outputs join `available` (a step's
-    `step_metrics` as `<step>_metrics`; a step that `stands_for` an artifact replaces it)."""
+    and earlier tasks' outputs; an optional input, when no earlier step gave it), placed for the
+    cluster; its outputs join `available` (a step's `step_metrics` as `<step>_metrics`; a step that
+    `stands_for` an artifact replaces it)."""
     component = COMPONENTS[step]
     inputs = component.component_spec.inputs
     task = component(**{name: available[name] for name in inputs if name in available or not inputs[name].optional})
@@ -51,9 +52,7 @@ def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) ->
     return place(task, step, placement)
 
 
-def build_iteration_pipeline(
-    placement: RunSpec | None = None, steps: tuple[str, ...] = EVERY_ITERATION
-) -> Callable:
+def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str, ...] = EVERY_ITERATION) -> Callable:
     """One iteration as a pipeline (nested in the run pipeline, or run on its own): `steps` in order
     (rlpipe.steps.iteration_steps of the spec), then evaluate when due. `placement`: the spec whose
     cluster section places the tasks (None: the local runner)."""

@@ -85,7 +85,13 @@ def generate(
     spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, rollouts_path: str, cache_root: str
 ) -> dict[str, float]:
     """Sample rollout.samples_per_prompt completions for each of the iteration's prompts with
-    v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`."""
+    v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`. Asynchronous runs
+    (loop.max_staleness s >= 1) take them from the rollout buffer instead, sampled ahead by the producer
+    with v(N-s) .. v(N) (rlpipe.rollout_buffer)."""
+    if service_for("generate", spec) == "producer":
+        from rlpipe.rollout_buffer import take
+
+        return take(spec, run_root, weights, iteration, rollouts_path)
     if service_for("generate", spec) == "trainer":
         from rlpipe.services.trainer_client import request_generate
 

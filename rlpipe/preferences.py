@@ -45,7 +45,9 @@ def check_dpo_spec(spec: RunSpec) -> None:
     if spec.trainer.resident:
         raise ValueError("algorithm.name dpo trains in its own update steps; set trainer.resident: false")
     if spec.rollout.engine != "torch":
-        raise ValueError("algorithm.name dpo samples its preference set with the torch engine; set rollout.engine: torch")
+        raise ValueError(
+            "algorithm.name dpo samples its preference set with the torch engine; set rollout.engine: torch"
+        )
     if spec.algorithm.kl_coef:
         raise ValueError("algorithm.name dpo: its beta (algorithm.beta) is the pull to the reference; set kl_coef: 0")
     if spec.trainer.gpus * spec.trainer.nodes > 1:
@@ -152,7 +154,9 @@ def build_preferences(spec: RunSpec, run_root: str, cache_root: str) -> dict[str
             extra = [k for k in table.column_names if k != "prompt"]
             columns = {k: [r[k] for r in rows for _ in range(group)] for k in extra}
             prompts = [r["prompt"] for r in rows for _ in range(group)]
-            scores = call_reward(spec.reward.verifier, prompts, texts, columns, "reward.verifier", spec.reward.timeout_s)
+            scores = call_reward(
+                spec.reward.verifier, prompts, texts, columns, "reward.verifier", spec.reward.timeout_s
+            )
             pairs = pairs_from_samples(rows, token_ids, texts, scores, group, spec.preferences.pairs_per_prompt)
             metrics[f"preferences/{split}_sampled_accuracy"] = float(np.mean(scores))
         if not pairs:

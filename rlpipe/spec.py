@@ -280,8 +280,10 @@ class AlgorithmSpec:
     gamma: float | None = setting(None, ge=0, le=1, doc="PPO: discount of GAE. null: the algorithm's (1.0)")
     lam: float | None = setting(None, ge=0, le=1, doc="PPO: GAE's lambda. null: the algorithm's (0.95)")
     value_clip: float | None = setting(
-        None, gt=0, doc="PPO: how far a value may move from the values step's per update (clipped value loss). "
-        "null: the algorithm's (0.2)"
+        None,
+        gt=0,
+        doc="PPO: how far a value may move from the values step's per update (clipped value loss). "
+        "null: the algorithm's (0.2)",
     )
     whiten_advantages: bool | None = setting(
         None, doc="PPO: normalise the per-token advantages over the batch. null: the algorithm's (true)"
@@ -301,6 +303,19 @@ class AlgorithmSpec:
     )
     rpo_alpha: float | None = setting(
         None, ge=0, doc="DPO: weight of the chosen completion's NLL per token added to the loss (RPO). null: 0"
+    )
+    off_policy_correction: Literal["none", "truncate", "mask"] = setting(
+        "none",
+        doc="Importance weight pi_prox / pi_behaviour for rollouts a different policy sampled (stale ones, "
+        "loop.max_staleness >= 1; or a sampler's numerics): truncate it at is_threshold (TIS), or mask tokens "
+        "outside [1/is_threshold, is_threshold] (MIS); both recompute pi_prox in one no-grad pass first. none: "
+        "the clipped ratio to the behaviour log-probs, as a synchronous run",
+    )
+    is_threshold: float = setting(2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
+    is_level: Literal["token", "sequence", "geometric"] = setting(
+        "token",
+        doc="The importance weight per token, per sequence (the product of its tokens'), or the sequence's "
+        "geometric mean",
     )
 
 
@@ -393,6 +408,12 @@ class LoopSpec:
     iterations: int = setting(25, ge=1)
     iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
     eval_every: int = setting(5, ge=1)
+    max_staleness: int = setting(
+        0,
+        ge=0,
+        doc="Asynchronous RL: iteration N may train on rollouts from v(N-1-s) .. v(N-1) that a producer generated "
+        "ahead, while the trainer updated (rlpipe.rollout_buffer). 0: the synchronous loop",
+    )
 
 
 @section

@@ -6,8 +6,9 @@ cluster placement (which image, whether the run root is mounted), the spec's ste
 plain function named in `function` (rlpipe/loop.py for the iteration's steps).
 
 Whether a step computes in its own process or asks a long-lived service is decided here, in
-`service_for`: generate asks the resident trainer (torch engine) and is itself the client of the
-samplers (sampler engine); values, update and evaluate ask the resident trainer.
+`service_for`: generate asks the resident trainer (torch engine), is itself the client of the
+samplers (sampler engine), or takes the rollout producer's buffer (asynchronous runs); values, update
+and evaluate ask the resident trainer.
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ def iteration_steps(spec: RunSpec) -> tuple[str, ...]:
     return tuple(name for name in EVERY_ITERATION if BY_NAME[name].needs in (None, *needs))
 
 
-def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler"] | None:
+def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "producer"] | None:
     """The long-lived service that computes `step` for this spec, or None: it computes in its own
-    process. A step with a service is a thin client: no torch, the light image, no GPU."""
+    process. A step with a service is a thin client: no torch, the light image, no GPU. Asynchronous
+    runs (loop.max_staleness >= 1) take their rollouts from the producer's buffer (rlpipe.rollout_buffer)."""
+    if step == "generate" and spec.loop.max_staleness >= 1:
+        return "producer"
     if step == "generate" and spec.rollout.engine == "sampler":
         return "sampler"
     if step in ("generate", "values", "update", "evaluate") and spec.trainer.resident:

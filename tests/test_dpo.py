@@ -166,7 +166,9 @@ def test_online_dpo_update_in_micro_batches_equals_one_pass(tmp_path: Path):
     trainers = []
     for budget in (None, 40):
         spec = parse_spec(
-            tiny_spec_dict(tmp_path, algorithm=algorithm, trainer={"mini_batches": 2, "lr": 0.5, "micro_batch_tokens": budget})
+            tiny_spec_dict(
+                tmp_path, algorithm=algorithm, trainer={"mini_batches": 2, "lr": 0.5, "micro_batch_tokens": budget}
+            )
         )
         trainer = _make(spec)
         trainer.reference = copy.deepcopy(trainer.policy).eval().requires_grad_(False)

@@ -125,6 +125,11 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
         filled["length_norm"] = spec.rollout.max_new_tokens
     if "critic_lr" in filled and filled["critic_lr"] is None:
         filled["critic_lr"] = spec.trainer.lr
+    if "pairs" in algorithm.needs and options.off_policy_correction != "none":
+        raise ValueError(
+            f"algorithm.off_policy_correction: {algorithm.name} trains on preference pairs against its reference, "
+            "with no importance ratio to correct; remove the setting (or set it to none)"
+        )
     return dataclasses.replace(options, **filled)
 
 
@@ -205,8 +210,10 @@ def critic_advantages(
     if explained is not None:  # undefined when every return is the same (a metric is never NaN)
         metrics["critic/explained_variance"] = explained
     metrics["critic/value_mean"] = float(every_value.mean()) if len(every_value) else 0.0
-    as_lists = [pa.array([a.astype(np.float32) for a in column], type=pa.list_(pa.float32())) for column in (
-        advantages, returns)]
+    as_lists = [
+        pa.array([a.astype(np.float32) for a in column], type=pa.list_(pa.float32()))
+        for column in (advantages, returns)
+    ]
     table = table.append_column("token_advantages", as_lists[0]).append_column("returns", as_lists[1])
     every_advantage = np.concatenate(advantages) if advantages else np.zeros(1)
     return table, float(np.abs(every_advantage).mean())

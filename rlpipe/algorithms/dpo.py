@@ -58,7 +58,9 @@ CHOSEN, REJECTED = 1.0, -1.0
 DPO_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0, "dpo_loss": "sigmoid", "rpo_alpha": 0.0}
 
 
-def preference_roles(rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec) -> tuple[np.ndarray, np.ndarray]:
+def preference_roles(
+    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
+) -> tuple[np.ndarray, np.ndarray]:
     """Online DPO's pairs, as roles: +1 chosen, -1 rejected, 0 unpaired. In each group (the G samples
     of one prompt), sorted by reward (ties by position), the i-th best is paired with the i-th worst
     for i < G/2 while its reward is strictly higher; so every chosen completion of a group beats every

@@ -7,6 +7,7 @@ when a function is called: only the update calls these.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -99,3 +100,58 @@ def clipped_policy_loss(
             "ratio": (ratio * mask).sum() / tokens,
         }
     return loss, stats
+
+
+def behaviour_weights(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    correction: Literal["truncate", "mask"],
+    threshold: float,
+    level: Literal["token", "sequence", "geometric"] = "token",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights for rollouts that pi_behaviour sampled (a stale version, or a sampler's own
+    numerics) while the update's trust region is around pi_prox (the weights it starts from): per
+    token t of completion i,
+        log w_it = log pi_prox_it - log pi_behaviour_it
+        token      w_it
+        sequence   w_i = exp(sum_t m_it log w_it)                   (the sequence's likelihood ratio)
+        geometric  w_i = exp(sum_t m_it log w_it / sum_t m_it)
+        truncate   w <- min(w, C)                                   (TIS)
+        mask       w <- w 1[1/C <= w <= C]                          (MIS: those tokens/sequences train nothing)
+    The clipped surrogate weighs token t by w (decoupled PPO, r = pi_theta / pi_prox); since w >= 0,
+        -w min(r A, clip(r) A) = -min(r wA, clip(r) wA),
+    so the weights multiply the advantages. Returns (w as [B, T], stats over the weighted units: tokens,
+    or sequences): is_weight_mean and is_weight_max before truncation or masking, truncated_fraction or
+    masked_fraction.
+    """
+    import torch
+
+    mask = mask.to(proximal.dtype)
+    log_w = (proximal - behaviour) * mask
+    if level == "token":
+        unit_log_w, units = log_w, mask.bool()
+    elif level in ("sequence", "geometric"):
+        unit_log_w = log_w.sum(-1)
+        if level == "geometric":
+            unit_log_w = unit_log_w / mask.sum(-1).clamp(min=1.0)
+        units = mask.sum(-1) > 0
+        log_w = unit_log_w.unsqueeze(-1).expand_as(proximal)
+    else:
+        raise ValueError(f"algorithm.is_level must be token, sequence or geometric, got {level!r}")
+    log_c = math.log(threshold)
+    if correction == "truncate":
+        weights, cut = torch.exp(log_w.clamp(max=log_c)), unit_log_w > log_c
+    elif correction == "mask":
+        weights = torch.where(log_w.abs() > log_c, torch.zeros_like(log_w), torch.exp(log_w.clamp(-log_c, log_c)))
+        cut = unit_log_w.abs() > log_c
+    else:
+        raise ValueError(f"algorithm.off_policy_correction must be none, truncate or mask, got {correction!r}")
+    raw = torch.exp(unit_log_w[units].clamp(max=50.0))  # the weights before the correction (kept finite)
+    count = max(int(units.sum()), 1)
+    stats = {
+        "is_weight_mean": float(raw.sum()) / count,
+        "is_weight_max": float(raw.max()) if raw.numel() else 0.0,
+        "truncated_fraction" if correction == "truncate" else "masked_fraction": float(cut[units].sum()) / count,
+    }
+    return weights * mask, stats

@@ -52,7 +52,7 @@ def reinforce_pp_loss(
     ref_logprobs: torch.Tensor | None,
     options: AlgorithmSpec,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    per_token = advantages.unsqueeze(-1).expand_as(logprobs)
+    per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(logprobs)
     if ref_logprobs is not None and options.kl_coef:
         kl = kl_estimate(old_logprobs, ref_logprobs, options.kl_estimator) * mask.to(logprobs.dtype)
         kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)  # sum over s >= t

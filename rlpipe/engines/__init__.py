@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlpipe.rollouts import ROLLOUT_SCHEMA, Completions, write_table
@@ -77,8 +78,9 @@ def iteration_prompts(spec: RunSpec, run_root: str, num_rows: int, iteration: in
     sampling (algorithm.dynamic_sampling), refill prompts drawn apart from that slice:
         sampled = clamp(ceil(margin P / f), P, floor(P max_oversample))
     P = rollout.prompts_per_iteration, f = the informative (non-zero-spread) fraction of the previous
-    iteration's groups; the first iteration, with none before it, samples the cap. The advantages step
-    keeps the first P informative groups."""
+    iteration's groups (asynchronous runs: of iteration N - 1 - loop.max_staleness, the last one
+    committed before iteration N's rollouts may be sampled); the first iteration, with none before it,
+    samples the cap. The advantages step keeps the first P informative groups."""
     from rlpipe.algorithms import resolve_options
     from rlpipe.store.run_root import iteration_metrics_uri, read_json
 
@@ -87,7 +89,8 @@ def iteration_prompts(spec: RunSpec, run_root: str, num_rows: int, iteration: in
     if not options.dynamic_sampling:
         return order
     cap = math.floor(per_iteration * options.max_oversample)
-    previous = read_json(iteration_metrics_uri(run_root, iteration - 1)) if iteration > 1 else None
+    known = iteration - 1 - spec.loop.max_staleness  # committed before iteration's rollouts may be sampled
+    previous = read_json(iteration_metrics_uri(run_root, known)) if known >= 1 else None
     informative = 1.0 - previous["groups/zero_variance_fraction"] if previous else 0.0
     wanted = cap if informative <= 0 else math.ceil(REFILL_MARGIN * per_iteration / informative)
     extra = min(max(wanted, per_iteration), cap) - per_iteration
@@ -115,14 +118,40 @@ def generate_rollouts(
     `policy`: sample with a model already in memory at `weights` (torch engine; the resident
     trainer's)."""
     t0 = time.time()
-    weights = as_ref(weights)
-    table = pq.read_table(filesystem(data_uri(run_root, "train"))[1])
+    table = read_train_rows(run_root)
     order = iteration_prompts(spec, run_root, table.num_rows, iteration)
+    return sample_groups(
+        spec, run_root, as_ref(weights), cache_root, table, order, 0, iteration, iteration, out_path, t0, policy
+    )
+
+
+def read_train_rows(run_root: str) -> pa.Table:
+    """data/train.parquet, as the prepare step wrote it."""
+    return pq.read_table(filesystem(data_uri(run_root, "train"))[1])
+
+
+def sample_groups(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    cache_root: str,
+    table: pa.Table,
+    order: list[int],
+    first_group: int,
+    iteration: int,
+    stream: int,
+    out_path: str,
+    t0: float,
+    policy: Policy | None = None,
+) -> dict[str, float]:
+    """Sample rollout.samples_per_prompt completions of each train row in `order` with `weights` and write
+    them to `out_path`: groups first_group, first_group + 1, ... of `iteration` (a whole iteration, or a
+    chunk of one: rlpipe.rollout_buffer). `stream` seeds the sampling (the iteration, or its chunk's)."""
     rows = table.take(order).to_pylist()
     group = spec.rollout.samples_per_prompt
     prompt_ids = [list(row["prompt_token_ids"]) for row in rows]
     engine = importlib.import_module(ENGINES[spec.rollout.engine])
-    sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, iteration, policy)
+    sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
     completions, texts, loaded = sampled.completions, sampled.texts, sampled.loaded_at
     sampled_at = time.time()
 
@@ -132,7 +161,7 @@ def generate_rollouts(
     write_table(
         {
             "prompt_id": [order[i // group] for i in range(n)],
-            "group_id": [i // group for i in range(n)],
+            "group_id": [first_group + i // group for i in range(n)],
             "sample_index": [i % group for i in range(n)],
             "prompt": [rows[i // group]["prompt"] for i in range(n)],
             "prompt_token_ids": [prompt_ids[i // group] for i in range(n)],

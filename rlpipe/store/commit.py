@@ -2,12 +2,14 @@
 
 Commit order (a kill at any point leaves a resumable store):
   1. verify + move staged weights to weights/v(N+1), then LATEST      (weight_store.publish)
-  1b. rollout.engine sampler: reload every sampler in place with v(N+1) (model.lora: swap in its
-      adapter) and confirm its label (a rerun that redoes iteration N+1 finds them labelled N+1;
+  1b. rollout.engine sampler, synchronous: reload every sampler in place with v(N+1) (model.lora: swap
+      in its adapter) and confirm its label (a rerun that redoes iteration N+1 finds them labelled N+1;
       generate reloads v(N)). sync/bytes: the version's weight bytes, what each sampler loads
   2. write metrics/iter_(N+1).json
   3. state.json: iteration = N+1                                       <- the commit point
-  4. prune old weight and optimizer versions (the policy's and a critic's)
+     (asynchronous runs: with the buffered chunks the iteration took, rlpipe.rollout_buffer)
+  4. prune old weight and optimizer versions (the policy's and a critic's); asynchronous runs move the
+     iteration's buffer to consumed/
 A rerun after a kill before 3 redoes the iteration from v(N); after 3 it is a no-op.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import time
 
 from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
+from rlpipe.rollout_buffer import retire, taken_record
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref, weights_bytes
@@ -50,7 +53,7 @@ def sync_weights(
         )
     ref = publish(run_root, staged)
     metrics = dict(step_metrics) | {"sync/bytes": float(weights_bytes(ref["uri"]))}  # an adapter's, or all weights
-    if spec.rollout.engine == "sampler":
+    if spec.rollout.engine == "sampler" and not spec.loop.max_staleness:  # asynchronous: the producer pulls it
         metrics |= reload_samplers(spec, ref)
     metrics["time/sync_weights_s"] = time.time() - started
     if STARTED_AT in metrics:  # wall clock from the generate step's process start to here
@@ -58,13 +61,19 @@ def sync_weights(
         compute = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s"))
         metrics[ITERATION_WALL] = wall
         metrics[ITERATION_OVERHEAD] = max(0.0, wall - compute)
+        if spec.loop.max_staleness:
+            metrics["async/training_busy_share"] = metrics.get("time/update_s", 0.0) / max(wall, 1e-9)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
+    taken = taken_record(run_root, iteration) if spec.loop.max_staleness and iteration else None
     commit_state(
         run_root,
         iteration=iteration,
         weights_version=ref["version"],
         weights_sha256=ref["sha256"],
+        **({"rollouts_taken": taken} if taken else {}),
     )
+    if spec.loop.max_staleness:
+        retire(run_root, iteration, spec.storage.keep_versions)
     for lineage in ("policy", "critic"):
         prune(run_root, spec.storage.keep_versions, ref["version"], lineage)
         fs, opt_dir = filesystem(optimizer_dir(run_root, lineage))

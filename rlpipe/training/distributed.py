@@ -106,6 +106,15 @@ def all_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
     return dict(zip(keys, tensor.tolist(), strict=True))
 
 
+def all_max(value: float, device: torch.device) -> float:
+    """The largest of each process's `value` (unchanged in one process)."""
+    if world()[1] == 1:
+        return value
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor.item())
+
+
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) state dict on CPU, on every process (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

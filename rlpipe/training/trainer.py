@@ -2,7 +2,10 @@
 
 Mini-batches (PPO style): the batch is shuffled and split into `trainer.mini_batches`
 optimizer steps per epoch. The sampler's log-probs are pi_old, so no extra forward pass
-is spent recomputing them.
+is spent recomputing them; unless algorithm.off_policy_correction (on for asynchronous runs) asks
+for the decoupled loss: then one no-grad pass first computes pi_prox, the log-probs under the weights
+the update starts from, and the sampler's become the behaviour policy of the importance weights
+(rlpipe.algorithms.policy_gradient.behaviour_weights).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from rlpipe.algorithms import get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.dpo import pair_micro_batches, paired_rows
-from rlpipe.algorithms.policy_gradient import aggregate
+from rlpipe.algorithms.policy_gradient import aggregate, behaviour_weights
 from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
@@ -27,6 +30,7 @@ from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
 from rlpipe.training.critic import Critic, load_critic, save_critic, token_values
 from rlpipe.training.distributed import (
+    all_max,
     all_sum,
     full_model_state,
     full_optimizer_state,
@@ -70,6 +74,7 @@ PER_TOKEN = {  # row column -> packed name
     "token_advantages": "advantages",  # a critic's (PPO), with:
     "returns": "returns",
     "values": "old_values",
+    "proximal_logprobs": "proximal_logprobs",  # the update's starting weights' (off_policy_correction)
 }
 
 
@@ -187,6 +192,39 @@ def micro_batch_weight(mb: dict[str, torch.Tensor], rows: int, tokens: float, ag
     return float(mb["completion_mask"].sum()) / max(tokens, 1.0)
 
 
+def rank_parts(mini: list[dict], budget: int | None, pairs: bool) -> list[tuple[list[dict], float]]:
+    """This process's micro-batches of a mini-batch, as (rows, weight 1.0 or 0.0). Every process forms
+    the same micro-batches (FSDP's collectives line up) and takes every world-th row (pair) of each;
+    one with no row of a micro-batch computes that micro-batch's first row with weight 0."""
+    rank, processes = world()
+    unit = 2 if pairs else 1  # rows that stay together
+    split = pair_micro_batches if pairs else micro_batches
+    parts = []
+    for group in split(mini, budget * processes if budget else None):
+        part = [r for k in range(rank * unit, len(group), processes * unit) for r in group[k : k + unit]]
+        parts.append((part or group[:unit], float(bool(part))))
+    return parts
+
+
+@torch.no_grad()
+def attach_proximal_logprobs(
+    trainer: Trainer, minis: list[list[dict]], autocast: contextlib.AbstractContextManager
+) -> None:
+    """row["proximal_logprobs"]: log pi_prox of each completion token under the weights the update starts
+    from, for the rows this process trains on; one no-grad pass before the first optimizer step."""
+    policy, budget = trainer.policy, trainer.spec.trainer.micro_batch_tokens
+    for mini in minis:
+        for part, _ in rank_parts(mini, budget, pairs=False):
+            mb = pack(part, trainer.tokenizer.pad_token_id)
+            input_ids = mb["input_ids"].to(policy.device)
+            with autocast:
+                logits = policy(input_ids=input_ids, attention_mask=mb["attention"].to(policy.device)).logits[:, :-1]
+            logprobs = token_logprobs(logits, input_ids[:, 1:], trainer.spec.rollout.temperature).cpu()
+            for i, row in enumerate(part):
+                start = len(row["prompt_token_ids"]) - 1
+                row["proximal_logprobs"] = logprobs[i, start : start + len(row["completion_token_ids"])].tolist()
+
+
 def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
     """One iteration of mini-batch steps on the batch; the trainer's policy and optimizer move on
     in place. Each mini-batch is one optimizer step; within it, micro-batches of at most
@@ -220,6 +258,13 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     size = math.ceil(len(rows) / spec.trainer.mini_batches)
     size += size % 2 if pairs else 0
     steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
+    correction = options.off_policy_correction
+    cut = {"truncate": "truncated_fraction", "mask": "masked_fraction"}.get(correction)
+    off_policy = {"is_weight_mean": 0.0, cut: 0.0} if cut else {}
+    weight_max = 0.0
+    if off_policy:
+        attach_proximal_logprobs(trainer, [rows[start : start + size] for start in range(0, len(rows), size)], autocast)
+    proximal_s = time.time() - started
     for _ in range(spec.trainer.epochs):
         for start in range(0, len(rows), size):
             # linear warmup: lr_s = lr * min(1, (s + 1) / warmup), s = optimizer steps so far in the run
@@ -241,15 +286,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             )
             kl_measured = use_reference
             optimizer.zero_grad(set_to_none=True)
-            step = {key: 0.0 for key in totals}
-            # the same micro-batches on every process (FSDP's collectives line up); each takes every
-            # world-th row of each, and scales by `processes` since FSDP averages gradients over them
-            unit = 2 if pairs else 1  # rows that stay together
-            split = pair_micro_batches if pairs else micro_batches
-            for group in split(mini, budget * processes if budget else None):
-                part = [r for k in range(rank * unit, len(group), processes * unit) for r in group[k : k + unit]]
-                present = float(bool(part))  # a process with no row: weight 0
-                part = part or group[:unit]
+            step = {key: 0.0 for key in totals | off_policy}
+            # gradients scale by `processes`: FSDP averages them over the processes
+            for part, present in rank_parts(mini, budget, pairs):
                 mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
                 weight = present * micro_batch_weight(mb, len(mini), completion_tokens, aggregation)
                 share = present * float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
@@ -264,8 +303,19 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
                     with torch.no_grad(), autocast, adapters_off:
                         ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
                     ref_logprobs = token_logprobs(ref_logits[:, :-1], targets, temperature)
+                old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
+                if off_policy:  # decoupled: the ratio to pi_prox, the advantage weighted by pi_prox / pi_behaviour
+                    weights, is_stats = behaviour_weights(
+                        mb["proximal_logprobs"], old_logprobs, mb["completion_mask"], correction,
+                        options.is_threshold, options.is_level,
+                    )  # fmt: skip
+                    advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weights
+                    old_logprobs = mb["proximal_logprobs"]
+                    weight_max = max(weight_max, is_stats.pop("is_weight_max"))
+                    for key, value in is_stats.items():
+                        step[key] += share * value
                 loss, stats = algorithm.loss(
-                    logprobs, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], ref_logprobs, options
+                    logprobs, old_logprobs, advantages, mb["completion_mask"], ref_logprobs, options
                 )
                 if options.entropy_coef:  # L - c H, H aggregated as the loss is
                     mask_f = mb["completion_mask"].to(entropy.dtype)
@@ -323,19 +373,28 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
             "critic/value_clip_fraction": totals["value_clip_fraction"] / steps,
             "critic/grad_norm": totals["critic_grad_norm"] / steps,
         }
-    return critic_metrics | {
-        "policy/loss": totals["loss"] / steps,
-        "policy/clip_fraction": totals["clip_fraction"] / steps,
-        "policy/entropy": totals["entropy"] / steps,
-        "policy/grad_norm": totals["grad_norm"] / steps,
-        "policy/ratio_mean": totals["ratio"] / steps,
-        "kl/mean": totals["kl"] / max(kl_steps, 1),
-        "policy/optimizer_steps": float(steps),
-        "policy/micro_batches": float(micro_steps),
-        "policy/lr": optimizer.param_groups[0]["lr"],
-        "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
-    } | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS} | (
-        {"policy/pairs": len(rows) / 2} if pairs else {}
+    if off_policy:
+        critic_metrics |= {f"off_policy/{key}": totals[key] / steps for key in off_policy}
+        critic_metrics |= {
+            "off_policy/is_weight_max": all_max(weight_max, device),
+            "off_policy/proximal_pass_s": proximal_s,
+        }
+    return (
+        critic_metrics
+        | {
+            "policy/loss": totals["loss"] / steps,
+            "policy/clip_fraction": totals["clip_fraction"] / steps,
+            "policy/entropy": totals["entropy"] / steps,
+            "policy/grad_norm": totals["grad_norm"] / steps,
+            "policy/ratio_mean": totals["ratio"] / steps,
+            "kl/mean": totals["kl"] / max(kl_steps, 1),
+            "policy/optimizer_steps": float(steps),
+            "policy/micro_batches": float(micro_steps),
+            "policy/lr": optimizer.param_groups[0]["lr"],
+            "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
+        }
+        | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - off_policy.keys()}
+        | ({"policy/pairs": len(rows) / 2} if pairs else {})
     )
 
 

@@ -1,0 +1,145 @@
+"""Asynchronous RL on the demo: loop.max_staleness s = 0 (synchronous) vs 1 vs 2, side by side, one
+run at a time on this machine, with the same spec, warm start, sample budget (iterations x 4,096
+completions) and hyperparameters; s=1 also with truncated importance sampling (TIS), which pays a
+no-grad pass for pi_prox. Writes benchmarks/results/async.{json,md}.
+
+    python benchmarks/async.py --seeds 3 --iterations 20
+
+Per run: wall per iteration (from the first iteration's commit to the last's, evals and pipeline-run
+boundaries included, so the first iteration's model loads are left out), samples/s, held-out greedy
+accuracy at each eval (equal samples across s), each engine's busy share of the wall (the trainer's
+update time; generation: the resident trainer's sampling time at s=0, the producer's busy time at
+s >= 1) and the staleness the iterations trained on. A complete run is read, not re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
+RESULTS = Path(__file__).with_name("results")
+SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition.yaml"
+CONFIGS: dict[str, dict[str, object]] = {
+    "s=0": {"loop.max_staleness": 0},
+    "s=1": {"loop.max_staleness": 1},
+    "s=2": {"loop.max_staleness": 2},
+    "s=1 TIS": {"loop.max_staleness": 1, "algorithm.off_policy_correction": "truncate"},
+}
+
+
+def run_dir_for(root: Path, config: str, seed: int) -> Path:
+    return root / f"{config.replace('=', '').replace(' ', '-').lower()}-seed{seed}"
+
+
+def run(config: str, seed: int, iterations: int, run_dir: Path) -> None:
+    state = run_dir / "state.json"
+    if state.exists() and json.loads(state.read_text()).get("iteration", 0) >= iterations:
+        return
+    settings = CONFIGS[config] | {"seed": seed, "loop.iterations": iterations}
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(SPEC), "--run-dir", str(run_dir)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with run_dir.with_suffix(".log").open("a") as out:
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True)
+
+
+def result(config: str, seed: int, iterations: int, run_dir: Path) -> dict:
+    metrics_dir = run_dir / "metrics"
+    per_iteration = [json.loads((metrics_dir / f"iter_{i:06d}.json").read_text()) for i in range(1, iterations + 1)]
+    committed = [(metrics_dir / f"iter_{i:06d}.json").stat().st_mtime for i in range(1, iterations + 1)]
+    wall = (committed[-1] - committed[0]) / (iterations - 1)
+    samples = 4096  # rollout.prompts_per_iteration x samples_per_prompt, every iteration
+    later = per_iteration[1:]
+    update = statistics.mean(m["time/update_s"] for m in later)
+    if CONFIGS[config]["loop.max_staleness"]:
+        generation = statistics.mean(m.get("async/generation_busy_share", 0.0) for m in later)
+        staleness = statistics.mean(m["async/staleness_mean"] for m in later)
+    else:
+        generation = statistics.mean(m["time/generate_s"] for m in later) / wall
+        staleness = 0.0
+    evals = {
+        int(p.stem.split("_")[1]): json.loads(p.read_text())["eval/accuracy_greedy"]
+        for p in sorted(metrics_dir.glob("eval_*.json"))
+    }
+    return {
+        "config": config,
+        "seed": seed,
+        "wall_per_iteration_s": round(wall, 2),
+        "samples_per_s": round(samples / wall, 1),
+        "training_busy_share": round(update / wall, 3),
+        "generation_busy_share": round(generation, 3),
+        "staleness_mean": round(staleness, 2),
+        "evals": evals,
+        "is_weight_max": max((m.get("off_policy/is_weight_max", 0.0) for m in later), default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--tis-seeds", type=int, default=1, help="seeds of the s=1 TIS run")
+    parser.add_argument("--runs", default="runs/async")
+    args = parser.parse_args()
+    root = Path(args.runs).resolve()
+    plan = [(c, s) for s in range(args.seeds) for c in ("s=0", "s=1", "s=2")]
+    plan += [("s=1 TIS", s) for s in range(args.tis_seeds)]
+    results = []
+    for config, seed in plan:
+        run_dir = run_dir_for(root, config, seed)
+        print(f"{config} seed {seed}: {run_dir}", flush=True)
+        run(config, seed, args.iterations, run_dir)
+        results.append(result(config, seed, args.iterations, run_dir))
+        print(json.dumps(results[-1]), flush=True)
+
+    machine = describe_machine()
+    by_config: dict[str, list[dict]] = {}
+    for r in results:
+        by_config.setdefault(r["config"], []).append(r)
+    base = {r["seed"]: r for r in by_config["s=0"]}
+    lines = [
+        f"# Asynchronous RL on the demo ({args.iterations} iterations x 4,096 completions, one run at a time)",
+        "",
+        f"machine: {machine}",
+        "",
+        "Command: `python benchmarks/async.py --seeds 3 --iterations 20`. Samples/s ratio: against s=0 of the "
+        "same seed. Accuracy: held-out greedy, at the warm start and after every 5 iterations (equal samples).",
+        "",
+        "| s | seed | wall/iteration | samples/s | vs s=0 | trainer busy | generation busy | staleness | "
+        "held-out accuracy (0, 5, 10, ...) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = r["samples_per_s"] / base[r["seed"]]["samples_per_s"] if r["seed"] in base else float("nan")
+        accuracies = ", ".join(f"{r['evals'][i]:.3f}" for i in sorted(r["evals"]))
+        lines.append(
+            f"| {r['config']} | {r['seed']} | {r['wall_per_iteration_s']} s | {r['samples_per_s']} | {ratio:.2f}x | "
+            f"{r['training_busy_share']:.2f} | {r['generation_busy_share']:.2f} | {r['staleness_mean']} | "
+            f"{accuracies} |"
+        )
+    lines += ["", "Means over seeds:", "", "| s | samples/s vs s=0 | final accuracy | final minus s=0 (points) |"]
+    lines.append("|---|---|---|---|")
+    for config, rows in by_config.items():
+        ratios = [r["samples_per_s"] / base[r["seed"]]["samples_per_s"] for r in rows if r["seed"] in base]
+        finals = [r["evals"][max(r["evals"])] for r in rows]
+        deltas = [100 * (r["evals"][max(r["evals"])] - base[r["seed"]]["evals"][max(r["evals"])]) for r in rows]
+        lines.append(
+            f"| {config} | {statistics.mean(ratios):.2f}x | {statistics.mean(finals):.3f} | "
+            f"{statistics.mean(deltas):+.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "async.md").write_text(text)
+    (RESULTS / "async.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
