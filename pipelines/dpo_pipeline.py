@@ -11,13 +11,12 @@ rollouts each iteration: the same init, plan, sync_weights, evaluate and track c
 same driver (`rlpipe run` keeps starting runs until state.json says the loop is done).
 """
 
-from contextlib import ExitStack
 from typing import Any, Callable, NamedTuple
 
 from kfp import dsl
 
 from rlpipe.pipelines.cluster_settings import place
-from rlpipe.pipelines.rl_pipeline import COMPONENTS, add_task, build_run_pipeline
+from rlpipe.pipelines.rl_pipeline import COMPONENTS, add_task, build_run_pipeline, initialize, unroll_iterations
 from rlpipe.preferences import check_dpo_spec, is_offline_dpo
 from rlpipe.spec import RunSpec
 from rlpipe.steps import iteration_steps
@@ -67,18 +66,7 @@ def build_dpo_pipeline(iterations_per_run: int, eval_every: int, placement: RunS
     def dpo_run(spec: dict, run_root: str):
         flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
-            data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
-            initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
-            published = place(
-                COMPONENTS["publish_warm_start"](
-                    spec=spec,
-                    run_root=run_root,
-                    staged=initial.outputs["staged"],
-                    step_metrics=initial.outputs["step_metrics"],
-                ),
-                "publish_warm_start",
-                placement,
-            )
+            published = initialize(spec, run_root, placement)
             pairs = place(
                 COMPONENTS["preferences"](spec=spec, run_root=run_root).after(published), "preferences", placement
             )
@@ -87,36 +75,7 @@ def build_dpo_pipeline(iterations_per_run: int, eval_every: int, placement: RunS
                 "reference_logprobs",
                 placement,
             )
-            start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(reference), "plan", placement)
-            todo = place(
-                COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(reference),
-                "iterations_todo",
-                placement,
-            )
-            pending = place(
-                COMPONENTS["evaluate"](
-                    spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
-                ),
-                "evaluate",
-                placement,
-            )
-            weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
-            with ExitStack() as nested:
-                for k in range(1, iterations_per_run + 1):
-                    nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
-                    step = dpo_iteration(
-                        spec=spec,
-                        run_root=run_root,
-                        weights=weights,
-                        iteration=iteration,
-                        eval_phase=start.outputs["eval_phase"],
-                        due_phase=-k % eval_every,
-                        iterations_left=start.outputs["iterations_left"],
-                        position=k,
-                    )
-                    if k == 1:
-                        step.after(pending)
-                    weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
+            unroll_iterations(spec, run_root, dpo_iteration, reference, iterations_per_run, eval_every, placement)
 
     return dpo_run
 

@@ -84,6 +84,59 @@ def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str,
     return rl_iteration
 
 
+def initialize(spec: dict, run_root: str, placement: RunSpec | None) -> dsl.PipelineTask:
+    """prepare -> warm_start -> publish_warm_start: each a no-op once the run is initialized."""
+    data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
+    initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
+    return place(
+        COMPONENTS["publish_warm_start"](
+            spec=spec, run_root=run_root, staged=initial.outputs["staged"], step_metrics=initial.outputs["step_metrics"]
+        ),
+        "publish_warm_start",
+        placement,
+    )
+
+
+def unroll_iterations(
+    spec: dict,
+    run_root: str,
+    iteration_pipeline: Callable,
+    after: dsl.PipelineTask,
+    iterations_per_run: int,
+    eval_every: int,
+    placement: RunSpec | None,
+) -> None:
+    """After `after`: plan and iterations_todo read state.json, the starting version is evaluated if an
+    eval of it is pending, then `iteration_pipeline` K = iterations_per_run times, iteration k under
+    If(todo >= k), each taking the weights the one before published."""
+    start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(after), "plan", placement)
+    todo = place(COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(after), "iterations_todo", placement)
+    pending = place(
+        COMPONENTS["evaluate"](
+            spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
+        ),
+        "evaluate",
+        placement,
+    )
+    weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
+    with ExitStack() as nested:
+        for k in range(1, iterations_per_run + 1):
+            nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
+            step = iteration_pipeline(
+                spec=spec,
+                run_root=run_root,
+                weights=weights,
+                iteration=iteration,
+                eval_phase=start.outputs["eval_phase"],
+                due_phase=-k % eval_every,  # (N0 + k) % eval_every == 0
+                iterations_left=start.outputs["iterations_left"],
+                position=k,
+            )
+            if k == 1:  # evaluate the starting version before iterations can prune it
+                step.after(pending)
+            weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
+
+
 def build_run_pipeline(
     iterations_per_run: int,
     eval_every: int,
@@ -102,47 +155,7 @@ def build_run_pipeline(
     def rl_run(spec: dict, run_root: str):
         flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
-            data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
-            initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
-            published = place(
-                COMPONENTS["publish_warm_start"](
-                    spec=spec,
-                    run_root=run_root,
-                    staged=initial.outputs["staged"],
-                    step_metrics=initial.outputs["step_metrics"],
-                ),
-                "publish_warm_start",
-                placement,
-            )
-            start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(published), "plan", placement)
-            todo = place(
-                COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(published),
-                "iterations_todo",
-                placement,
-            )
-            pending = place(
-                COMPONENTS["evaluate"](
-                    spec=spec, run_root=run_root, weights=start.outputs["weights"], iteration=start.outputs["iteration"]
-                ),
-                "evaluate",
-                placement,
-            )
-            weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
-            with ExitStack() as nested:
-                for k in range(1, iterations_per_run + 1):
-                    nested.enter_context(dsl.If(todo.output >= k, name=f"iteration-{k}"))
-                    step = rl_iteration(
-                        spec=spec,
-                        run_root=run_root,
-                        weights=weights,
-                        iteration=iteration,
-                        eval_phase=start.outputs["eval_phase"],
-                        due_phase=-k % eval_every,  # (N0 + k) % eval_every == 0
-                        iterations_left=start.outputs["iterations_left"],
-                        position=k,
-                    )
-                    if k == 1:  # evaluate the starting version before iterations can prune it
-                        step.after(pending)
-                    weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
+            published = initialize(spec, run_root, placement)
+            unroll_iterations(spec, run_root, rl_iteration, published, iterations_per_run, eval_every, placement)
 
     return rl_run

@@ -32,9 +32,13 @@ if TYPE_CHECKING:
 
 
 def prepare(spec: RunSpec, run_root: str) -> dict[str, int]:
-    """data/train.parquet and data/eval.parquet, made by the task once per run."""
+    """data/train.parquet and data/eval.parquet, made by the task once per run; spec.json, the spec this
+    pipeline run was given (what a rollout producer on a cluster reads)."""
     from rlpipe.data import prepare_data
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.run_root import join, write_json
 
+    write_json(join(run_root, "spec.json"), spec_to_dict(spec))
     return prepare_data(spec, run_root)
 
 
@@ -109,7 +113,12 @@ def score(spec: RunSpec, rollouts_path: str, scored_path: str) -> dict[str, floa
 
 
 def values(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, scored_path: str, valued_path: str,
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    scored_path: str,
+    valued_path: str,
     cache_root: str,
 ) -> dict[str, float]:
     """The critic's value V_t of every completion token under critic v(N), beside the scored rollouts

@@ -224,8 +224,8 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
                 raise RuntimeError(
                     f"iteration {iteration} waits for rollout chunk {chunk} ({uri}), but no rollout producer has "
                     f"written a heartbeat to {producer_uri(run_root)} for {HEARTBEAT_TIMEOUT_S:.0f} s. `rlpipe run` "
-                    "starts one when loop.max_staleness >= 1; on a cluster, deploy the producer (rlpipe compile "
-                    "writes its manifest), or set loop.max_staleness: 0"
+                    "starts one when loop.max_staleness >= 1; on a cluster, deploy it (manifests/optional/"
+                    "rollout-producer.yaml, RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
                 )
             time.sleep(POLL_S)
         tables.append(table)

@@ -304,12 +304,13 @@ class AlgorithmSpec:
     rpo_alpha: float | None = setting(
         None, ge=0, doc="DPO: weight of the chosen completion's NLL per token added to the loss (RPO). null: 0"
     )
-    off_policy_correction: Literal["none", "truncate", "mask"] = setting(
-        "none",
+    off_policy_correction: Literal["none", "truncate", "mask"] | None = setting(
+        None,
         doc="Importance weight pi_prox / pi_behaviour for rollouts a different policy sampled (stale ones, "
         "loop.max_staleness >= 1; or a sampler's numerics): truncate it at is_threshold (TIS), or mask tokens "
-        "outside [1/is_threshold, is_threshold] (MIS); both recompute pi_prox in one no-grad pass first. none: "
-        "the clipped ratio to the behaviour log-probs, as a synchronous run",
+        "outside [1/is_threshold, is_threshold] (MIS); both recompute pi_prox, the update's starting weights' "
+        "log-probs. none: the clipped ratio to the behaviour log-probs, as a synchronous run. null: truncate "
+        "when loop.max_staleness >= 1 (the ratio to a stale policy clips most of the signal away), else none",
     )
     is_threshold: float = setting(2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
     is_level: Literal["token", "sequence", "geometric"] = setting(
@@ -538,6 +539,15 @@ class RunSpec:
                 "which the update's importance ratio (full softmax at the temperature) does not match; "
                 "set rollout.top_k: 0 and rollout.top_p: 1.0, or use rollout.engine: torch"
             )
+        if self.loop.max_staleness and self.rollout.engine == "vllm":
+            raise ValueError(
+                "loop.max_staleness >= 1 samples ahead in a long-lived producer, and rollout.engine vllm loads an "
+                "engine per call; use rollout.engine: sampler (long-lived vLLM servers) or torch"
+            )
+        if self.loop.max_staleness and self.algorithm.name == "dpo":
+            raise ValueError(
+                "algorithm dpo trains on a fixed preference set, with no rollouts; set loop.max_staleness: 0"
+            )
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -753,7 +763,8 @@ def section_dict(section_value: Any) -> dict[str, Any]:
 
 
 # What the spec's keys affect, decided here once (dotted keys; a section name covers the section).
-TRAINING_KEYS = ("seed", "model", "rollout", "algorithm", "trainer")  # what an update computes with
+# what an update computes with (loop.max_staleness: the default off_policy_correction)
+TRAINING_KEYS = ("seed", "model", "rollout", "algorithm", "trainer", "loop.max_staleness")
 # free to change when a run resumes: how far it goes, where it stores, how steps are placed and where
 # rollouts and updates are computed (every engine samples the same policy; the resident trainer
 # computes the per-step update)

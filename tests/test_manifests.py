@@ -625,3 +625,23 @@ def test_optional_kfp_runtime_class_policy_validates():
     assert RUNTIME_CLASS_ANNOTATION in policy["matchConditions"][0]["expression"]
     assert f"annotations['{RUNTIME_CLASS_ANNOTATION}']" in policy["mutations"][0]["applyConfiguration"]["expression"]
     assert docs[1]["spec"]["policyName"] == docs[0]["metadata"]["name"]
+
+
+def test_optional_rollout_producer_validates():
+    """manifests/optional/rollout-producer.yaml: one producer (never two at once) for an asynchronous
+    run, running rlpipe.services.rollout_producer with the weights PVC read-write (it writes the buffer)."""
+    import kubernetes_validate
+
+    docs = list(yaml.safe_load_all((MANIFESTS / "optional" / "rollout-producer.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["Deployment"]
+    kubernetes_validate.validate(docs[0], "1.34.0", strict=True)
+    spec = docs[0]["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["python", "-m", "rlpipe.services.rollout_producer"]
+    assert {e["name"] for e in c["env"]} >= {"RLPIPE_RUN_ROOT"}
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health" and "--port=8002" in c["args"]
+    weights = next(v for v in pod["volumes"] if v["name"] == "weights")
+    assert not weights["persistentVolumeClaim"].get("readOnly")
+    assert not next(m for m in c["volumeMounts"] if m["name"] == "weights").get("readOnly")

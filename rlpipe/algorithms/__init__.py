@@ -109,7 +109,8 @@ def get_algorithm(name: str) -> Algorithm:
 
 def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
-    options; length_norm defaults to rollout.max_new_tokens, critic_lr to trainer.lr. A tuned option
+    options; length_norm defaults to rollout.max_new_tokens, critic_lr to trainer.lr, off_policy_correction
+    to truncate in asynchronous runs (loop.max_staleness >= 1) and none otherwise. A tuned option
     the algorithm does not read is an error naming the ones it does."""
     options = spec.algorithm
     algorithm = get_algorithm(options.name)
@@ -125,7 +126,10 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
         filled["length_norm"] = spec.rollout.max_new_tokens
     if "critic_lr" in filled and filled["critic_lr"] is None:
         filled["critic_lr"] = spec.trainer.lr
-    if "pairs" in algorithm.needs and options.off_policy_correction != "none":
+    pairs = "pairs" in algorithm.needs
+    if options.off_policy_correction is None:
+        filled["off_policy_correction"] = "truncate" if spec.loop.max_staleness and not pairs else "none"
+    elif pairs and options.off_policy_correction != "none":
         raise ValueError(
             f"algorithm.off_policy_correction: {algorithm.name} trains on preference pairs against its reference, "
             "with no importance ratio to correct; remove the setting (or set it to none)"

@@ -3,7 +3,8 @@ while the trainer updates (loop.max_staleness >= 1; rlpipe.rollout_buffer has th
 
 Local: `rlpipe run` starts it once the weight store has v0, restarts it when it exits, and stops it
 when the driver exits (rlpipe.services.local_servers). Cluster: the same command is the producer
-Deployment's entrypoint, mounting the run root where the steps do. It samples with rollout.engine:
+Deployment's entrypoint (manifests/optional/rollout-producer.yaml), mounting the run root where the
+steps do; it reads the spec the prepare step wrote to <run root>/spec.json. It samples with rollout.engine:
 torch (its own copy of the policy, reloaded when a newer version is committed) or sampler (the vLLM
 samplers, reloaded in place by the same pull).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -57,12 +59,14 @@ def health_server(host: str, port: int, status: dict[str, Any]) -> ThreadingHTTP
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-root", required=True)
+    parser.add_argument("--run-root", default=os.environ.get("RLPIPE_RUN_ROOT"), help="default: $RLPIPE_RUN_ROOT")
     parser.add_argument("--spec", help="the run's spec as JSON (default: <run root>/spec.json)")
     parser.add_argument("--cache-root", help="default: the spec's storage cache")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8002)
     args = parser.parse_args(argv)
+    if not args.run_root:
+        parser.error("--run-root (or RLPIPE_RUN_ROOT) is required: the run root the pipeline's steps use")
 
     from rlpipe.rollout_buffer import produce, write_heartbeat
     from rlpipe.spec import parse_spec

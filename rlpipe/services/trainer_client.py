@@ -86,7 +86,12 @@ def request_generate(
 
 
 def request_values(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, scored_path: str, out_path: str,
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    scored_path: str,
+    out_path: str,
     cache_root: str,
 ) -> dict[str, float]:
     """The scored rollouts with the values of the critic the resident trainer holds beside the policy

@@ -152,8 +152,13 @@ def serve_values(request: dict[str, Any], held: Held) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         fs.get_file(scored_remote, f"{tmp}/scored.parquet")
         metrics = compute_values(
-            trainer.spec, trainer.run_root, trainer.weights, f"{tmp}/scored.parquet", f"{tmp}/valued.parquet",
-            request["cache_root"], critic=trainer.critic,
+            trainer.spec,
+            trainer.run_root,
+            trainer.weights,
+            f"{tmp}/scored.parquet",
+            f"{tmp}/valued.parquet",
+            request["cache_root"],
+            critic=trainer.critic,
         )
         if world()[0] == 0:
             fs.put_file(f"{tmp}/valued.parquet", valued_remote)
@@ -213,6 +218,37 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     }
 
 
+def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int) -> None:
+    """After update N the trainer holds v(N) and its core idles while sync_weights, evaluate and the next
+    iteration's light steps run. Asynchronous runs with an off_policy_correction need pi_prox = v(N)'s
+    log-probs of iteration N+1's rollouts, most of which are already in the rollout buffer: compute
+    them now, a chunk at a time, each under the request lock (a request waits at most one chunk). One
+    process only: a sharded trainer's forward passes need every rank."""
+    from rlpipe.algorithms import resolve_options
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
+    from rlpipe.rollouts import read_table
+    from rlpipe.store.run_root import filesystem
+    from rlpipe.training.trainer import completion_logprobs, micro_batches, sequence_key
+
+    trainer = held.trainer
+    if trainer is None or not trainer.spec.loop.max_staleness:
+        return
+    if resolve_options(trainer.spec).off_policy_correction == "none":
+        return
+    trainer.proximal = {"sha256": trainer.weights["sha256"], "logprobs": {}}
+    for chunk in range(CHUNKS):
+        fs, path = filesystem(chunk_uri(trainer.run_root, iteration + 1, chunk))
+        if not fs.exists(path):
+            continue  # not sampled yet: the update computes its rows
+        rows = read_table(path).select(["prompt_token_ids", "completion_token_ids"]).to_pylist()
+        for part in micro_batches(rows, trainer.spec.trainer.micro_batch_tokens):
+            with lock:
+                if held.trainer is not trainer:
+                    return  # a request moved it on, or is running
+                logprobs = completion_logprobs(trainer, part)
+            trainer.proximal["logprobs"].update(zip(map(sequence_key, part), logprobs))
+
+
 ROUTES = {"/generate": serve_generate, "/values": serve_values, "/evaluate": serve_evaluate, "/update": serve_update}
 INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, NaN loss: 422
 
@@ -267,7 +303,11 @@ def make_server(
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if jobs is None:
                 with lock:
-                    return self._reply(*answer(self.path, request, held))
+                    status, body = answer(self.path, request, held)
+                self._reply(status, body)
+                if self.path == "/update" and status == 200:
+                    prefetch_proximal_logprobs(held, lock, int(request["iteration"]))
+                return None
             job = Job(self.path, request)
             jobs.put(job)
             job.done.wait()

@@ -107,7 +107,12 @@ def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention: tor
 
 
 def compute_values(
-    spec: RunSpec, run_root: str, weights: WeightRef, scored_path: str, out_path: str, cache_root: str,
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    scored_path: str,
+    out_path: str,
+    cache_root: str,
     critic: Critic | None = None,
 ) -> dict[str, float]:
     """The values step: add a `values` column (V_t of each completion token, under critic v(N)) to the

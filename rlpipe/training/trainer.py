@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,6 +123,8 @@ class Trainer:
     reference: PreTrainedModel | None
     base: WeightRef | None = None
     critic: Critic | None = None
+    # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}
+    proximal: dict = field(default_factory=dict)
 
 
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
@@ -206,23 +208,50 @@ def rank_parts(mini: list[dict], budget: int | None, pairs: bool) -> list[tuple[
     return parts
 
 
+def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a completion's log-probs depend on: its prompt and completion token ids."""
+    return tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])
+
+
 @torch.no_grad()
-def attach_proximal_logprobs(
-    trainer: Trainer, minis: list[list[dict]], autocast: contextlib.AbstractContextManager
-) -> None:
+def completion_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
+    """log pi(token | prefix) of each row's completion tokens under the trainer's current weights, in
+    one no-grad forward pass over `rows` (one micro-batch)."""
+    policy, spec = trainer.policy, trainer.spec
+    mb = pack(rows, trainer.tokenizer.pad_token_id)
+    input_ids = mb["input_ids"].to(policy.device)
+    autocast = torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
+    with autocast:
+        logits = policy(input_ids=input_ids, attention_mask=mb["attention"].to(policy.device)).logits[:, :-1]
+    logprobs = token_logprobs(logits, input_ids[:, 1:], spec.rollout.temperature).cpu()
+    found = []
+    for i, row in enumerate(rows):
+        start = len(row["prompt_token_ids"]) - 1
+        found.append(logprobs[i, start : start + len(row["completion_token_ids"])].tolist())
+    return found
+
+
+def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:
     """row["proximal_logprobs"]: log pi_prox of each completion token under the weights the update starts
-    from, for the rows this process trains on; one no-grad pass before the first optimizer step."""
-    policy, budget = trainer.policy, trainer.spec.trainer.micro_batch_tokens
+    from, for the rows this process trains on, before the first optimizer step. Rows the resident trainer
+    computed ahead at these weights (trainer.proximal, one process) are not computed again; returns the
+    fraction that were."""
+    budget = trainer.spec.trainer.micro_batch_tokens
+    cache = trainer.proximal
+    known = cache.get("logprobs", {}) if cache.get("sha256") == trainer.weights["sha256"] and world()[1] == 1 else {}
+    reused = total = 0
     for mini in minis:
         for part, _ in rank_parts(mini, budget, pairs=False):
-            mb = pack(part, trainer.tokenizer.pad_token_id)
-            input_ids = mb["input_ids"].to(policy.device)
-            with autocast:
-                logits = policy(input_ids=input_ids, attention_mask=mb["attention"].to(policy.device)).logits[:, :-1]
-            logprobs = token_logprobs(logits, input_ids[:, 1:], trainer.spec.rollout.temperature).cpu()
-            for i, row in enumerate(part):
-                start = len(row["prompt_token_ids"]) - 1
-                row["proximal_logprobs"] = logprobs[i, start : start + len(row["completion_token_ids"])].tolist()
+            keys = [sequence_key(row) for row in part]
+            total += len(part)
+            if all(key in known for key in keys):
+                reused += len(part)
+                logprobs = [known[key] for key in keys]
+            else:
+                logprobs = completion_logprobs(trainer, part)
+            for row, row_logprobs in zip(part, logprobs):
+                row["proximal_logprobs"] = row_logprobs
+    return reused / max(total, 1)
 
 
 def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
@@ -263,7 +292,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     off_policy = {"is_weight_mean": 0.0, cut: 0.0} if cut else {}
     weight_max = 0.0
     if off_policy:
-        attach_proximal_logprobs(trainer, [rows[start : start + size] for start in range(0, len(rows), size)], autocast)
+        prefetched = attach_proximal_logprobs(
+            trainer, [rows[start : start + size] for start in range(0, len(rows), size)]
+        )
     proximal_s = time.time() - started
     for _ in range(spec.trainer.epochs):
         for start in range(0, len(rows), size):
@@ -378,6 +409,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         critic_metrics |= {
             "off_policy/is_weight_max": all_max(weight_max, device),
             "off_policy/proximal_pass_s": proximal_s,
+            "off_policy/proximal_prefetched_fraction": prefetched,
         }
     return (
         critic_metrics

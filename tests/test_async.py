@@ -1,0 +1,309 @@
+"""Asynchronous RL (loop.max_staleness): the importance-weight math, the rollout buffer's rules, and
+`rlpipe run` with s=1 killed at several moments, then resumed: every prompt used exactly once."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlpipe.algorithms.policy_gradient import behaviour_weights, clipped_policy_loss
+from rlpipe.spec import parse_spec
+
+from .conftest import tiny_spec_dict
+from .test_local_run import _check_consistent
+
+
+def _log(*p: float) -> torch.Tensor:
+    return torch.tensor([[math.log(x) for x in p]])
+
+
+def test_truncated_importance_weights_per_token():
+    # pi_prox / pi_behaviour = 0.5/0.1 = 5 (cut to C = 2), 0.9/0.9 = 1, 0.2/0.4 = 0.5; the 4th is padding
+    proximal, behaviour = _log(0.5, 0.9, 0.2, 0.3), _log(0.1, 0.9, 0.4, 0.3)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights, stats = behaviour_weights(proximal, behaviour, mask, "truncate", 2.0, "token")
+    assert torch.allclose(weights, torch.tensor([[2.0, 1.0, 0.5, 0.0]]))
+    assert stats["is_weight_mean"] == pytest.approx((5 + 1 + 0.5) / 3)
+    assert stats["is_weight_max"] == pytest.approx(5.0)
+    assert stats["truncated_fraction"] == pytest.approx(1 / 3)
+
+
+def test_masked_importance_weights_per_token():
+    # 5 and 1/3 fall outside [1/2, 2]: those tokens weigh 0; 1 and 0.5 (on the bound) are kept as they are
+    proximal, behaviour = _log(0.5, 0.9, 0.2, 0.1), _log(0.1, 0.9, 0.4, 0.3)
+    weights, stats = behaviour_weights(proximal, behaviour, torch.ones(1, 4), "mask", 2.0, "token")
+    assert torch.allclose(weights, torch.tensor([[0.0, 1.0, 0.5, 0.0]]))
+    assert stats["masked_fraction"] == pytest.approx(0.5)
+
+
+def test_sequence_and_geometric_importance_weights():
+    # two sequences: token ratios (1.5, 1.2) -> product 1.8, geometric mean sqrt(1.8); (0.5, 0.5 | pad) -> 0.25, 0.5
+    proximal = torch.tensor([[math.log(0.6), math.log(0.6), 0.0], [math.log(0.2), math.log(0.1), 0.0]])
+    behaviour = torch.tensor([[math.log(0.4), math.log(0.5), 0.0], [math.log(0.4), math.log(0.2), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    weights, stats = behaviour_weights(proximal, behaviour, mask, "truncate", 1.5, "sequence")
+    assert torch.allclose(weights, torch.tensor([[1.5, 1.5, 0.0], [0.25, 0.25, 0.0]]))  # 1.8 cut to C = 1.5
+    assert stats["truncated_fraction"] == pytest.approx(0.5) and stats["is_weight_max"] == pytest.approx(1.8)
+    weights, _ = behaviour_weights(proximal, behaviour, mask, "mask", 1.5, "geometric")
+    assert torch.allclose(weights, torch.tensor([[math.sqrt(1.8), math.sqrt(1.8), 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_weighted_advantages_are_the_decoupled_loss():
+    """-w min(r A, clip(r) A) = -min(r wA, clip(r) wA) for w >= 0: weighting the advantages is the loss."""
+    logprobs = torch.tensor([[-0.2, -1.0, -0.7]], requires_grad=True)
+    proximal, behaviour = torch.tensor([[-0.5, -1.1, -0.3]]), torch.tensor([[-1.5, -1.0, -0.9]])
+    mask, advantages = torch.ones(1, 3), torch.tensor([-1.3])
+    weights, _ = behaviour_weights(proximal, behaviour, mask, "truncate", 2.0)
+    loss, _ = clipped_policy_loss(logprobs, proximal, advantages.unsqueeze(-1) * weights, mask, 0.2)
+    ratio = torch.exp(logprobs - proximal)
+    w = torch.exp(proximal - behaviour).clamp(max=2.0)
+    by_hand = (-w * torch.minimum(ratio * -1.3, ratio.clamp(0.8, 1.2) * -1.3)).mean()
+    assert torch.allclose(loss, by_hand)
+
+
+def test_pair_algorithms_refuse_an_off_policy_correction(tmp_path: Path):
+    from rlpipe.algorithms import resolve_options
+
+    spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "online_dpo", "off_policy_correction": "mask"}))
+    with pytest.raises(ValueError, match="off_policy_correction: online_dpo trains on preference pairs"):
+        resolve_options(spec)
+
+
+def test_truncation_trains_on_stale_rollouts_and_reports_its_weights(initialized_run, tmp_path: Path):
+    """The update with off_policy_correction: pi_prox from one no-grad pass; at the weights that sampled
+    the batch every weight is 1 (up to the sampler's float rounding)."""
+    from rlpipe import loop
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = initialized_run
+    data = spec_to_dict(spec)
+    data["algorithm"]["off_policy_correction"] = "truncate"
+    spec = parse_spec(data)
+    v0 = read_ref(run_root, 0)
+    rollouts, scored, batch = (str(tmp_path / f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
+    loop.generate(spec, run_root, v0, 1, rollouts, cache)
+    loop.score(spec, rollouts, scored)
+    loop.advantages(spec, scored, batch)
+    _, metrics = loop.update(spec, run_root, v0, batch, 1, cache)
+    assert metrics["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["off_policy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["off_policy/truncated_fraction"] == 0.0
+
+
+# --- the buffer -------------------------------------------------------------------------------
+
+
+def _async_spec(initialized_run, s: int):
+    from rlpipe.spec import spec_to_dict
+
+    spec, run_root, cache = initialized_run
+    data = spec_to_dict(spec)
+    data["loop"] |= {"max_staleness": s, "iterations": 6}
+    data["storage"]["keep_versions"] = 10
+    return parse_spec(data), run_root, cache
+
+
+def _produce_until(spec, run_root, cache, done) -> dict:
+    from rlpipe.rollout_buffer import produce
+
+    stop, status = threading.Event(), {}
+    worker = threading.Thread(target=produce, args=(spec, run_root, cache, stop, status))
+    worker.start()
+    deadline = time.time() + 120
+    while not done() and time.time() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    worker.join()
+    assert done(), "the producer did not get there in 120 s"
+    return status
+
+
+def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(initialized_run, tmp_path: Path):
+    from rlpipe import loop
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, iteration_uri
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = _async_spec(initialized_run, 2)
+    last_chunk = Path(chunk_uri(run_root, 3, CHUNKS - 1))
+    _produce_until(spec, run_root, cache, last_chunk.exists)  # iterations 1..1+s, with v0
+    time.sleep(0.3)
+    assert not Path(iteration_uri(run_root, 4)).exists()  # 4 needs v1 committed
+
+    published, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path, cache)
+    assert not Path(iteration_uri(run_root, 1)).exists()  # retired with the commit
+    taken = json.loads((Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())
+    state = json.loads((Path(run_root) / "state.json").read_text())
+    assert state["rollouts_taken"] == taken and [c["version"] for c in taken["chunks"]] == [0] * CHUNKS
+    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 4, CHUNKS - 1)).exists)
+    import pyarrow.parquet as pq
+
+    assert set(pq.read_table(chunk_uri(run_root, 4, 0)).column("weights_version").to_pylist()) == {1}
+    assert published["version"] == 1
+
+
+def test_a_chunk_older_than_s_is_dropped_counted_and_sampled_again(initialized_run, tmp_path: Path):
+    """Rollouts made for s=2 are too stale once the run resumes with s=1: never used silently."""
+    from rlpipe import loop
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, take
+    from rlpipe.store.weights import read_ref
+
+    spec2, run_root, cache = _async_spec(initialized_run, 2)
+    _produce_until(spec2, run_root, cache, Path(chunk_uri(run_root, 3, CHUNKS - 1)).exists)
+    weights = read_ref(run_root, 0)
+    for iteration in (1, 2):
+        (tmp_path / str(iteration)).mkdir()
+        weights, _ = loop.run_iteration(spec2, run_root, weights, iteration, tmp_path / str(iteration), cache)
+    spec1, _, _ = _async_spec(initialized_run, 1)
+    stale = [Path(chunk_uri(run_root, 3, k)).stat().st_mtime_ns for k in range(CHUNKS)]
+    result: dict = {}
+    taking = threading.Thread(
+        target=lambda: result.update(take(spec1, run_root, weights, 3, str(tmp_path / "r3.parquet")))
+    )
+    taking.start()  # drops the v0 chunks (iteration 3 with s=1 takes v1 or v2), then waits for new ones
+    _produce_until(spec1, run_root, cache, lambda: not taking.is_alive())
+    taking.join()
+    assert result["async/stale_rows_dropped"] == 32  # 8 prompts x 4 samples, all from v0
+    assert result["async/staleness_max"] == 0.0  # sampled again with v2, committed meanwhile
+    assert all(Path(chunk_uri(run_root, 3, k)).stat().st_mtime_ns != stale[k] for k in range(CHUNKS))
+
+
+def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_run):
+    """A chunk is written to <chunk>.tmp-<pid> and renamed: a kill mid-write leaves the temporary file,
+    which the next producer removes before it samples that chunk again."""
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
+
+    spec, run_root, cache = _async_spec(initialized_run, 1)
+    partial = Path(chunk_uri(run_root, 1, 2) + ".tmp-4242")
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(b"PAR1 half a parquet file")
+    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    assert not partial.exists()
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(chunk_uri(run_root, 1, 2)).num_rows == 8
+
+
+def test_generate_says_what_to_do_when_no_producer_runs(initialized_run, tmp_path: Path, monkeypatch):
+    from rlpipe.rollout_buffer import take
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = _async_spec(initialized_run, 1)
+    monkeypatch.setattr("rlpipe.rollout_buffer.HEARTBEAT_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="no rollout producer has written a heartbeat.*loop.max_staleness: 0"):
+        take(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"))
+
+
+# --- rlpipe run with s=1, killed and resumed ----------------------------------------------------
+
+
+def _wait_for(predicate, what: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path):
+    import pyarrow.parquet as pq
+
+    from rlpipe.engines import prompt_indices
+    from rlpipe.rollout_buffer import iteration_uri
+
+    iterations, s = 8, 1
+    data = tiny_spec_dict(
+        tmp_path,
+        loop={"iterations": iterations, "iterations_per_run": 4, "eval_every": 2, "max_staleness": s},
+        trainer={"resident": True},
+        storage={"root": str(tmp_path / "runs"), "keep_versions": 10},
+    )
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    log = run_dir / "logs" / "kfp-local.log"
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec_path), "--run-dir", str(run_dir)]
+
+    def tasks() -> list[str]:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        return re.findall(r"Executing task \x1b\[96m'([\w-]+)'", text)
+
+    def committed() -> int:
+        state = run_dir / "state.json"
+        return json.loads(state.read_text()).get("iteration", 0) if state.exists() else 0
+
+    def producer_pid() -> int:
+        fleet = run_dir / "producers" / "fleet.json"
+        return (json.loads(fleet.read_text())["replicas"][0]["pid"] or 0) if fleet.exists() else 0
+
+    def heartbeat() -> dict:
+        try:
+            return json.loads((run_dir / "rollout_buffer" / "producer.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    # 1. the driver (and with it the step it runs, the trainer and the producer) at the second update
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for(lambda: "update-2" in tasks(), "the second update")
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    assert committed() < iterations
+
+    # 2. the producer twice, each time after a chunk it wrote (mid-way through the next, or waiting for a
+    # commit), and 3. the resident trainer mid-update; the rerun goes on through all of it
+    killed = {producer_pid()}
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(2):
+        _wait_for(lambda: producer_pid() not in killed, "a new producer")
+        pid = producer_pid()
+        _wait_for(lambda: heartbeat().get("pid") == pid, "its heartbeat")
+        written = heartbeat()["chunks_written"]
+        _wait_for(lambda: heartbeat().get("chunks_written", 0) > written, "a chunk written")
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+    done = len(tasks())
+    _wait_for(lambda: any(t.startswith("update") for t in tasks()[done:]), "an update")
+    trainer = json.loads((run_dir / "trainers" / "fleet.json").read_text())["replicas"][0]["pid"]
+    os.kill(trainer, signal.SIGKILL)  # the update step waits for its restart and asks again
+    output, _ = driver.communicate(timeout=600)
+    if driver.returncode != 0:  # a kill may also fail the pipeline run: the next run goes on from the state
+        rerun = subprocess.run(command, capture_output=True, text=True)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert committed() == iterations, output.decode(errors="replace")
+
+    _check_consistent(run_dir, iterations)  # weights versions move forward, one MLflow point per iteration
+    groups: collections.Counter[int] = collections.Counter()
+    previous_version = -1
+    for iteration in range(1, iterations + 1):
+        used = Path(iteration_uri(str(run_dir), iteration, consumed=True))
+        taken = json.loads((used / "taken.json").read_text())
+        for chunk in taken["chunks"]:
+            path = used / f"chunk_{chunk['chunk']:03d}.parquet"
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == chunk["sha256"]  # the rows it trained on
+            table = pq.read_table(path)
+            assert set(table.column("weights_version").to_pylist()) == {chunk["version"]}
+            assert iteration - 1 - s <= chunk["version"] <= iteration - 1
+            assert chunk["version"] >= previous_version  # rollout versions only move forward
+            previous_version = chunk["version"]
+            rows = table.select(["prompt_id", "group_id"]).to_pylist()
+            groups.update({row["group_id"]: row["prompt_id"] for row in rows}.values())
+    assert json.loads((run_dir / "state.json").read_text())["rollouts_taken"]["iteration"] == iterations
+    train_rows = pq.read_metadata(run_dir / "data" / "train.parquet").num_rows
+    consumed_range = [i for n in range(1, iterations + 1) for i in prompt_indices(train_rows, 8, n, 0)]
+    assert sorted(groups) == sorted(consumed_range)  # no prompt skipped
+    assert set(groups.values()) == {1}  # none used twice
