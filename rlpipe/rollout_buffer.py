@@ -105,7 +105,7 @@ def generate_chunk(
 ) -> dict[str, float]:
     """Sample chunk `chunk` of iteration N's prompts with `weights` and publish it atomically (a file
     is there whole or not at all: a producer killed mid-write leaves only a .tmp file)."""
-    from rlpipe.engines import iteration_prompts, read_train_rows, sample_groups
+    from rlpipe.engines import iteration_prompts, read_train_rows, sample_to_rollouts
     from rlpipe.store.run_root import move
 
     started = time.time()
@@ -117,7 +117,7 @@ def generate_chunk(
     fs, tmp_path = filesystem(tmp)
     fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
     stream = iteration * 1_000 + chunk + 1  # each chunk its own sampling stream
-    metrics = sample_groups(
+    metrics = sample_to_rollouts(
         spec,
         run_root,
         weights,
@@ -207,7 +207,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     oldest = oldest_allowed(spec, iteration)
     tables: list[pa.Table] = []
     record: list[dict[str, Any]] = []
-    dropped = 0
+    dropped, waited = 0, 0.0
     waited_since = time.time()
     for chunk in range(chunks):
         uri = chunk_uri(run_root, iteration, chunk)
@@ -228,9 +228,9 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
                     "rollout-producer.yaml, RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
                 )
             time.sleep(POLL_S)
+            waited += POLL_S
         tables.append(table)
         record.append({"chunk": chunk, "rows": table.num_rows, "version": version, "sha256": file_sha256(uri)})
-    waited = time.time() - started
     rollouts = pa.concat_tables(tables)
     write_table(rollouts, out_path)
     beat = read_json(producer_uri(run_root)) or {}

@@ -108,14 +108,14 @@ def test_truncation_trains_on_stale_rollouts_and_reports_its_weights(initialized
 # --- the buffer -------------------------------------------------------------------------------
 
 
-def _async_spec(initialized_run, s: int):
+def _async_spec(initialized_run, s: int, **sections):
     from rlpipe.spec import spec_to_dict
 
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
     data["loop"] |= {"max_staleness": s, "iterations": 6}
     data["storage"]["keep_versions"] = 10
-    return parse_spec(data), run_root, cache
+    return parse_spec(data | sections), run_root, cache
 
 
 def _produce_until(spec, run_root, cache, done) -> dict:
@@ -206,6 +206,49 @@ def test_generate_says_what_to_do_when_no_producer_runs(initialized_run, tmp_pat
     monkeypatch.setattr("rlpipe.rollout_buffer.HEARTBEAT_TIMEOUT_S", 0.5)
     with pytest.raises(RuntimeError, match="no rollout producer has written a heartbeat.*loop.max_staleness: 0"):
         take(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"))
+
+
+def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights(initialized_run, tmp_path: Path):
+    """After update N the resident trainer computes v(N)'s log-probs of iteration N+1's buffered rollouts
+    (while the light steps run); update N+1 then skips its no-grad pass and trains what the per-step update
+    trains (to float rounding: the passes batch the rows differently)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from rlpipe import loop
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
+    from rlpipe.services.trainer_service import make_server
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.weights import read_ref
+
+    varied = {"functions": [{"type": "tests.toy_plugins:length", "target": 2}]}  # advantages != 0: it learns
+    spec, run_root, cache = _async_spec(initialized_run, 1, reward=varied)
+    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    per_step_root = str(tmp_path / "per-step")
+    shutil.copytree(run_root, per_step_root)  # the same v0 and the same buffered rollouts
+
+    server = make_server("127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    data = spec_to_dict(spec)
+    data["trainer"] |= {"resident": True, "endpoint": f"http://127.0.0.1:{server.server_address[1]}"}
+    resident = parse_spec(data)
+    weights = {"resident": read_ref(run_root, 0), "per_step": read_ref(per_step_root, 0)}
+    fractions = {"resident": [], "per_step": []}
+    try:
+        for iteration in (1, 2):
+            for name, root, run_spec in (("resident", run_root, resident), ("per_step", per_step_root, spec)):
+                work = tmp_path / f"{name}-{iteration}"
+                work.mkdir()
+                weights[name], metrics = loop.run_iteration(run_spec, root, weights[name], iteration, work, cache)
+                fractions[name].append(metrics["off_policy/proximal_prefetched_fraction"])
+    finally:
+        server.shutdown()
+    assert fractions == {"resident": [0.0, 1.0], "per_step": [0.0, 0.0]}
+    a, b = (load_file(Path(weights[n]["uri"]) / "model.safetensors") for n in ("resident", "per_step"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    v0 = load_file(Path(read_ref(run_root, 0)["uri"]) / "model.safetensors")
+    assert any(not torch.equal(a[k], v0[k]) for k in a)  # it trained
 
 
 # --- rlpipe run with s=1, killed and resumed ----------------------------------------------------

@@ -65,14 +65,16 @@ def test_every_step_has_its_function_and_component():
             importlib.import_module(imported)
 
 
-@pytest.mark.parametrize("resident", [False, True])
-def test_light_steps_and_thin_clients_do_not_import_torch(resident: bool):
+@pytest.mark.parametrize(("resident", "staleness"), [(False, 0), (True, 0), (False, 1)])
+def test_light_steps_and_thin_clients_do_not_import_torch(resident: bool, staleness: int):
     """A step that does not compute with torch, or whose service does, imports no torch."""
-    spec = parse_spec({"name": "x", "trainer": {"resident": resident}})
+    spec = parse_spec({"name": "x", "trainer": {"resident": resident}, "loop": {"max_staleness": staleness}})
     light = [s.name for s in STEPS if not s.torch or service_for(s.name, spec)]
     assert {"score", "advantages", "sync_weights"} <= set(light)
     if resident:
         assert {"generate", "update", "evaluate"} <= set(light)
+    if staleness:  # generate takes the producer's rollouts from the buffer
+        assert "generate" in light
     modules = sorted({m for step in light for m in modules_for(step, spec)} | {"rlpipe.loop", "rlpipe.steps"})
     code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nassert 'torch' not in sys.modules, 'torch'\n"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -120,7 +120,7 @@ def generate_rollouts(
     t0 = time.time()
     table = read_train_rows(run_root)
     order = iteration_prompts(spec, run_root, table.num_rows, iteration)
-    return sample_groups(
+    return sample_to_rollouts(
         spec, run_root, as_ref(weights), cache_root, table, order, 0, iteration, iteration, out_path, t0, policy
     )
 
@@ -130,7 +130,7 @@ def read_train_rows(run_root: str) -> pa.Table:
     return pq.read_table(filesystem(data_uri(run_root, "train"))[1])
 
 
-def sample_groups(
+def sample_to_rollouts(
     spec: RunSpec,
     run_root: str,
     weights: WeightRef,

@@ -28,6 +28,7 @@ from typing import Any
 from rlpipe.services.local_servers import LocalServers
 
 HEARTBEAT_S = 2.0
+NICENESS = 10  # lower priority than the trainer and the pipeline's steps
 MARKER = "rlpipe.services.rollout_producer"
 
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlpipe.spec import parse_spec
     from rlpipe.store.run_root import cache_root_for, join, read_json
 
+    # The producer works ahead, with slack: on a machine it shares with the trainer and the steps, it
+    # yields the cores to them (their work is the iteration's critical path).
+    os.nice(NICENESS)
     spec = parse_spec(read_json(args.spec or join(args.run_root, "spec.json")))
     cache_root = args.cache_root or cache_root_for(spec.storage.root, spec.storage.cache)
     status: dict[str, Any] = {"busy_s": 0.0, "chunks_written": 0, "version": None}

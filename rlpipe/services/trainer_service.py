@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import threading
@@ -228,7 +229,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     from rlpipe.rollout_buffer import CHUNKS, chunk_uri
     from rlpipe.rollouts import read_table
     from rlpipe.store.run_root import filesystem
-    from rlpipe.training.trainer import completion_logprobs, micro_batches, sequence_key
+    from rlpipe.training.trainer import micro_batches, policy_logprobs, sequence_key
 
     trainer = held.trainer
     if trainer is None or not trainer.spec.loop.max_staleness:
@@ -236,6 +237,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     if resolve_options(trainer.spec).off_policy_correction == "none":
         return
     trainer.proximal = {"sha256": trainer.weights["sha256"], "logprobs": {}}
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only: yield to the steps
     for chunk in range(CHUNKS):
         fs, path = filesystem(chunk_uri(trainer.run_root, iteration + 1, chunk))
         if not fs.exists(path):
@@ -245,7 +247,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
             with lock:
                 if held.trainer is not trainer:
                     return  # a request moved it on, or is running
-                logprobs = completion_logprobs(trainer, part)
+                logprobs = policy_logprobs(trainer, part)
             trainer.proximal["logprobs"].update(zip(map(sequence_key, part), logprobs))
 
 

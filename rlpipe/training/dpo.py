@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import torch
 
 from rlpipe.modeling import load_weights
 from rlpipe.rollouts import write_table
-from rlpipe.training.trainer import load_trainer, save_trained, token_logprobs, train_on_batch
+from rlpipe.training.trainer import completion_logprobs, load_trainer, save_trained, train_on_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,27 +25,14 @@ if TYPE_CHECKING:
 
 def sample_groups(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
     """rollout.samples_per_prompt completions per prompt (prompt-major): (token ids, decoded texts)."""
-    from rlpipe.engines.torch_engine import sample_in_batches
+    from rlpipe.engines.torch_engine import sample_groups as sample_with_rollout_settings
 
     model.eval()
-    group = spec.rollout.samples_per_prompt
-    completions = sample_in_batches(
-        model,
-        [ids for ids in prompt_ids for _ in range(group)],
-        batch_size=spec.rollout.batch_size,
-        max_new_tokens=spec.rollout.max_new_tokens,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        temperature=spec.rollout.temperature,
-        top_k=spec.rollout.top_k,
-        top_p=spec.rollout.top_p,
-        generator=torch.Generator(device=model.device).manual_seed(seed),
-    )
+    completions = sample_with_rollout_settings(spec, model, tokenizer, prompt_ids, seed)
     return completions.token_ids, tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
 
 
-@torch.no_grad()
-def completion_logprobs(
+def batched_logprobs(
     model: PreTrainedModel,
     prompts: list[list[int]],
     completions: list[list[int]],
@@ -54,31 +40,21 @@ def completion_logprobs(
     temperature: float,
     batch_size: int = 256,
 ) -> list[list[float]]:
-    """log pi(token | prefix) of each completion token after its prompt, as the update computes them
-    (right-padded prompt + completion, softmax(logits / T) in fp32)."""
+    """completion_logprobs of each (prompt, completion), `batch_size` sequences per forward pass."""
     model.eval()
-    out: list[list[float]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(zip(prompts[start : start + batch_size], completions[start : start + batch_size]))
-        width = max(len(p) + len(c) for p, c in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, (p, c) in enumerate(chunk):
-            ids[i, : len(p) + len(c)] = torch.tensor(list(p) + list(c))
-            attention[i, : len(p) + len(c)] = 1
-        ids, attention = ids.to(model.device), attention.to(model.device)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        logp = token_logprobs(logits, ids[:, 1:], temperature).cpu()
-        for i, (p, c) in enumerate(chunk):
-            out.append(logp[i, len(p) - 1 : len(p) - 1 + len(c)].tolist())
-    return out
+    rows = [{"prompt_token_ids": list(p), "completion_token_ids": list(c)} for p, c in zip(prompts, completions)]
+    return [
+        logprobs
+        for start in range(0, len(rows), batch_size)
+        for logprobs in completion_logprobs(model, rows[start : start + batch_size], pad_id, temperature)
+    ]
 
 
 def reference_columns(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> dict[str, list[list[float]]]:
     """ref_chosen_logprobs and ref_rejected_logprobs of every pair under `model` (the frozen v0)."""
     prompts = [p["prompt_token_ids"] for p in pairs]
     return {
-        f"ref_{role}_logprobs": completion_logprobs(
+        f"ref_{role}_logprobs": batched_logprobs(
             model, prompts, [p[f"{role}_token_ids"] for p in pairs], tokenizer.pad_token_id, spec.rollout.temperature
         )
         for role in ("chosen", "rejected")
@@ -92,7 +68,7 @@ def preference_accuracy(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> d
     if not pairs:
         return {}
     policy = {
-        role: completion_logprobs(
+        role: batched_logprobs(
             model,
             [p["prompt_token_ids"] for p in pairs],
             [p[f"{role}_token_ids"] for p in pairs],

@@ -214,21 +214,29 @@ def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 @torch.no_grad()
-def completion_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
-    """log pi(token | prefix) of each row's completion tokens under the trainer's current weights, in
-    one no-grad forward pass over `rows` (one micro-batch)."""
-    policy, spec = trainer.policy, trainer.spec
-    mb = pack(rows, trainer.tokenizer.pad_token_id)
-    input_ids = mb["input_ids"].to(policy.device)
-    autocast = torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
-    with autocast:
-        logits = policy(input_ids=input_ids, attention_mask=mb["attention"].to(policy.device)).logits[:, :-1]
-    logprobs = token_logprobs(logits, input_ids[:, 1:], spec.rollout.temperature).cpu()
+def completion_logprobs(
+    model: PreTrainedModel, rows: list[dict], pad_id: int, temperature: float, bf16: bool = False
+) -> list[list[float]]:
+    """log pi(token | prefix) of each row's completion tokens after its prompt (rows with prompt_token_ids
+    and completion_token_ids), as the update computes them: right-padded, softmax(logits / T) in fp32;
+    one no-grad forward pass over `rows`."""
+    mb = pack(rows, pad_id)
+    input_ids = mb["input_ids"].to(model.device)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=input_ids, attention_mask=mb["attention"].to(model.device)).logits[:, :-1]
+    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature).cpu()
     found = []
     for i, row in enumerate(rows):
         start = len(row["prompt_token_ids"]) - 1
         found.append(logprobs[i, start : start + len(row["completion_token_ids"])].tolist())
     return found
+
+
+def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
+    """completion_logprobs under the trainer's policy as it stands, with its precision."""
+    spec = trainer.spec
+    bf16 = spec.trainer.dtype == "bfloat16"
+    return completion_logprobs(trainer.policy, rows, trainer.tokenizer.pad_token_id, spec.rollout.temperature, bf16)
 
 
 def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:
@@ -248,7 +256,7 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
                 reused += len(part)
                 logprobs = [known[key] for key in keys]
             else:
-                logprobs = completion_logprobs(trainer, part)
+                logprobs = policy_logprobs(trainer, part)
             for row, row_logprobs in zip(part, logprobs):
                 row["proximal_logprobs"] = row_logprobs
     return reused / max(total, 1)
