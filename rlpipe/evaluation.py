@@ -8,9 +8,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import pyarrow.parquet as pq
-
 from rlpipe.metric_keys import EVAL_ACCURACY
+from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import data_uri, eval_metrics_uri, filesystem, read_state, write_json
 from rlpipe.store.weights import WeightRef, as_ref
@@ -87,7 +86,7 @@ def evaluate_policy(
     else:
         model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()
-    rows = pq.read_table(filesystem(data_uri(run_root, "eval"))[1]).to_pylist()
+    rows = read_table(data_uri(run_root, "eval")).to_pylist()
     accuracy = greedy_accuracy(
         model,
         tokenizer,

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from rlpipe.rollouts import ROLLOUT_SCHEMA, Completions, write_table
-from rlpipe.store.run_root import data_uri, filesystem
+from rlpipe.rollouts import ROLLOUT_SCHEMA, Completions, read_table, write_table
+from rlpipe.store.run_root import data_uri
 from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
@@ -127,7 +126,7 @@ def generate_rollouts(
 
 def read_train_rows(run_root: str) -> pa.Table:
     """data/train.parquet, as the prepare step wrote it."""
-    return pq.read_table(filesystem(data_uri(run_root, "train"))[1])
+    return read_table(data_uri(run_root, "train"))
 
 
 def sample_to_rollouts(

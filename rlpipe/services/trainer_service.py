@@ -219,6 +219,9 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     }
 
 
+PREFETCH_ROWS = 256  # per forward pass ahead: a request arriving meanwhile waits for one at most
+
+
 def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int) -> None:
     """After update N the trainer holds v(N) and its core idles while sync_weights, evaluate and the next
     iteration's light steps run. Asynchronous runs with an off_policy_correction need pi_prox = v(N)'s
@@ -243,7 +246,8 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
         if not fs.exists(path):
             continue  # not sampled yet: the update computes its rows
         rows = read_table(path).select(["prompt_token_ids", "completion_token_ids"]).to_pylist()
-        for part in micro_batches(rows, trainer.spec.trainer.micro_batch_tokens):
+        groups = micro_batches(rows, trainer.spec.trainer.micro_batch_tokens)
+        for part in (group[i : i + PREFETCH_ROWS] for group in groups for i in range(0, len(group), PREFETCH_ROWS)):
             with lock:
                 if held.trainer is not trainer:
                     return  # a request moved it on, or is running

@@ -12,11 +12,11 @@ import shutil
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from rlpipe.model_files import resolve_model_source
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_device
+from rlpipe.rollouts import read_table
 from rlpipe.spec import WARM_START_KEYS, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json
 from rlpipe.store.weights import WeightRef, seal, staging_uri
@@ -126,7 +126,7 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         model = model.to(resolve_device(spec.trainer.device))
         ws = spec.model.warm_start
         if ws.max_steps:
-            rows = pq.read_table(filesystem(data_uri(run_root, "train"))[1]).to_pylist()
+            rows = read_table(data_uri(run_root, "train")).to_pylist()
             metrics |= supervised_warm_start(
                 model, tokenizer, rows, ws, spec.seed, spec.reward, spec.rollout.max_new_tokens
             )
