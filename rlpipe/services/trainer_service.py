@@ -77,6 +77,7 @@ class Held:
 
     trainer: Trainer | None = None
     key: tuple[str, int, str, str] | None = None
+    waiting: int = 0  # requests waiting for the lock (work done ahead gives way to them)
 
 
 def hold(request: dict[str, Any], held: Held) -> tuple[Trainer, bool]:
@@ -239,20 +240,37 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
         return
     if resolve_options(trainer.spec).off_policy_correction == "none":
         return
-    trainer.proximal = {"sha256": trainer.weights["sha256"], "logprobs": {}}
+    sha256 = trainer.weights["sha256"]
+    trainer.proximal = {"sha256": sha256, "logprobs": {}}
+    if iteration >= trainer.spec.loop.iterations:
+        return
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only: yield to the steps
+    started, done = time.time(), 0
+
+    def computed_ahead() -> None:
+        print(
+            f"rlpipe trainer: pi_prox of iteration {iteration + 1} ahead: {done} rows, {time.time() - started:.1f} s",
+            flush=True,
+        )
+
     for chunk in range(CHUNKS):
         fs, path = filesystem(chunk_uri(trainer.run_root, iteration + 1, chunk))
-        if not fs.exists(path):
-            continue  # not sampled yet: the update computes its rows
+        while not fs.exists(path):  # the producer is still sampling it: wait, unless a request is due
+            if held.waiting:
+                return computed_ahead()
+            time.sleep(0.05)
         rows = read_table(path).select(["prompt_token_ids", "completion_token_ids"]).to_pylist()
         groups = micro_batches(rows, trainer.spec.trainer.micro_batch_tokens)
         for part in (group[i : i + PREFETCH_ROWS] for group in groups for i in range(0, len(group), PREFETCH_ROWS)):
+            if held.waiting:  # a request is due: it computes the rest (a lock is not fair to it)
+                return computed_ahead()
             with lock:
-                if held.trainer is not trainer:
-                    return  # a request moved it on, or is running
+                if held.trainer is not trainer or trainer.weights["sha256"] != sha256:
+                    return computed_ahead()  # a request moved it on
                 logprobs = policy_logprobs(trainer, part)
             trainer.proximal["logprobs"].update(zip(map(sequence_key, part), logprobs))
+            done += len(part)
+    return computed_ahead()
 
 
 ROUTES = {"/generate": serve_generate, "/values": serve_values, "/evaluate": serve_evaluate, "/update": serve_update}
@@ -308,7 +326,9 @@ def make_server(
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if jobs is None:
+                held.waiting += 1
                 with lock:
+                    held.waiting -= 1
                     status, body = answer(self.path, request, held)
                 self._reply(status, body)
                 if self.path == "/update" and status == 200:
