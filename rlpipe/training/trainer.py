@@ -250,15 +250,13 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
     reused = total = 0
     for mini in minis:
         for part, _ in rank_parts(mini, budget, pairs=False):
-            keys = [sequence_key(row) for row in part]
+            missing = [row for row in part if sequence_key(row) not in known]
+            computed = dict(zip(map(sequence_key, missing), policy_logprobs(trainer, missing))) if missing else {}
+            for row in part:
+                key = sequence_key(row)
+                row["proximal_logprobs"] = known[key] if key in known else computed[key]
             total += len(part)
-            if all(key in known for key in keys):
-                reused += len(part)
-                logprobs = [known[key] for key in keys]
-            else:
-                logprobs = policy_logprobs(trainer, part)
-            for row, row_logprobs in zip(part, logprobs):
-                row["proximal_logprobs"] = row_logprobs
+            reused += len(part) - len(missing)
     return reused / max(total, 1)
 
 
