@@ -91,7 +91,10 @@ def next_chunk(spec: RunSpec, run_root: str, committed: int) -> tuple[int, int] 
     rows = None
     for iteration in range(committed + 1, last + 1):
         fs, directory = filesystem(iteration_uri(run_root, iteration))
-        present = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)} if fs.exists(directory) else set()
+        try:
+            present = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)} if fs.exists(directory) else set()
+        except FileNotFoundError:  # retired meanwhile: `committed` is out of date
+            return None
         rows = rows if rows is not None else read_train_rows(run_root).num_rows
         chunks = len(chunk_orders(iteration_prompts(spec, run_root, rows, iteration)))
         for chunk in range(chunks):
@@ -148,7 +151,6 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
         if "iteration" not in state:  # not initialized yet
             stop.wait(0.5)
             continue
-        retire(run_root, state["iteration"], spec.storage.keep_versions)
         todo = next_chunk(spec, run_root, state["iteration"])
         if todo is None:
             stop.wait(POLL_S)
@@ -267,7 +269,8 @@ def taken_record(run_root: str, iteration: int) -> dict[str, Any] | None:
 
 def retire(run_root: str, committed: int, keep: int) -> None:
     """Move the buffer's iterations <= `committed` to consumed/ (idempotent: also what a commit killed
-    before it retired leaves), and keep the last `keep` consumed iterations."""
+    before it retired leaves), and keep the last `keep` consumed iterations. Only sync_weights calls it,
+    once the commit is made: the producer never writes to an iteration <= committed."""
     from rlpipe.store.run_root import move
 
     fs, root = filesystem(buffer_uri(run_root))
