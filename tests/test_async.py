@@ -264,18 +264,19 @@ def _wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow  # 70 s: CI's slow step
 def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path):
     import pyarrow.parquet as pq
 
     from rlpipe.engines import prompt_indices
     from rlpipe.rollout_buffer import iteration_uri
 
-    iterations, s = 8, 1
+    iterations, s = 16, 1
     data = tiny_spec_dict(
         tmp_path,
-        loop={"iterations": iterations, "iterations_per_run": 4, "eval_every": 2, "max_staleness": s},
+        loop={"iterations": iterations, "iterations_per_run": 4, "eval_every": 4, "max_staleness": s},
         trainer={"resident": True},
-        storage={"root": str(tmp_path / "runs"), "keep_versions": 10},
+        storage={"root": str(tmp_path / "runs"), "keep_versions": iterations},  # every consumed iteration kept
     )
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(data))
@@ -308,16 +309,15 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     driver.wait()
     assert committed() < iterations
 
-    # 2. the producer twice, each time after a chunk it wrote (mid-way through the next, or waiting for a
-    # commit), and 3. the resident trainer mid-update; the rerun goes on through all of it
+    # 2. the producer twice, each time once it is up (mid-chunk, or waiting for a commit), and 3. the
+    # resident trainer mid-update; the rerun goes on through all of it
     killed = {producer_pid()}
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     for _ in range(2):
         _wait_for(lambda: producer_pid() not in killed, "a new producer")
         pid = producer_pid()
         _wait_for(lambda: heartbeat().get("pid") == pid, "its heartbeat")
-        written = heartbeat()["chunks_written"]
-        _wait_for(lambda: heartbeat().get("chunks_written", 0) > written, "a chunk written")
+        time.sleep(0.3)  # mid-way through a chunk, or waiting for a commit
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
     done = len(tasks())
