@@ -314,9 +314,14 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     killed = {producer_pid()}
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     for _ in range(2):
-        _wait_for(lambda: producer_pid() not in killed, "a new producer")
+        # fleet.json says pid None (0 here) between the driver's start and the spawn: wait for a live
+        # producer that has written its heartbeat
+        def beating() -> bool:
+            pid = producer_pid()
+            return pid not in killed | {0} and heartbeat().get("pid") == pid
+
+        _wait_for(beating, "a new producer's heartbeat")
         pid = producer_pid()
-        _wait_for(lambda: heartbeat().get("pid") == pid, "its heartbeat")
         time.sleep(0.3)  # mid-way through a chunk, or waiting for a commit
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
