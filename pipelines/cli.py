@@ -43,7 +43,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     state = run_locally(spec, args.run_dir)
-    return 0 if state.get("iteration", 0) >= spec.loop.iterations else 1
+    from rlpipe.evaluation import stopped_by_gate
+
+    return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -156,6 +158,40 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_root(run: str) -> str:
+    """A run root from a path, or from a run name under ./runs."""
+    path = Path(run)
+    if not path.exists() and "/" not in run and (Path("runs") / run).exists():
+        path = Path("runs") / run
+    return str(path.resolve())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rlpipe.run_status import as_json, describe, run_status
+
+    status = run_status(_run_root(args.run))
+    print(as_json(status) if args.json else describe(status))
+    return 0 if status["initialized"] else 1
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.fork import fork_run
+
+    parent = _run_root(args.run)
+    child = str(Path(parent).parent / args.name)
+    try:
+        spec = fork_run(parent, child, args.from_iteration, args.name, _overrides(args))
+    except ValueError as err:
+        print(f"rlpipe fork: {err}", file=sys.stderr)
+        return 1
+    spec_file = Path(child) / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
+    print(f"rlpipe fork: {child} starts from {parent} at iteration {args.from_iteration}")
+    print(f"continue it with: rlpipe run {spec_file} --run-dir {child}")
+    return 0
+
+
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec")
     parser.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
@@ -201,6 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--version", type=int, help="weights version (default: the latest)")
     export.add_argument("-o", "--output", required=True, help="output directory")
     export.set_defaults(func=cmd_export)
+
+    status = sub.add_parser("status", help="where a run stands: iteration, versions, evals, what runs")
+    status.add_argument("run", help="the run's root (or its name under ./runs)")
+    status.add_argument("--json", action="store_true", help="as JSON")
+    status.set_defaults(func=cmd_status)
+
+    fork = sub.add_parser("fork", help="start a new run from version N of another, to try other settings")
+    fork.add_argument("run", help="the parent's run root (or its name under ./runs)")
+    fork.add_argument("--from-iteration", type=int, required=True, help="the parent's committed iteration N")
+    fork.add_argument("--name", required=True, help="the new run's name (its root: beside the parent's)")
+    fork.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="what the fork changes, e.g. algorithm.kl_coef=0.05"
+    )
+    fork.set_defaults(func=cmd_fork)
 
     comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
     comp.add_argument("spec")

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rlpipe.evaluation import stopped_by_gate
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
 from rlpipe.spec import RESUMABLE_KEYS, RunSpec, spec_to_dict, without
@@ -246,7 +247,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 if failure is not None:
                     raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
                 state = read_state(run_root) or {}
-                if state.get("iteration", 0) >= spec.loop.iterations:
+                if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state):
                     break
         finally:
             stop.set()
@@ -257,6 +258,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     state = read_state(run_root) or {}
     if not interactive:
         say(progress.line())
+    if stopped := stopped_by_gate(spec, state):
+        say(f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there")
     if state.get("mlflow_run_id"):
         say(f"MLflow run: {run_url(spec, run_root, state['mlflow_run_id'])}")
     summary = {"run_root": run_root, "state": state, "evals": progress.evals}

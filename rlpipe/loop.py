@@ -55,7 +55,9 @@ class Start:
 
 def plan(spec: RunSpec, run_root: str) -> Start:
     """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
-    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.eval_due)."""
+    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.eval_due). Nothing is
+    left once loop.stop_when has stopped the loop; with a gate, a pipeline run ends at the next eval."""
+    from rlpipe.evaluation import iterations_to_next_eval, stopped_by_gate
     from rlpipe.store.run_root import read_state
     from rlpipe.store.weights import read_ref
 
@@ -63,11 +65,14 @@ def plan(spec: RunSpec, run_root: str) -> Start:
     if state is None or "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the warm_start and publish_warm_start steps must run first")
     iteration = state["iteration"]
-    left = spec.loop.iterations - iteration
+    left = 0 if stopped_by_gate(spec, state) else spec.loop.iterations - iteration
+    todo = max(0, min(spec.loop.iterations_per_run, left))
+    if spec.loop.stop_when:  # a pipeline run ends at the next eval: the next one starts only if the gate is shut
+        todo = min(todo, iterations_to_next_eval(spec, iteration))
     return Start(
         weights=read_ref(run_root, state["weights_version"]),
         iteration=iteration,
-        todo=max(0, min(spec.loop.iterations_per_run, left)),
+        todo=todo,
         eval_phase=iteration % spec.loop.eval_every,
         iterations_left=left,
     )
@@ -168,7 +173,8 @@ def evaluate(
     spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, cache_root: str
 ) -> dict[str, float] | None:
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
-    iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch)."""
+    iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch).
+    When the metrics pass loop.stop_when, state.json records the loop as stopped there."""
     from rlpipe.evaluation import evaluation_pending
 
     if not evaluation_pending(spec, run_root, iteration):
@@ -176,10 +182,19 @@ def evaluate(
     if service_for("evaluate", spec) == "trainer":
         from rlpipe.services.trainer_client import request_evaluate
 
-        return request_evaluate(spec, run_root, weights, iteration, cache_root)
-    from rlpipe.evaluation import evaluate_policy
+        metrics = request_evaluate(spec, run_root, weights, iteration, cache_root)
+    else:
+        from rlpipe.evaluation import evaluate_policy
 
-    return evaluate_policy(spec, run_root, weights, iteration, cache_root)
+        metrics = evaluate_policy(spec, run_root, weights, iteration, cache_root)
+    from rlpipe.evaluation import stop_reason
+
+    if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
+        from rlpipe.store.run_root import commit_state
+
+        stopped = {"iteration": iteration, "weights_version": weights["version"], "reason": reason}
+        commit_state(run_root, stopped=stopped | {"when": spec.loop.stop_when})
+    return metrics
 
 
 def run_iteration(

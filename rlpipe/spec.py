@@ -409,6 +409,12 @@ class LoopSpec:
     iterations: int = setting(25, ge=1)
     iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
     eval_every: int = setting(5, ge=1)
+    stop_when: str | None = setting(
+        None,
+        pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
+        doc="An eval gate that ends the loop early: '<metric> >= <value>' (or >, <=, <) over a held-out eval's "
+        "metrics, e.g. 'eval/accuracy_greedy >= 0.7'. Checked at every eval; the version that passed is the run's",
+    )
     max_staleness: int = setting(
         0,
         ge=0,
@@ -748,13 +754,18 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunS
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise SpecError(f"run spec {path} is not valid YAML: {err}") from None
-    for dotted, value in (overrides or {}).items():
+    return parse_spec(with_overrides(data, overrides or {}), str(path))
+
+
+def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a spec as a dict, changed in place) with `overrides`' dotted keys set."""
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return parse_spec(data, str(path))
+    return data
 
 
 def section_dict(section_value: Any) -> dict[str, Any]:

@@ -1,0 +1,126 @@
+"""Fork a run: a new run that starts from version N of another, to try another setting from the same
+point (`rlpipe fork RUN --from-iteration N --name NEW --set key=value`).
+
+The child gets, under its own run root, what the loop reads to go on from iteration N:
+    data/                      the parent's prepared rows (the same prompts, the same held-out set)
+    weights/v000000, v{N}      the reference (KL, a LoRA base) and the version it starts from; LATEST = v{N}
+    optimizer/v{N}.pt, critic/ the trainer's state at v{N} (a critic's too)
+    metrics/ up to N           the parent's curve up to the fork, so the child's continues it
+    spec.json                  the parent's spec with the overrides, named NEW
+    state.json                 iteration N, weights v{N}, and `forked_from` (parent run root, run uid,
+                               MLflow run id, iteration, sha256)
+Files are hard links on a local filesystem (shared by reference: sealed versions are never written
+again) and copies elsewhere. The weights' sha256 is checked, so the child's v{N} is the parent's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from rlpipe.spec import RunSpec, parse_spec, spec_to_dict, with_overrides
+from rlpipe.store.run_root import (
+    atomic_write_text,
+    commit_state,
+    data_uri,
+    eval_metrics_uri,
+    filesystem,
+    is_local,
+    iteration_metrics_uri,
+    join,
+    optimizer_uri,
+    read_json,
+    read_state,
+    write_json,
+)
+from rlpipe.store.weights import read_ref, verify, version_name, version_uri
+
+INHERITED = ("model", "data")  # what made the parent's v0 and data: a fork keeps them
+
+
+def share(source: str, target: str) -> None:
+    """`source` (a file or directory) at `target`: hard links locally, copies elsewhere."""
+    fs, src = filesystem(source)
+    _, dst = filesystem(target)
+    files = [src] if fs.isfile(src) else [p for p in fs.find(src)]
+    for path in files:
+        out = dst if path == src else dst + path[len(src) :]
+        fs.makedirs(out.rsplit("/", 1)[0], exist_ok=True)
+        if is_local(source) and is_local(target):
+            try:
+                os.link(path, out)
+                continue
+            except OSError:  # another filesystem
+                pass
+        fs.copy(path, out)
+
+
+def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overrides: dict[str, Any]) -> RunSpec:
+    """Make `child_root` a run at `parent_root`'s iteration N with the parent's spec plus `overrides`
+    (dotted keys); returns the child's spec. Raises ValueError saying what to change."""
+    parent_state = read_state(parent_root)
+    parent_spec = read_json(join(parent_root, "spec.json"))
+    if parent_state is None or parent_spec is None:
+        raise ValueError(
+            f"{parent_root} is not a run root (no state.json and spec.json): name the parent's run directory"
+        )
+    if parent_state["iteration"] < iteration or iteration < 0:
+        raise ValueError(
+            f"--from-iteration {iteration}: the parent has committed iterations 0..{parent_state['iteration']}"
+        )
+    fs, child = filesystem(child_root)
+    if fs.exists(child) and fs.ls(child):
+        raise ValueError(f"{child_root} exists and is not empty: pick another --name")
+    touched = sorted({key.split(".")[0] for key in overrides} & set(INHERITED))
+    if touched:
+        raise ValueError(
+            f"--set {', '.join(touched)}.*: a fork keeps the parent's {' and '.join(INHERITED)} (its weights and "
+            "prompts come from them); start a new run to change them"
+        )
+    try:
+        start = read_ref(parent_root, iteration)
+    except FileNotFoundError:
+        kept = sorted(p.rsplit("/", 1)[-1] for p in filesystem(join(parent_root, "weights"))[0].ls(
+            filesystem(join(parent_root, "weights"))[1]) if p.rsplit("/", 1)[-1].startswith("v"))  # fmt: skip
+        raise ValueError(
+            f"the parent's weights v{iteration:06d} were pruned (storage.keep_versions keeps the last few); "
+            f"fork from one of {', '.join(kept)}, or raise storage.keep_versions in runs you mean to fork"
+        ) from None
+    verify(start)
+
+    spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides | {"name": name}), "the fork's spec")
+    for split in ("train", "eval"):
+        share(data_uri(parent_root, split), data_uri(child_root, split))
+    counts = join(parent_root, "data", "counts.json")
+    if filesystem(counts)[0].exists(filesystem(counts)[1]):
+        share(counts, join(child_root, "data", "counts.json"))
+    for version in sorted({0, iteration}):
+        share(version_uri(parent_root, version), version_uri(child_root, version))
+    trainer_state = [optimizer_uri(parent_root, iteration)]
+    trainer_state += [version_uri(parent_root, iteration, "critic"), optimizer_uri(parent_root, iteration, "critic")]
+    for uri in trainer_state:  # a critic's only with PPO; an optimizer's unless v{N} is v0
+        if filesystem(uri)[0].exists(filesystem(uri)[1]):
+            share(uri, child_root + uri[len(parent_root) :])
+    for n in range(iteration + 1):
+        for uri in (iteration_metrics_uri(parent_root, n), eval_metrics_uri(parent_root, n)):
+            if filesystem(uri)[0].exists(filesystem(uri)[1]):
+                share(uri, child_root + uri[len(parent_root) :])
+    atomic_write_text(join(child_root, "weights", "LATEST"), version_name(iteration))
+    verify(read_ref(child_root, iteration))
+    write_json(join(child_root, "spec.json"), spec_to_dict(spec))
+    forked_from = {
+        "run_root": parent_root,
+        "run_uid": parent_state.get("run_uid"),
+        "mlflow_run_id": parent_state.get("mlflow_run_id"),
+        "iteration": iteration,
+        "weights_sha256": start["sha256"],
+    }
+    commit_state(
+        child_root,
+        iteration=iteration,
+        weights_version=iteration,
+        weights_sha256=start["sha256"],
+        forked_from=forked_from,
+    )
+    return spec
