@@ -38,10 +38,12 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         loop.sync_weights(spec, run_root, staged, 0, metrics)
         return "published v0"
     if step == "track":
-        from rlpipe.tracking import flush_metrics
+        from rlpipe.tracking import flush
 
-        run_id, logged = flush_metrics(spec, run_root)
-        return f"MLflow run {run_id}: {logged} new points"
+        done = flush(spec, run_root)
+        return (
+            f"MLflow run {done['run_id']}: {done['points']} new points, registered iterations {done.get('registered')}"
+        )
 
     start = loop.plan(spec, run_root)
     if step == "evaluate":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -188,6 +189,10 @@ def cmd_fork(args: argparse.Namespace) -> int:
     spec_file = Path(child) / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
     print(f"rlpipe fork: {child} starts from {parent} at iteration {args.from_iteration}")
+    if json.loads((Path(child) / "state.json").read_text())["forked_from"]["optimizer_state"] == "fresh":
+        print(
+            f"  the parent kept no optimizer state for v{args.from_iteration} (only the latest version's): AdamW starts anew"
+        )
     print(f"continue it with: rlpipe run {spec_file} --run-dir {child}")
     return 0
 

@@ -434,6 +434,13 @@ class StorageSpec:
 class TrackingSpec:
     uri: str | None = setting(None, doc="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
     experiment: str = "rlpipe"
+    register: Literal["none", "best", "every_eval"] = setting(
+        "best",
+        doc="Which evaluated weight versions the MLflow Model Registry gets (a model version pointing at the "
+        "sealed version in the weight store, not a copy): each new best held-out eval, every eval, or none. "
+        "The alias 'best' follows the best eval; 'gate_passed' marks the version that passed loop.stop_when",
+    )
+    registered_model: str | None = setting(None, doc="The registered model's name; default: the run's name")
 
 
 @section
@@ -792,6 +799,8 @@ RESUMABLE_KEYS = (
     "trainer.gradient_checkpointing",
     "trainer.gpus",  # the same update, sharded (to float rounding)
     "trainer.nodes",
+    "tracking.register",  # which evaluated versions the registry gets from now on
+    "tracking.registered_model",
 )
 WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
 

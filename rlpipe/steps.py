@@ -61,8 +61,8 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",)),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
          torch=True, run_root=True, computes_with=("rlpipe.evaluation",)),
-    Step("track", "copy committed metrics to MLflow (exit handler)", "exit", "rlpipe.tracking:flush_metrics",
-         torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
+    Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
+         "rlpipe.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
     Step("preferences", "build the preference pairs once: v0's samples ranked by the verifier, or the data's",
          "dpo", "rlpipe.preferences:build_preferences", torch=True, run_root=True,

@@ -1,20 +1,33 @@
-"""MLflow tracking: one MLflow run per RL run, metrics at step = iteration, no duplicates.
+"""MLflow tracking: one MLflow run per RL run, metrics at step = iteration, no duplicates; the
+evaluated weight versions in the Model Registry; the spec and the eval samples as artifacts.
 
 Metrics are first written to the run root (metrics/*.json, by sync_weights and evaluate);
-`flush_metrics` copies every committed point MLflow does not yet have. MLflow is the
-record of what was logged, so a flush killed halfway is simply repeated.
+`flush` copies every committed point MLflow does not yet have, registers the evaluated versions
+tracking.register asks for, and logs what the run's artifacts lack. MLflow is the record of what
+was logged, so a flush killed halfway is simply repeated.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.run_root import commit_state, is_local, list_metrics, read_state
 
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
 RUN_TAG = "rlpipe.run_uid"
+ITERATION_TAG = "rlpipe.iteration"
+BEST_ALIAS = "best"  # follows the best held-out eval
+GATE_ALIAS = "gate_passed"  # the version that passed loop.stop_when
+SPEC_ARTIFACT = "spec.yaml"
+# the MLflow 3 UI files an experiment under GenAI unless told otherwise: this tag says model training
+# (the UI's own toggle, ?workflowType=machine_learning in its URL, overrides it)
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def tracking_uri(spec: RunSpec, run_root: str) -> str:
@@ -26,33 +39,68 @@ def tracking_uri(spec: RunSpec, run_root: str) -> str:
     return f"sqlite:///{Path(run_root.removeprefix('file://')) / 'mlflow.db'}"
 
 
+def registered_model_name(spec: RunSpec) -> str:
+    return spec.tracking.registered_model or spec.name
+
+
 def ensure_run(spec: RunSpec, run_root: str) -> str:
-    """The MLflow run id for this RL run: from state.json, by tag, or newly created."""
+    """The MLflow run id for this RL run: from state.json, by tag, or newly created (a fork's run
+    names its parent: tags mlflow.parentRunId and rlpipe.forked_from_*)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
     state = read_state(run_root) or {}
     if state.get("mlflow_run_id"):
         return state["mlflow_run_id"]
-    mlflow.set_tracking_uri(tracking_uri(spec, run_root))
+    uri = tracking_uri(spec, run_root)
+    mlflow.set_tracking_uri(uri)
     client = MlflowClient()
     experiment = client.get_experiment_by_name(spec.tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(spec.tracking.experiment)
+    if experiment is None:
+        # sqlite keeps artifacts beside the database (MLflow's default is ./mlruns of whichever process asks)
+        location = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts" if uri.startswith("sqlite:") else None
+        experiment_id = client.create_experiment(
+            spec.tracking.experiment, artifact_location=location.as_uri() if location else None, tags=EXPERIMENT_KIND
+        )
+    else:
+        experiment_id = experiment.experiment_id
     # a kill between create_run and commit_state must not make a second MLflow run
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{state['run_uid']}'")
     if found:
         run_id = found[0].info.run_id
     else:
-        run = client.create_run(
-            experiment_id, run_name=spec.name, tags={RUN_TAG: state["run_uid"], "rlpipe.run_root": run_root}
-        )
-        run_id = run.info.run_id
+        tags = {RUN_TAG: state["run_uid"], "rlpipe.run_root": run_root}
+        if parent := state.get("forked_from"):
+            tags |= {
+                "rlpipe.forked_from_run_root": parent["run_root"],
+                "rlpipe.forked_at_iteration": str(parent["iteration"]),
+            }
+            if parent.get("mlflow_run_id") and parent.get("tracking_uri") == uri:  # the UI nests the fork under it
+                tags |= {
+                    "mlflow.parentRunId": parent["mlflow_run_id"],
+                    "rlpipe.forked_from_run_id": parent["mlflow_run_id"],
+                }
+        run_id = client.create_run(experiment_id, run_name=spec.name, tags=tags).info.run_id
         params = {k: str(v)[:6000] for k, v in flatten(spec_to_dict(spec)).items()}
         items = list(params.items())
         for start in range(0, len(items), 100):
             client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in items[start : start + 100]])
     commit_state(run_root, mlflow_run_id=run_id)
     return run_id
+
+
+def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
+    """The track step: log what MLflow lacks of the committed run (metrics, the spec, eval samples)
+    and register the evaluated versions tracking.register asks for. Returns what it did."""
+    run_id, logged = flush_metrics(spec, run_root)
+    if not run_id:
+        return {"run_id": "", "points": 0}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(spec, run_root))
+    artifacts = log_artifacts(spec, run_root, run_id, client)
+    registered = register_versions(spec, run_root, run_id, client)
+    return {"run_id": run_id, "points": logged, "artifacts": artifacts, "registered": registered}
 
 
 def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
@@ -84,10 +132,105 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
     return run_id, logged
 
 
+def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
+    """The spec (spec.yaml), unless the run has it already."""
+    have = {a.path for a in client.list_artifacts(run_id)}
+    logged = []
+    if SPEC_ARTIFACT not in have:
+        client.log_dict(run_id, spec_to_dict(spec), SPEC_ARTIFACT)
+        logged.append(SPEC_ARTIFACT)
+    return logged
+
+
+def log_table(client: MlflowClient, run_id: str, columns: list[str], rows: list[list[Any]], path: str) -> None:
+    """What mlflow.log_table writes (a {columns, data} JSON the UI shows as a table, listed in the
+    run's mlflow.loggedArtifacts tag), without pandas: the step image has mlflow-skinny."""
+    import json
+
+    client.log_dict(run_id, {"columns": columns, "data": rows}, path)
+    tag = client.get_run(run_id).data.tags.get("mlflow.loggedArtifacts")
+    listed = json.loads(tag) if tag else []
+    if {"path": path, "type": "table"} not in listed:
+        client.set_tag(run_id, "mlflow.loggedArtifacts", json.dumps([*listed, {"path": path, "type": "table"}]))
+
+
+def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, Any]]:
+    """{iteration: its eval metrics} for the committed evals tracking.register keeps: each new best
+    held-out accuracy ('best'; ties keep the earlier), or every eval; and the one that passed
+    loop.stop_when. The weight store keeps these versions (rlpipe.store.weights.prune)."""
+    if spec.tracking.register == "none":
+        return {}
+    state = read_state(run_root) or {}
+    evals = {n: m for n, m in sorted(list_metrics(run_root, "eval").items()) if n <= state.get("iteration", -1)}
+    chosen, best = {}, None
+    for iteration, metrics in evals.items():
+        if best is None or metrics[EVAL_ACCURACY] > best:
+            best = metrics[EVAL_ACCURACY]
+            chosen[iteration] = metrics
+        elif spec.tracking.register == "every_eval":
+            chosen[iteration] = metrics
+    stopped = state.get("stopped")
+    if stopped and stopped["iteration"] in evals:
+        chosen[stopped["iteration"]] = evals[stopped["iteration"]]
+    return dict(sorted(chosen.items()))
+
+
+def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[int]:
+    """Register each version `versions_to_register` names that the registry lacks (a model version whose
+    source is the sealed version in the weight store: nothing is copied; tags: iteration, eval accuracy,
+    sha256), then point the alias 'best' at the best eval's and 'gate_passed' at the stop gate's.
+    Returns the iterations registered now."""
+    from mlflow.exceptions import MlflowException
+
+    from rlpipe.store.weights import read_ref
+
+    chosen = versions_to_register(spec, run_root)
+    if not chosen:
+        return []
+    name = registered_model_name(spec)
+    try:
+        client.create_registered_model(name, description=f"rlpipe run {spec.name}: evaluated policy versions")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    state = read_state(run_root) or {}
+    mine = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(RUN_TAG) == state["run_uid"]]
+    model_version = {int(v.tags[ITERATION_TAG]): v.version for v in mine}
+    registered = []
+    for iteration, metrics in chosen.items():
+        if iteration in model_version:
+            continue
+        version = int(metrics.get("eval/weights_version", iteration))
+        try:
+            ref = read_ref(run_root, version)
+        except FileNotFoundError:  # pruned before this flush (a run from before registration kept it)
+            continue
+        tags = {
+            RUN_TAG: state["run_uid"],
+            ITERATION_TAG: str(iteration),
+            "rlpipe.weights_version": str(version),
+            "rlpipe.sha256": ref["sha256"],
+            EVAL_ACCURACY: f"{metrics[EVAL_ACCURACY]:.4f}",
+        }
+        created = client.create_model_version(
+            name, source=ref["uri"], run_id=run_id, tags=tags, description=f"iteration {iteration}"
+        )
+        model_version[iteration] = created.version
+        registered.append(iteration)
+    best = max(chosen, key=lambda n: (chosen[n][EVAL_ACCURACY], -n))
+    if best in model_version:
+        client.set_registered_model_alias(name, BEST_ALIAS, model_version[best])
+    stopped = state.get("stopped")
+    if stopped and stopped["iteration"] in model_version:
+        client.set_registered_model_alias(name, GATE_ALIAS, model_version[stopped["iteration"]])
+    return registered
+
+
 def run_url(spec: RunSpec, run_root: str, run_id: str) -> str:
-    """Where a person finds the run: the UI command for sqlite, the server URL otherwise."""
+    """Where a person finds the run: the UI command for sqlite, the server URL otherwise (in the
+    model-training view of the MLflow 3 UI)."""
     uri = tracking_uri(spec, run_root)
     if uri.startswith("sqlite:"):
         experiment = spec.tracking.experiment
         return f"mlflow ui --backend-store-uri {uri}   (then open the '{experiment}' experiment, run {run_id})"
-    return f"{uri.rstrip('/')}/#/experiments/runs/{run_id}"
+    return f"{uri.rstrip('/')}/#/experiments/runs/{run_id}?workflowType=machine_learning"

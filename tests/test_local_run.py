@@ -27,14 +27,15 @@ def _rlpipe(*args: str, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
-def _mlflow_steps(run_root: Path, key: str) -> list[int]:
+def _mlflow_steps(run_root: Path, key: str, store: Path | None = None) -> list[int]:
     state = json.loads((run_root / "state.json").read_text())
-    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{(store or run_root) / 'mlflow.db'}")
     return sorted(m.step for m in client.get_metric_history(state["mlflow_run_id"], key))
 
 
-def _check_consistent(run_root: Path, iterations: int) -> None:
-    """No iteration lost or duplicated, versions monotone, one MLflow point per iteration."""
+def _check_consistent(run_root: Path, iterations: int, store: Path | None = None) -> None:
+    """No iteration lost or duplicated, versions monotone, one MLflow point per iteration (in the
+    sqlite store under `store`, by default the run root's)."""
     state = json.loads((run_root / "state.json").read_text())
     assert state["iteration"] == iterations and state["weights_version"] == iterations
     assert (run_root / "weights" / "LATEST").read_text() == f"v{iterations:06d}"
@@ -44,8 +45,8 @@ def _check_consistent(run_root: Path, iterations: int) -> None:
     for manifest in manifests[1:]:
         assert manifest["parent_version"] == manifest["version"] - 1 and manifest["iteration"] == manifest["version"]
     assert not list((run_root / "weights" / ".staging").glob("*"))
-    assert _mlflow_steps(run_root, "reward/mean") == list(range(1, iterations + 1))
-    eval_steps = _mlflow_steps(run_root, "eval/accuracy_greedy")
+    assert _mlflow_steps(run_root, "reward/mean", store) == list(range(1, iterations + 1))
+    eval_steps = _mlflow_steps(run_root, "eval/accuracy_greedy", store)
     assert eval_steps == sorted(set(eval_steps)) and eval_steps[0] == 0 and eval_steps[-1] == iterations
 
 

@@ -191,8 +191,10 @@ def test_ppo_loop_on_the_kfp_local_runner(tmp_path: Path):
     assert sorted(p.name for p in (run_dir / "critic").glob("v*")) == ["v000001", "v000002"]
     assert sorted(p.name for p in (run_dir / "critic" / "optimizer").glob("*.pt")) == ["v000002.pt"]
     log = re.sub(r"\x1b\[[0-9;]*m", "", (run_dir / "logs" / "kfp-local.log").read_text())
-    assert log.index("Executing task 'score'") < log.index("Executing task 'values'") < log.index(
-        "Executing task 'advantages'"
+    assert (
+        log.index("Executing task 'score'")
+        < log.index("Executing task 'values'")
+        < log.index("Executing task 'advantages'")
     )
 
 

@@ -6,9 +6,9 @@ from rlpipe.components import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
-def reference_logprobs(
-    spec: dict, run_root: str, metrics: dsl.Output[dsl.Metrics]
-) -> NamedTuple("Outputs", step_metrics=dict):
+def reference_logprobs(spec: dict, run_root: str, metrics: dsl.Output[dsl.Metrics]) -> NamedTuple(
+    "Outputs", step_metrics=dict
+):
     """The frozen v0's log-probs of every pair's chosen and rejected completion, stored beside the
     pairs once (rlpipe.preferences.compute_reference_logprobs)."""
     import time

@@ -8,8 +8,9 @@ Commit order (a kill at any point leaves a resumable store):
   2. write metrics/iter_(N+1).json
   3. state.json: iteration = N+1                                       <- the commit point
      (asynchronous runs: with the buffered chunks the iteration took, rlpipe.rollout_buffer)
-  4. prune old weight and optimizer versions (the policy's and a critic's); asynchronous runs move the
-     iteration's buffer to consumed/
+  4. prune old weight and optimizer versions (the policy's and a critic's; not the versions
+     tracking.register keeps in the MLflow Model Registry); asynchronous runs move the iteration's
+     buffer to consumed/
 A rerun after a kill before 3 redoes the iteration from v(N); after 3 it is a no-op.
 """
 
@@ -22,6 +23,7 @@ from rlpipe.rollout_buffer import retire, taken_record
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref, weights_bytes
+from rlpipe.tracking import versions_to_register
 
 
 def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
@@ -74,8 +76,17 @@ def sync_weights(
     )
     if spec.loop.max_staleness:
         retire(run_root, iteration, spec.storage.keep_versions)
+    registered = frozenset(
+        int(m.get("eval/weights_version", n)) for n, m in versions_to_register(spec, run_root).items()
+    )
     for lineage in ("policy", "critic"):
-        prune(run_root, spec.storage.keep_versions, ref["version"], lineage)
+        prune(
+            run_root,
+            spec.storage.keep_versions,
+            ref["version"],
+            lineage,
+            registered if lineage == "policy" else frozenset(),
+        )
         fs, opt_dir = filesystem(optimizer_dir(run_root, lineage))
         if fs.exists(opt_dir):
             for path in fs.ls(opt_dir, detail=False):

@@ -4,9 +4,12 @@ point (`rlpipe fork RUN --from-iteration N --name NEW --set key=value`).
 The child gets, under its own run root, what the loop reads to go on from iteration N:
     data/                      the parent's prepared rows (the same prompts, the same held-out set)
     weights/v000000, v{N}      the reference (KL, a LoRA base) and the version it starts from; LATEST = v{N}
-    optimizer/v{N}.pt, critic/ the trainer's state at v{N} (a critic's too)
+    optimizer/v{N}.pt, critic/ the trainer's state at v{N} (a critic's too), when the parent still has it: the
+                               store keeps only the latest version's, so a fork from an earlier version
+                               starts a fresh optimizer (forked_from.optimizer_state says which)
     metrics/ up to N           the parent's curve up to the fork, so the child's continues it
-    spec.json                  the parent's spec with the overrides, named NEW
+    spec.json                  the parent's spec with the overrides, named NEW, tracked in the parent's
+                               MLflow store (its run nested under the parent's: mlflow.parentRunId)
     state.json                 iteration N, weights v{N}, and `forked_from` (parent run root, run uid,
                                MLflow run id, iteration, sha256)
 Files are hard links on a local filesystem (shared by reference: sealed versions are never written
@@ -89,7 +92,12 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
         ) from None
     verify(start)
 
-    spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides | {"name": name}), "the fork's spec")
+    from rlpipe.tracking import tracking_uri
+
+    parent_tracking = tracking_uri(parse_spec(parent_spec, "the parent's spec"), parent_root)
+    # the fork tracks where its parent does (its sqlite store, by default), so MLflow compares the two
+    overrides = {"tracking.uri": parent_tracking, **overrides, "name": name}
+    spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides), "the fork's spec")
     for split in ("train", "eval"):
         share(data_uri(parent_root, split), data_uri(child_root, split))
     counts = join(parent_root, "data", "counts.json")
@@ -102,6 +110,9 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
     for uri in trainer_state:  # a critic's only with PPO; an optimizer's unless v{N} is v0
         if filesystem(uri)[0].exists(filesystem(uri)[1]):
             share(uri, child_root + uri[len(parent_root) :])
+    # the store keeps only the latest version's optimizer state: a fork from an earlier one starts AdamW anew
+    opt = optimizer_uri(parent_root, iteration)
+    optimizer_state = "parent's" if filesystem(opt)[0].exists(filesystem(opt)[1]) else "fresh" if iteration else "none"
     for n in range(iteration + 1):
         for uri in (iteration_metrics_uri(parent_root, n), eval_metrics_uri(parent_root, n)):
             if filesystem(uri)[0].exists(filesystem(uri)[1]):
@@ -113,8 +124,10 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
         "run_root": parent_root,
         "run_uid": parent_state.get("run_uid"),
         "mlflow_run_id": parent_state.get("mlflow_run_id"),
+        "tracking_uri": parent_tracking,
         "iteration": iteration,
         "weights_sha256": start["sha256"],
+        "optimizer_state": optimizer_state,
     }
     commit_state(
         child_root,

@@ -235,9 +235,12 @@ def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
     return str(local)
 
 
-def prune(run_root: str, keep: int, current: int, lineage: str = "policy") -> list[int]:
-    """Delete versions older than the last `keep` (v0, the reference, is always kept), and
-    staging left by attempts that died before publishing (versions <= current)."""
+def prune(
+    run_root: str, keep: int, current: int, lineage: str = "policy", registered: frozenset[int] = frozenset()
+) -> list[int]:
+    """Delete versions older than the last `keep` (v0, the reference, and the `registered` versions the
+    MLflow Model Registry points at are always kept), and staging left by attempts that died before
+    publishing (versions <= current)."""
     fs, root = filesystem(weights_root(run_root, lineage))
     if not fs.exists(root):
         return []
@@ -251,7 +254,7 @@ def prune(run_root: str, keep: int, current: int, lineage: str = "policy") -> li
         name = path.rsplit("/", 1)[-1]
         if name.startswith("v") and name[1:].isdigit():
             version = int(name[1:])
-            if 0 < version <= current - keep:
+            if 0 < version <= current - keep and version not in registered:
                 fs.rm(path, recursive=True)
                 removed.append(version)
     return removed
