@@ -190,9 +190,8 @@ def cmd_fork(args: argparse.Namespace) -> int:
     spec_file.write_text(yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
     print(f"rlpipe fork: {child} starts from {parent} at iteration {args.from_iteration}")
     if json.loads((Path(child) / "state.json").read_text())["forked_from"]["optimizer_state"] == "fresh":
-        print(
-            f"  the parent kept no optimizer state for v{args.from_iteration} (only the latest version's): AdamW starts anew"
-        )
+        kept = "only the latest version's is kept"
+        print(f"  the parent has no optimizer state for v{args.from_iteration} ({kept}): AdamW starts anew")
     print(f"continue it with: rlpipe run {spec_file} --run-dir {child}")
     return 0
 
