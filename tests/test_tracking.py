@@ -43,3 +43,59 @@ def test_lost_run_id_finds_the_same_mlflow_run(tmp_path: Path):
     run_id, _ = flush_metrics(spec, run_root)
     commit_state(run_root, mlflow_run_id=None)
     assert flush_metrics(spec, run_root)[0] == run_id
+
+
+def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(initialized_run, tmp_path: Path):
+    """tracking.register best: each new best held-out eval becomes a model version whose source is the
+    sealed version in the weight store (no copy), tagged with iteration, accuracy and sha256; the alias
+    'best' moves with it, and pruning keeps the versions the registry points at."""
+    from rlpipe import loop
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.weights import read_ref
+    from rlpipe.tracking import flush, versions_to_register
+
+    spec, run_root, cache = initialized_run
+    data = spec_to_dict(spec)
+    data["loop"] |= {"iterations": 10, "eval_every": 100}  # no eval on its own: this test sets the accuracies
+    data["storage"]["keep_versions"] = 1
+    spec = parse_spec(data)
+    client = MlflowClient(tracking_uri(spec, run_root))
+
+    def evaluated(iteration: int, accuracy: float) -> None:
+        write_json(
+            eval_metrics_uri(run_root, iteration), {"eval/accuracy_greedy": accuracy, "eval/weights_version": iteration}
+        )
+
+    def best() -> str:
+        return client.get_model_version_by_alias("tiny", "best").tags["rlpipe.iteration"]
+
+    evaluated(0, 0.30)
+    done = flush(spec, run_root)
+    assert done["registered"] == [0] and best() == "0" and "spec.yaml" in done["artifacts"]
+    weights = read_ref(run_root, 0)
+    for iteration, accuracy in ((1, 0.50), (2, 0.40), (3, 0.50), (4, 0.45)):
+        work = tmp_path / str(iteration)
+        work.mkdir()
+        weights, _ = loop.run_iteration(spec, run_root, weights, iteration, work, cache)
+        evaluated(iteration, accuracy)
+        flush(spec, run_root)
+    # 0.50 at iteration 1 was the first best; 0.50 again at 3 is no better
+    assert best() == "1"
+    versions = {v.tags["rlpipe.iteration"]: v for v in client.search_model_versions("name = 'tiny'")}
+    assert sorted(versions) == ["0", "1"]
+    one = versions["1"]
+    assert one.source == read_ref(run_root, 1)["uri"] and one.tags["rlpipe.sha256"] == read_ref(run_root, 1)["sha256"]
+    assert one.tags["eval/accuracy_greedy"] == "0.5000" and one.run_id == flush(spec, run_root)["run_id"]
+    # keep_versions 1 pruned v2 and v3; v1 stays while the registry points at it
+    kept = sorted(p.name for p in (Path(run_root) / "weights").glob("v0*"))
+    assert kept == ["v000000", "v000001", "v000004"]
+    assert flush(spec, run_root)["registered"] == []  # a repeated flush registers nothing twice
+
+    # every_eval from here on: each eval the store still has; the gate's version gets its alias
+    data["tracking"] = {"register": "every_eval"}
+    spec = parse_spec(data)
+    commit_state(run_root, stopped={"iteration": 4, "weights_version": 4, "reason": "test", "when": "x"})
+    assert sorted(versions_to_register(spec, run_root)) == [0, 1, 2, 3, 4]
+    assert flush(spec, run_root)["registered"] == [4]  # v2 and v3 were pruned before every_eval was asked for
+    assert client.get_model_version_by_alias("tiny", "gate_passed").tags["rlpipe.iteration"] == "4"
+    assert best() == "1"
