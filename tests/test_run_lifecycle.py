@@ -133,3 +133,14 @@ def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp
     assert _sha(same, 3) == _sha(parent, 3)
     a, b = (load_file(root / "weights" / "v000003" / "model.safetensors") for root in (same, parent))
     assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_fork_starts_its_own_local_services():
+    """The parent's spec.json records the loopback addresses of the trainer and samplers its `rlpipe run`
+    started; a fork drops them (its run starts its own), and keeps a cluster's."""
+    from rlpipe.store.fork import local_services
+
+    local = {"trainer": {"endpoint": "http://127.0.0.1:40525"}, "samplers": {"endpoints": ["http://127.0.0.1:8001"]}}
+    assert local_services(local) == {"trainer.endpoint": None, "samplers.endpoints": []}
+    cluster = {"trainer": {"endpoint": "http://rlpipe-trainer:8000"}, "samplers": {"endpoints": []}}
+    assert local_services(cluster) == {}

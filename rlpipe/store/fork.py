@@ -59,6 +59,18 @@ def share(source: str, target: str) -> None:
         fs.copy(path, out)
 
 
+def local_services(spec: dict[str, Any]) -> dict[str, Any]:
+    """Overrides that drop the loopback addresses of the trainer and samplers `rlpipe run` started for
+    the parent (its spec.json records them): the fork's `rlpipe run` starts its own."""
+    loopback = ("http://127.0.0.1:", "http://localhost:")
+    dropped = {}
+    if str((spec.get("trainer") or {}).get("endpoint") or "").startswith(loopback):
+        dropped["trainer.endpoint"] = None
+    if any(str(url).startswith(loopback) for url in (spec.get("samplers") or {}).get("endpoints") or []):
+        dropped["samplers.endpoints"] = []
+    return dropped
+
+
 def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overrides: dict[str, Any]) -> RunSpec:
     """Make `child_root` a run at `parent_root`'s iteration N with the parent's spec plus `overrides`
     (dotted keys); returns the child's spec. Raises ValueError saying what to change."""
@@ -96,7 +108,7 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
 
     parent_tracking = tracking_uri(parse_spec(parent_spec, "the parent's spec"), parent_root)
     # the fork tracks where its parent does (its sqlite store, by default), so MLflow compares the two
-    overrides = {"tracking.uri": parent_tracking, **overrides, "name": name}
+    overrides = {"tracking.uri": parent_tracking, **local_services(parent_spec), **overrides, "name": name}
     spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides), "the fork's spec")
     for split in ("train", "eval"):
         share(data_uri(parent_root, split), data_uri(child_root, split))
