@@ -40,12 +40,12 @@ def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) ->
     """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
     and earlier tasks' outputs; an optional input, when no earlier step gave it), placed for the
     cluster; its outputs join `available` (a step's `step_metrics` as `<step>_metrics`; a step that
-    `stands_for` an artifact replaces it)."""
+    `stands_for` an artifact replaces it), except its metrics and reports, which no step reads."""
     component = COMPONENTS[step]
     inputs = component.component_spec.inputs
     task = component(**{name: available[name] for name in inputs if name in available or not inputs[name].optional})
     for name in component.component_spec.outputs or {}:
-        if name != "metrics":
+        if name != "metrics" and name not in BY_NAME[step].reports:
             available[f"{step}_metrics" if name == "step_metrics" else name] = task.outputs[name]
     if BY_NAME[step].stands_for:
         available[BY_NAME[step].stands_for] = task.outputs[BY_NAME[step].outputs[0]]

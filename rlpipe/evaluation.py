@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import data_uri, eval_metrics_uri, filesystem, read_state, write_json
+from rlpipe.store.run_root import (
+    data_uri,
+    eval_metrics_uri,
+    filesystem,
+    read_state,
+    write_eval_samples,
+    write_json,
+)
 from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
@@ -62,7 +69,7 @@ def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
     return not fs.exists(path)
 
 
-def greedy_accuracy(
+def greedy_samples(
     model,
     tokenizer,
     rows: list[dict],
@@ -71,9 +78,9 @@ def greedy_accuracy(
     batch_size: int,
     timeout_s: float | None = None,
     bf16: bool = False,
-) -> float:
-    """Greedy-decode every row's prompt; accuracy = mean of the verifier over the completions. The
-    verifier gets every other column of the rows as keyword lists (the reward signature)."""
+) -> tuple[list[str], list[float]]:
+    """Greedy-decode every row's prompt; (completions, the verifier's score of each). The verifier gets
+    every other column of the rows as keyword lists (the reward signature)."""
     from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.rewards import call_reward
 
@@ -93,7 +100,44 @@ def greedy_accuracy(
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     scores = call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier", timeout_s)
+    return texts, scores
+
+
+def greedy_accuracy(
+    model,
+    tokenizer,
+    rows: list[dict],
+    verifier: str | dict,
+    max_new_tokens: int,
+    batch_size: int,
+    timeout_s: float | None = None,
+    bf16: bool = False,
+) -> float:
+    """Mean of the verifier over the rows' greedy completions (greedy_samples)."""
+    _, scores = greedy_samples(model, tokenizer, rows, verifier, max_new_tokens, batch_size, timeout_s, bf16)
     return sum(scores) / len(scores)
+
+
+def answer_column(verifier: str | dict) -> str:
+    """The data column holding the expected answer: a verifier type's answer_column, else `reference`
+    (what the built-in verifier functions read)."""
+    return verifier.get("answer_column", "reference") if isinstance(verifier, dict) else "reference"
+
+
+def eval_samples(rows: list[dict], completions: list[str], scores: list[float], answer: str) -> list[dict]:
+    """The held-out rows as metrics/eval_N_samples.jsonl records them (rlpipe.store.run_root.read_eval_samples);
+    correct: the verifier's full score (1.0)."""
+    return [
+        {
+            "index": i,
+            "prompt": row["prompt"],
+            "completion": completion,
+            "answer": None if row.get(answer) is None else str(row[answer]),
+            "reward": float(score),
+            "correct": bool(score >= 1.0),
+        }
+        for i, (row, completion, score) in enumerate(zip(rows, completions, scores, strict=True))
+    ]
 
 
 def evaluate_policy(
@@ -105,9 +149,9 @@ def evaluate_policy(
     policy: Policy | None = None,
     record: bool = True,
 ) -> dict[str, float]:
-    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json unless
-    `record` is False (the resident trainer's other processes). `policy`: a model already in memory at
-    `weights` (the resident trainer's)."""
+    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, and each
+    row's completion and score in metrics/eval_N_samples.jsonl, unless `record` is False (the resident
+    trainer's other processes). `policy`: a model already in memory at `weights` (the resident trainer's)."""
     t0 = time.time()
     weights = as_ref(weights)
     from rlpipe.modeling import load_weights
@@ -118,7 +162,7 @@ def evaluate_policy(
         model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()
     rows = read_table(data_uri(run_root, "eval")).to_pylist()
-    accuracy = greedy_accuracy(
+    completions, scores = greedy_samples(
         model,
         tokenizer,
         rows,
@@ -129,11 +173,13 @@ def evaluate_policy(
         spec.trainer.dtype == "bfloat16",
     )
     metrics = {
-        EVAL_ACCURACY: accuracy,
+        EVAL_ACCURACY: sum(scores) / len(scores),
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
-    if record:
+    if record:  # the samples first: an eval whose metrics file exists has its samples
+        samples = eval_samples(rows, completions, scores, answer_column(spec.reward.verifier))
+        write_eval_samples(run_root, iteration, samples)
         write_json(eval_metrics_uri(run_root, iteration), metrics)
     return metrics

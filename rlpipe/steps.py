@@ -30,7 +30,8 @@ class Step:
     run_root: bool  # reads or writes the run root (mounts the shared volume); False: KFP artifacts only
     computes_with: tuple[str, ...] = ()  # modules its process imports when it computes the step itself
     inputs: tuple[str, ...] = ()  # KFP artifacts it reads
-    outputs: tuple[str, ...] = ()  # KFP artifacts it writes
+    outputs: tuple[str, ...] = ()  # KFP artifacts it writes for the steps after it
+    reports: tuple[str, ...] = ()  # Markdown artifacts the KFP UI renders (rlpipe.reports); no step reads them
     stands_for: str | None = None  # the artifact its output replaces for the steps after it
     needs: str | None = None  # runs only for an algorithm that needs this (rlpipe.algorithms: "critic")
 
@@ -54,13 +55,15 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.loop:values", torch=True, run_root=True, computes_with=("rlpipe.training.critic",),
          inputs=("scored",), outputs=("valued",), stands_for="scored", needs="critic"),
     Step("advantages", "the algorithm's advantage per completion", "iteration", "rlpipe.loop:advantages",
-         torch=False, run_root=False, computes_with=("rlpipe.algorithms",), inputs=("scored",), outputs=("batch",)),
+         torch=False, run_root=False, computes_with=("rlpipe.algorithms",), inputs=("scored",), outputs=("batch",),
+         reports=("rollout_samples",)),
     Step("update", "train v(N) on the batch; stage v(N+1)", "iteration", "rlpipe.loop:update",
          torch=True, run_root=True, computes_with=("rlpipe.training.trainer",), inputs=("batch",)),
     Step("sync_weights", "publish v(N+1), record the iteration's metrics, commit state.json", "iteration",
-         "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",)),
+         "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",),
+         reports=("time_breakdown",)),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
-         torch=True, run_root=True, computes_with=("rlpipe.evaluation",)),
+         torch=True, run_root=True, computes_with=("rlpipe.evaluation",), reports=("eval_samples",)),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
          "rlpipe.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate

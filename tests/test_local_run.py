@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+
+from rlpipe.store.run_root import list_metrics, read_eval_samples
 
 from .conftest import tiny_spec_dict
 
@@ -72,6 +75,43 @@ def test_run_the_loop_and_continue_it(tmp_path: Path):
     outputs = [json.loads(p.read_text()) for p in (run_dir / "kfp").glob("*/update/executor_output.json")]
     assert len(outputs) == 3  # three pipeline runs that iterated (the fourth had nothing to do)
     assert all("policy/loss" in o["artifacts"]["metrics"]["artifacts"][0]["metadata"] for o in outputs)
+    _check_reports(run_dir)
+
+
+def _reports(run_dir: Path, task: str, output: str) -> list[str]:
+    """A Markdown output of every `task` task of every pipeline run: <pipeline root>/<pipeline run>/
+    [<iteration pipeline>/]<task>[-k]/<output> (kfp.local; `rlpipe run` puts the pipeline root in kfp/)."""
+    found = (run_dir / "kfp").glob(f"**/{output}")
+    return [path.read_text() for path in found if re.fullmatch(rf"{task}(-\d+)*", path.parent.name)]
+
+
+def _check_reports(run_dir: Path) -> None:
+    """The KFP UI's Markdown reports of the iterations' advantages, sync-weights and evaluate tasks agree
+    with the committed metrics."""
+    metrics = {kind: list_metrics(str(run_dir), kind) for kind in ("iter", "eval")}
+    samples = _reports(run_dir, "advantages", "rollout_samples")
+    assert len(samples) >= 4  # iterations 1 and 2 of the first pipeline run, 3 and 4 of the others
+    for text in samples:
+        iteration = int(re.match(r"## Rollouts of iteration (\d+)", text).group(1))
+        assert f"Reward: mean {metrics['iter'][iteration]['reward/mean']:.4g}," in text
+        counts = re.findall(r"^\| \S+ \| (\d+) \| [\d.]+% \|", text.split("### Reward distribution")[1], re.M)
+        assert sum(map(int, counts)) == 8 * 4  # prompts_per_iteration x samples_per_prompt
+        assert "### Best groups" in text and "### Worst groups" in text
+    times = _reports(run_dir, "sync-weights", "time_breakdown")
+    assert len(times) >= 4
+    for text in times:
+        iteration = int(re.match(r"## Where iteration (\d+)'s time went", text).group(1))
+        assert "| `time/update_s` | compute |" in text and "| `overhead/update_import_s` | overhead |" in text
+        assert f"**{metrics['iter'][iteration]['time/iteration_wall_s']:.3f}**" in text
+    evaluated = set()
+    for text in _reports(run_dir, "evaluate", "eval_samples"):
+        iteration = int(re.match(r"## Held-out eval of iteration (\d+)", text).group(1))
+        evaluated.add(iteration)
+        assert f"**{metrics['eval'][iteration]['eval/accuracy_greedy']:.4f}**" in text
+        rows = read_eval_samples(str(run_dir), iteration)
+        assert len(rows) == 20 and f"of {len(rows)} rows fully correct" in text
+        assert sum(r["reward"] for r in rows) / len(rows) == metrics["eval"][iteration]["eval/accuracy_greedy"]
+    assert evaluated == set(metrics["eval"]) == {0, 2, 3, 4}
 
 
 def test_bad_spec_fails_before_anything_runs(tmp_path: Path):

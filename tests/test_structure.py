@@ -88,3 +88,18 @@ def test_a_newcomer_follows_one_iteration_in_at_most_8_files():
     assert 0 < len(listed) <= 8, listed
     for name in listed:
         assert (REPO / name).exists(), name
+
+
+def test_reports_are_the_steps_markdown_outputs_and_feed_no_step():
+    """Each component's Markdown outputs are its step's `reports`, and no component reads one (the
+    pipelines pass every other output on by name)."""
+    from rlpipe.pipelines.rl_pipeline import COMPONENTS
+
+    reports = {name for step in STEPS for name in step.reports}
+    assert reports == {"rollout_samples", "eval_samples", "time_breakdown"}
+    for step in STEPS:
+        outputs = COMPONENTS[step.name].component_spec.outputs or {}
+        markdown = [name for name, spec in outputs.items() if spec.type.startswith("system.Markdown")]
+        assert markdown == list(step.reports), step.name
+    read = {name for component in COMPONENTS.values() for name in component.component_spec.inputs or {}}
+    assert not read & reports

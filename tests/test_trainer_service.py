@@ -24,6 +24,7 @@ from rlpipe.services.trainer_client import TrainerError, request_evaluate, reque
 from rlpipe.services.trainer_service import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 from rlpipe.store.commit import sync_weights
+from rlpipe.store.run_root import read_eval_samples
 from rlpipe.store.weights import read_ref
 from rlpipe.training.trainer import update_policy
 
@@ -151,9 +152,13 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     # evaluate: the trainer's greedy accuracy of the policy it holds equals the evaluate step's own
     resident_eval = request_evaluate(spec, run_root, v0, 0, cache)
     assert resident_eval["trainer/reloaded"] == 0.0
+    samples = read_eval_samples(run_root, 0)  # the trainer recorded the held-out rows' completions too
+    assert len(samples) == spec.data.eval_size and {"prompt", "completion", "answer", "reward"} <= set(samples[0])
+    assert sum(s["reward"] for s in samples) / len(samples) == pytest.approx(resident_eval["eval/accuracy_greedy"])
     assert evaluate_policy(_in_step(spec), run_root, v0, 0, cache)["eval/accuracy_greedy"] == pytest.approx(
         resident_eval["eval/accuracy_greedy"]
     )
+    assert read_eval_samples(run_root, 0) == samples  # the step's own greedy completions are the same
 
     score_rollouts(spec, str(tmp_path / "resident.parquet"), str(tmp_path / "s.parquet"))
     compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))

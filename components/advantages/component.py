@@ -10,9 +10,11 @@ def advantages(
     spec: dict,
     scored: dsl.Input[dsl.Dataset],
     batch: dsl.Output[dsl.Dataset],
+    rollout_samples: dsl.Output[dsl.Markdown],
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", step_metrics=dict):
-    """The algorithm's advantage for every completion (rlpipe.loop.advantages)."""
+    """The algorithm's advantage for every completion (rlpipe.loop.advantages); rollout_samples: the
+    reward distribution and the best and worst groups' completions (rlpipe.reports.samples_report)."""
     import time
 
     entered = time.time()
@@ -22,5 +24,9 @@ def advantages(
     from rlpipe import loop
 
     values |= loop.advantages(run_spec, scored.path, batch.path)
+    from rlpipe.reports import samples_report
+
+    with open(rollout_samples.path, "w", encoding="utf-8") as f:
+        f.write(samples_report(scored.path, batch.path))
     finish(metrics, values)
     return (values,)

@@ -4,9 +4,17 @@ from rlpipe.components import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
-def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: dsl.Output[dsl.Metrics]):
+def evaluate(
+    spec: dict,
+    run_root: str,
+    weights: dict,
+    iteration: int,
+    metrics: dsl.Output[dsl.Metrics],
+    eval_samples: dsl.Output[dsl.Markdown],
+):
     """Greedy accuracy of `weights` on the held-out set, when due (iteration 0, every
-    loop.eval_every, the last) and not already recorded (rlpipe.loop.evaluate)."""
+    loop.eval_every, the last) and not already recorded (rlpipe.loop.evaluate); eval_samples: the
+    accuracy and the held-out rows' greedy completions (rlpipe.reports.eval_report)."""
     import time
 
     entered = time.time()
@@ -16,4 +24,8 @@ def evaluate(spec: dict, run_root: str, weights: dict, iteration: int, metrics: 
     from rlpipe import loop
 
     values = loop.evaluate(run_spec, run_root, weights, iteration, run_spec.cache_root)
+    from rlpipe.reports import eval_report
+
+    with open(eval_samples.path, "w", encoding="utf-8") as f:
+        f.write(eval_report(run_root, iteration))
     finish(metrics, (values | overhead) if values else {})

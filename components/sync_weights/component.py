@@ -16,9 +16,11 @@ def sync_weights(
     advantages_metrics: dict,
     update_metrics: dict,
     metrics: dsl.Output[dsl.Metrics],
+    time_breakdown: dsl.Output[dsl.Markdown],
     values_metrics: dict = {},  # noqa: B006 (KFP's default for an optional input; only PPO has a values step)
 ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
-    """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights)."""
+    """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights);
+    time_breakdown: where the iteration's wall time went (rlpipe.reports.time_report)."""
     import time
 
     entered = time.time()
@@ -29,5 +31,9 @@ def sync_weights(
 
     step_metrics = (generate_metrics, score_metrics, values_metrics, advantages_metrics, update_metrics, overhead)
     weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics)
+    from rlpipe.reports import time_report
+
+    with open(time_breakdown.path, "w", encoding="utf-8") as f:
+        f.write(time_report(values, iteration))
     finish(metrics, values)
     return (weights, iteration + 1)

@@ -28,6 +28,7 @@ from rlpipe.store.run_root import (
     commit_state,
     data_uri,
     eval_metrics_uri,
+    eval_samples_uri,
     filesystem,
     is_local,
     iteration_metrics_uri,
@@ -126,7 +127,11 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
     opt = optimizer_uri(parent_root, iteration)
     optimizer_state = "parent's" if filesystem(opt)[0].exists(filesystem(opt)[1]) else "fresh" if iteration else "none"
     for n in range(iteration + 1):
-        for uri in (iteration_metrics_uri(parent_root, n), eval_metrics_uri(parent_root, n)):
+        for uri in (
+            iteration_metrics_uri(parent_root, n),
+            eval_metrics_uri(parent_root, n),
+            eval_samples_uri(parent_root, n),
+        ):
             if filesystem(uri)[0].exists(filesystem(uri)[1]):
                 share(uri, child_root + uri[len(parent_root) :])
     atomic_write_text(join(child_root, "weights", "LATEST"), version_name(iteration))

@@ -5,6 +5,7 @@
   state.json           iteration, weights version, MLflow run id, data cursor (the commit point)
   data/train.parquet   task prompts;  data/eval.parquet (fixed held-out set)
   metrics/iter_000007.json, metrics/eval_000005.json
+  metrics/eval_000005_samples.jsonl   that eval's held-out rows: prompt, greedy completion, answer, reward
   weights/ (see weight_store)   optimizer/v000007/optimizer.pt
 """
 
@@ -150,6 +151,26 @@ def iteration_metrics_uri(run_root: str, iteration: int) -> str:
 
 def eval_metrics_uri(run_root: str, iteration: int) -> str:
     return join(run_root, "metrics", f"eval_{iteration:06d}.json")
+
+
+def eval_samples_uri(run_root: str, iteration: int) -> str:
+    return join(run_root, "metrics", f"eval_{iteration:06d}_samples.jsonl")
+
+
+def write_eval_samples(run_root: str, iteration: int, samples: list[dict[str, Any]]) -> None:
+    """One JSON object a line, written atomically like the metrics files."""
+    text = "".join(json.dumps(sample, sort_keys=True) + "\n" for sample in samples)
+    atomic_write_text(eval_samples_uri(run_root, iteration), text)
+
+
+def read_eval_samples(run_root: str, iteration: int) -> list[dict[str, Any]]:
+    """The held-out rows of iteration N's eval (rlpipe.evaluation.evaluate_policy): dicts with index,
+    prompt, completion, answer, reward (the verifier's score) and correct; [] when none were recorded."""
+    fs, path = filesystem(eval_samples_uri(run_root, iteration))
+    if not fs.exists(path):
+        return []
+    with fs.open(path, "r") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def list_metrics(run_root: str, kind: str) -> dict[int, dict[str, float]]:
