@@ -133,12 +133,25 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
 
 
 def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
-    """The spec (spec.yaml), unless the run has it already."""
+    """The spec (spec.yaml), and each committed eval's held-out samples as an MLflow table
+    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct), unless the run has them."""
+    from rlpipe.store.run_root import read_eval_samples
+
     have = {a.path for a in client.list_artifacts(run_id)}
+    if "eval_samples" in have:
+        have |= {a.path for a in client.list_artifacts(run_id, "eval_samples")}
     logged = []
     if SPEC_ARTIFACT not in have:
         client.log_dict(run_id, spec_to_dict(spec), SPEC_ARTIFACT)
         logged.append(SPEC_ARTIFACT)
+    committed = (read_state(run_root) or {}).get("iteration", -1)
+    for iteration in sorted(list_metrics(run_root, "eval")):
+        path = f"eval_samples/eval_{iteration:06d}.json"
+        if iteration > committed or path in have or not (samples := read_eval_samples(run_root, iteration)):
+            continue
+        columns = ["index", "prompt", "completion", "answer", "reward", "correct"]
+        log_table(client, run_id, columns, [[row.get(c) for c in columns] for row in samples], path)
+        logged.append(path)
     return logged
 
 

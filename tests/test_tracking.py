@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from rlpipe.spec import parse_spec
@@ -99,3 +101,26 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     assert flush(spec, run_root)["registered"] == [4]  # v2 and v3 were pruned before every_eval was asked for
     assert client.get_model_version_by_alias("tiny", "gate_passed").tags["rlpipe.iteration"] == "4"
     assert best() == "1"
+
+
+def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run):
+    import json
+
+    from rlpipe.evaluation import evaluate_policy
+    from rlpipe.store.weights import read_ref
+    from rlpipe.tracking import flush
+
+    spec, run_root, cache = initialized_run
+    accuracy = evaluate_policy(spec, run_root, read_ref(run_root, 0), 0, cache)["eval/accuracy_greedy"]
+    done = flush(spec, run_root)
+    assert done["artifacts"] == ["spec.yaml", "eval_samples/eval_000000.json"]
+    client = MlflowClient(tracking_uri(spec, run_root))
+    table = json.loads(Path(client.download_artifacts(done["run_id"], "eval_samples/eval_000000.json")).read_text())
+    assert table["columns"] == ["index", "prompt", "completion", "answer", "reward", "correct"]
+    assert len(table["data"]) == spec.data.eval_size
+    assert sum(row[4] for row in table["data"]) / len(table["data"]) == pytest.approx(accuracy)
+    tag = json.loads(client.get_run(done["run_id"]).data.tags["mlflow.loggedArtifacts"])
+    assert tag == [{"path": "eval_samples/eval_000000.json", "type": "table"}]
+    spec_logged = client.download_artifacts(done["run_id"], "spec.yaml")
+    assert yaml.safe_load(Path(spec_logged).read_text())["name"] == spec.name
+    assert flush(spec, run_root)["artifacts"] == []  # logged once
