@@ -42,7 +42,7 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
 
         done = flush(spec, run_root)
         return (
-            f"MLflow run {done['run_id']}: {done['points']} new points, registered iterations {done.get('registered')}"
+            f"MLflow run {done['run_id']}: {done['points']} new points; registered iterations {done.get('registered')}"
         )
 
     start = loop.plan(spec, run_root)

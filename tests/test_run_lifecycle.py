@@ -35,6 +35,7 @@ def _metrics(run_root: Path, iteration: int) -> dict:
     return json.loads((run_root / "metrics" / f"iter_{iteration:06d}.json").read_text())
 
 
+@pytest.mark.slow  # 4 runs on kfp.local, ~2 min: CI's slow step
 def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp_path: Path):
     # the parent: 6 iterations, evals every 2, a gate that passes at the eval of v2
     data = tiny_spec_dict(
