@@ -188,6 +188,16 @@ def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, An
     return dict(sorted(chosen.items()))
 
 
+def eval_weights_version(iteration: int, metrics: dict[str, float]) -> int:
+    """The weights version an eval measured (iteration N's eval: vN, unless its metrics say otherwise)."""
+    return int(metrics.get("eval/weights_version", iteration))
+
+
+def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:
+    """The weight versions `versions_to_register` names: the store keeps them (rlpipe.store.commit)."""
+    return frozenset(eval_weights_version(n, m) for n, m in versions_to_register(spec, run_root).items())
+
+
 def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[int]:
     """Register each version `versions_to_register` names that the registry lacks (a model version whose
     source is the sealed version in the weight store: nothing is copied; tags: iteration, eval accuracy,
@@ -213,7 +223,7 @@ def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowC
     for iteration, metrics in chosen.items():
         if iteration in model_version:
             continue
-        version = int(metrics.get("eval/weights_version", iteration))
+        version = eval_weights_version(iteration, metrics)
         try:
             ref = read_ref(run_root, version)
         except FileNotFoundError:  # pruned before this flush (a run from before registration kept it)

@@ -23,7 +23,7 @@ from rlpipe.rollout_buffer import retire, taken_record
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref, weights_bytes
-from rlpipe.tracking import versions_to_register
+from rlpipe.tracking import registered_versions
 
 
 def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
@@ -76,9 +76,7 @@ def sync_weights(
     )
     if spec.loop.max_staleness:
         retire(run_root, iteration, spec.storage.keep_versions)
-    registered = frozenset(
-        int(m.get("eval/weights_version", n)) for n, m in versions_to_register(spec, run_root).items()
-    )
+    registered = registered_versions(spec, run_root)
     for lineage in ("policy", "critic"):
         prune(
             run_root,
