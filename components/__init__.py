@@ -27,13 +27,14 @@ if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
 
 
-def start(step: str, spec: dict, entered_at: float) -> tuple[RunSpec, dict[str, float]]:
-    """The parsed spec, after importing what `step` computes with (rlpipe.steps.modules_for: torch,
-    transformers, or only a service's client); overhead/<step>_import_s times it from `entered_at`."""
-    from rlpipe.spec import parse_spec
+def start(step: str, spec: str, entered_at: float) -> tuple[RunSpec, dict[str, float]]:
+    """The parsed spec (the JSON of rlpipe.spec.spec_to_json), after importing what `step` computes
+    with (rlpipe.steps.modules_for: torch, transformers, or only a service's client);
+    overhead/<step>_import_s times it from `entered_at`."""
+    from rlpipe.spec import spec_from_json
     from rlpipe.steps import modules_for
 
-    run_spec = parse_spec(spec)
+    run_spec = spec_from_json(spec)
     for module in modules_for(step, run_spec):
         importlib.import_module(module)
     return run_spec, {f"overhead/{step}_import_s": time.time() - entered_at}

@@ -16,7 +16,7 @@ from hera.workflows import models as m
 
 from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
 from rlpipe.pipelines.compile import cluster_spec_and_root
-from rlpipe.spec import PodSpec, RunSpec, spec_to_dict
+from rlpipe.spec import PodSpec, RunSpec, spec_to_json
 from rlpipe.steps import gpus_for, iteration_steps, sandboxed, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
@@ -104,7 +104,7 @@ def build_argo(spec: RunSpec, run_root: str | None = None) -> tuple[m.WorkflowTe
         service_account_name="rlpipe-pipeline-runner",
         arguments=m.Arguments(
             parameters=[
-                m.Parameter(name="spec", value=json.dumps(spec_to_dict(spec), sort_keys=True)),
+                m.Parameter(name="spec", value=spec_to_json(spec)),
                 m.Parameter(name="run_root", value=run_root),
             ]
         ),

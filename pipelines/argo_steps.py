@@ -9,11 +9,10 @@ loop.iterations exits 0 without work, so a scheduled workflow is a no-op once th
 """
 
 import argparse
-import json
 import sys
 
 from rlpipe import loop
-from rlpipe.spec import RunSpec, parse_spec
+from rlpipe.spec import RunSpec, spec_from_json
 from rlpipe.steps import EVERY_ITERATION, iteration_steps
 from rlpipe.store.run_root import filesystem, join, read_json, read_state, write_json
 
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-json", required=True)
     parser.add_argument("--run-root", required=True)
     args = parser.parse_args(argv)
-    print(run_step(args.step, parse_spec(json.loads(args.spec_json)), args.run_root), flush=True)
+    print(run_step(args.step, spec_from_json(args.spec_json, "--spec-json"), args.run_root), flush=True)
     return 0
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from kfp import compiler
 
 from rlpipe.pipelines.trainer_jobset import trainer_url
-from rlpipe.spec import RunSpec, spec_to_dict
+from rlpipe.spec import RunSpec, spec_to_json
 from rlpipe.store.run_root import run_root_for
 
 
@@ -54,7 +54,7 @@ def compile_pipeline(spec: RunSpec, output: str | Path, run_root: str | None = N
         pipeline_func=build_pipeline_for(spec, placement=spec),  # offline DPO's, or the RL loop's
         package_path=str(output),
         pipeline_parameters={
-            "spec": spec_to_dict(spec),
+            "spec": spec_to_json(spec),
             "run_root": run_root,
         },
     )

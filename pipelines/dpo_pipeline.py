@@ -28,7 +28,7 @@ def build_dpo_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
 
     @dsl.pipeline(name="rlpipe-dpo-iteration", description="One DPO iteration: weights v(N) in, v(N+1) published.")
     def dpo_iteration(
-        spec: dict,
+        spec: str,
         run_root: str,
         weights: dict,
         iteration: int,
@@ -63,7 +63,7 @@ def build_dpo_pipeline(iterations_per_run: int, eval_every: int, placement: RunS
         description=f"Offline DPO: initialize and build the preference set if needed, then up to "
         f"{iterations_per_run} iterations from state.json.",
     )
-    def dpo_run(spec: dict, run_root: str):
+    def dpo_run(spec: str, run_root: str):
         flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
             published = initialize(spec, run_root, placement)

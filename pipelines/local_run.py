@@ -7,6 +7,7 @@ again continues from the last committed iteration.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from rich.table import Table
 from rlpipe.evaluation import stopped_by_gate
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
-from rlpipe.spec import RESUMABLE_KEYS, RunSpec, spec_to_dict, without
+from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -128,12 +129,12 @@ class Progress:
 
 
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
-    """A resumed run keeps its spec once something was committed; only loop settings may change (e.g.
-    more iterations). Not compared: storage (resolved against the working directory), cluster
-    (compile only), and where rollouts and updates are computed (rollout.engine, samplers,
-    trainer.resident/endpoint): every engine samples the same policy, and the resident trainer
-    computes the per-step update. Before the first commit (an initialization that failed) the new
-    spec replaces the old one, and data prepared for the old one is dropped."""
+    """A resumed run keeps its spec once something was committed, except the settings in
+    rlpipe.spec.RESUMABLE_KEYS: how far it goes (loop), where it stores and tracks to (storage, the
+    registry), and where rollouts and updates are computed (engines, samplers, the resident trainer,
+    device, threads), which give the same results. A refusal names each key with both values.
+    Before the first commit (an initialization that failed) the new spec replaces the old one, and
+    data prepared for the old one is dropped."""
     saved = read_json(join(run_root, "spec.json"))
     current = spec_to_dict(spec)
     if saved is None or read_state(run_root) is None:
@@ -143,12 +144,12 @@ def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
                 fs.rm(data_dir, recursive=True)
         write_json(join(run_root, "spec.json"), current)
         return
-    saved, compared = without(saved, RESUMABLE_KEYS), without(current, RESUMABLE_KEYS)
-    changed = sorted(k for k in set(saved) | set(compared) if saved.get(k) != compared.get(k))
-    if changed:
+    if changes := resume_changes(saved, spec):
+        lines = "".join(f"\n    {key}: started with {json.dumps(a)}, now {json.dumps(b)}" for key, a, b in changes)
         raise ValueError(
-            f"{run_root} was started with a different spec (sections {', '.join(changed)} differ); "
-            "use a new run name (name: or --run-dir) or restore the original settings"
+            f"{run_root} was started with a different spec; these settings differ:{lines}\n"
+            "  restore them to resume, or start a new run (another name: or --run-dir; `rlpipe fork` to branch off "
+            "a committed iteration)"
         )
     write_json(join(run_root, "spec.json"), current)
 
@@ -174,13 +175,13 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         console.print(text, soft_wrap=True, markup=False, highlight=False)
 
     say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
-    spec_arg = spec_to_dict(spec)
+    served = spec  # the spec the steps get: with the addresses of the services started here
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
         from rlpipe.services.sampler_fleet import LocalFleet
 
         fleet = LocalFleet(spec, run_root)
-        spec_arg["samplers"]["endpoints"] = fleet.urls
+        served = dataclasses.replace(served, samplers=dataclasses.replace(served.samplers, endpoints=fleet.urls))
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
     trainer = None
     if spec.trainer.resident and not spec.trainer.endpoint:
@@ -192,7 +193,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 "on this machine set trainer.nodes: 1 (trainer.gpus processes)"
             )
         trainer = LocalTrainer(run_root, spec.trainer.gpus, spec.trainer.device)
-        spec_arg["trainer"]["endpoint"] = trainer.urls[0]
+        served = dataclasses.replace(served, trainer=dataclasses.replace(served.trainer, endpoint=trainer.urls[0]))
         say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 
     producer = None
@@ -201,11 +202,12 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
 
         producer_spec = Path(run_root) / "producers" / "spec.json"
         producer_spec.parent.mkdir(exist_ok=True)
-        producer_spec.write_text(json.dumps(spec_arg))  # with the local samplers' endpoints
+        producer_spec.write_text(spec_to_json(served))  # with the local samplers' endpoints
         producer = LocalProducer(run_root, str(producer_spec), spec.cache_root)
         logs = Path(run_root) / "logs"
         say(f"        rollout producer, loop.max_staleness {spec.loop.max_staleness} (log {logs}/producer-0.log)")
 
+    spec_arg = spec_to_json(served)
     stop = threading.Event()
     interactive = console.is_terminal
 

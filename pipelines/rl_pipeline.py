@@ -59,7 +59,7 @@ def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str,
 
     @dsl.pipeline(name="rlpipe-iteration", description="One RL iteration: weights v(N) in, v(N+1) published.")
     def rl_iteration(
-        spec: dict,
+        spec: str,
         run_root: str,
         weights: dict,
         iteration: int,
@@ -84,7 +84,7 @@ def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str,
     return rl_iteration
 
 
-def initialize(spec: dict, run_root: str, placement: RunSpec | None) -> dsl.PipelineTask:
+def initialize(spec: str, run_root: str, placement: RunSpec | None) -> dsl.PipelineTask:
     """prepare -> warm_start -> publish_warm_start: each a no-op once the run is initialized."""
     data = place(COMPONENTS["prepare"](spec=spec, run_root=run_root), "prepare", placement)
     initial = place(COMPONENTS["warm_start"](spec=spec, run_root=run_root).after(data), "warm_start", placement)
@@ -98,7 +98,7 @@ def initialize(spec: dict, run_root: str, placement: RunSpec | None) -> dsl.Pipe
 
 
 def unroll_iterations(
-    spec: dict,
+    spec: str,
     run_root: str,
     iteration_pipeline: Callable,
     after: dsl.PipelineTask,
@@ -152,7 +152,7 @@ def build_run_pipeline(
         name="rlpipe-run",
         description=f"RL loop: initialize if needed, then up to {iterations_per_run} iterations from state.json.",
     )
-    def rl_run(spec: dict, run_root: str):
+    def rl_run(spec: str, run_root: str):
         flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
             published = initialize(spec, run_root, placement)

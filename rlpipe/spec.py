@@ -9,6 +9,8 @@ Steps parse the spec in every process, so this module imports nothing heavy.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
 import types
 import typing
@@ -195,7 +197,7 @@ class RewardSpec:
         doc="Scores held-out evaluation and the warm start's stop check (an entry as in `functions`); "
         "1.0 = correct, accuracy = its mean",
     )
-    timeout_s: float = setting(600, gt=0, doc="Longest one call of a reward function may take (per batch)")
+    timeout_s: float = setting(600.0, gt=0, doc="Longest one call of a reward function may take (per batch)")
 
     def __post_init__(self) -> None:
         for key, ref in [("reward.verifier", self.verifier)] + [("reward.functions entry", f) for f in self.functions]:
@@ -242,8 +244,8 @@ class SamplersSpec:
     requests_per_replica: int = setting(
         64, ge=1, doc="Requests in flight per replica (x G sequences): vLLM batches what is in flight"
     )
-    request_timeout_s: float = setting(300, gt=0)
-    startup_timeout_s: float = setting(900, gt=0, doc="How long generate waits for a replica to be ready")
+    request_timeout_s: float = setting(300.0, gt=0)
+    startup_timeout_s: float = setting(900.0, gt=0, doc="How long generate waits for a replica to be ready")
     kv_cache_gib: int = setting(1, ge=1, doc="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
     extra_args: list[str] = setting(default_factory=list, doc="More vLLM server flags for local replicas")
 
@@ -451,15 +453,19 @@ class Toleration:
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
 
 
+CPU = r"([0-9]*[.])?[0-9]+m?"  # what KFP's set_cpu_request accepts
+MEMORY = r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?"  # what KFP's set_memory_request accepts
+
+
 @section
 class PodSpec:
     """Image, resources and placement for one class of steps on the cluster."""
 
     image: str
-    cpu: str = "1"
-    memory: str = "2Gi"
-    cpu_limit: str | None = None
-    memory_limit: str | None = None
+    cpu: str = setting("1", pattern=CPU, doc="CPU request: cores, e.g. 4, 0.5 or 500m")
+    memory: str = setting("2Gi", pattern=MEMORY, doc="Memory request: bytes or with a suffix, e.g. 16Gi")
+    cpu_limit: str | None = setting(None, pattern=CPU)
+    memory_limit: str | None = setting(None, pattern=MEMORY)
     accelerator: str = setting(
         "nvidia.com/gpu", doc="Resource name (KFP accelerator type) of the GPUs a step requests (trainer.gpus)"
     )
@@ -598,8 +604,8 @@ def _build(cls: type, data: Any, key: str, errors: list[str]) -> Any:
 def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], errors: list[str]) -> Any:
     """`value` as type `hint` within `bounds`; appends to `errors` and returns None when it is not.
 
-    Lenient where YAML and KFP are: ints may come as 7.0 (protobuf Struct) and numbers as strings
-    ('3e-4', which YAML 1.1 reads as a string)."""
+    Lenient where YAML is: ints may come as 7.0 and numbers as strings ('3e-4', which YAML 1.1
+    reads as a string); numbers must be finite."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -644,7 +650,7 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
             isinstance(k, str) and (values_any or isinstance(v, str)) for k, v in value.items()
         ):
             return fail("must be a mapping" + ("" if values_any else " of strings to strings"))
-        return _whole_numbers(dict(value))
+        return dict(value)
     if hint is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -671,25 +677,13 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
     raise TypeError(f"spec field {key} has a type parse_spec does not know: {hint!r}")
 
 
-def _whole_numbers(value: Any) -> Any:
-    """Free-form options (generator and reward options) with KFP's floats turned back into ints: a
-    spec crosses into a step as a protobuf Struct, where every number is a double (2 -> 2.0)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _whole_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_whole_numbers(v) for v in value]
-    return value
-
-
 def _number(value: Any, kind: type) -> int | float | None:
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
             return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     if kind is int:
         return int(value) if float(value).is_integer() else None
@@ -711,8 +705,6 @@ def parse_spec(data: dict[str, Any], source: str = "<dict>") -> RunSpec:
 
 def old_task_section(task: Any) -> str:
     """What to write instead of a `task:` section (replaced by `data:`), shown in the error."""
-    import json
-
     task = dict(task) if isinstance(task, dict) else {}
     data: dict[str, Any] = {"generator": task.pop("name", "addition")}
     if "digits" in task:
@@ -777,7 +769,7 @@ def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 
 def section_dict(section_value: Any) -> dict[str, Any]:
     """A section as a plain dict (tuples as lists), None values kept."""
-    return _plain(dataclasses.asdict(section_value), keep_none=True)
+    return _plain(dataclasses.asdict(section_value))
 
 
 # What the spec's keys affect, decided here once (dotted keys; a section name covers the section).
@@ -795,14 +787,36 @@ RESUMABLE_KEYS = (
     "trainer.resident",
     "trainer.endpoint",
     "trainer.device",  # where it computes; the update is the same up to float rounding
+    "trainer.threads",
     "trainer.micro_batch_tokens",  # the same update, accumulated in parts
     "trainer.gradient_checkpointing",
     "trainer.gpus",  # the same update, sharded (to float rounding)
     "trainer.nodes",
     "tracking.register",  # which evaluated versions the registry gets from now on
     "tracking.registered_model",
+    "reward.timeout_s",  # how long a reward may take, not what it returns
 )
 WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
+
+
+def resume_changes(stored: dict[str, Any], new: RunSpec) -> list[tuple[str, Any, Any]]:
+    """(dotted key, stored value, new value) of each setting outside RESUMABLE_KEYS that `new` changes
+    against the spec a run was started with (its spec.json): a resumed run must keep them.
+
+    The stored spec is parsed first, so what is compared is what each spec means: defaults filled
+    in, `7` equal to `7.0`, lists equal to tuples."""
+    try:
+        stored = spec_to_dict(parse_spec(stored, "the stored spec.json"))
+    except SpecError:
+        pass  # written by an older rlpipe that accepted other keys: compare it as written
+    before = flatten(without(stored, RESUMABLE_KEYS))
+    after = flatten(without(spec_to_dict(new), RESUMABLE_KEYS))
+    missing = object()
+    return [
+        (key, before.get(key), after.get(key))
+        for key in sorted(set(before) | set(after))
+        if before.get(key, missing) != after.get(key, missing)
+    ]
 
 
 def pick(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -827,16 +841,33 @@ def without(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def spec_to_dict(spec: RunSpec) -> dict[str, Any]:
-    """Plain JSON-able dict (what KFP components receive); None values are dropped since KFP
-    parameters cannot hold null, and parsing restores them as defaults."""
-    return _plain(dataclasses.asdict(spec), keep_none=False)
+    """Every field as plain JSON-able values (tuples as lists), explicit nulls kept: what spec.json,
+    MLflow and the resident trainer's requests hold. `parse_spec(spec_to_dict(spec)) == spec`."""
+    return _plain(dataclasses.asdict(spec))
 
 
-def _plain(value: Any, keep_none: bool) -> Any:
+def spec_to_json(spec: RunSpec) -> str:
+    """The spec as one JSON string: the `spec` parameter of every KFP component and pipeline.
+
+    A string crosses KFP unchanged, where a dict parameter (a protobuf Struct) cannot hold null and
+    turns every int into a double; JSON keeps nulls, ints, floats and lists exactly."""
+    return json.dumps(spec_to_dict(spec), sort_keys=True, allow_nan=False)
+
+
+def spec_from_json(text: str, source: str = "the spec parameter") -> RunSpec:
+    """The RunSpec a step receives as its `spec` parameter (`spec_to_json`)."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise SpecError(f"{source} is not a run spec's JSON ({err}); pass rlpipe.spec.spec_to_json(spec)") from None
+    return parse_spec(data, source)
+
+
+def _plain(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _plain(v, keep_none) for k, v in value.items() if keep_none or v is not None}
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v, keep_none) for v in value]
+        return [_plain(v) for v in value]
     return value
 
 

@@ -39,7 +39,7 @@ def test_compiled_yaml_parses_strictly(tmp_path: Path):
         assert f"exec-{step}" in executors
     defaults = spec.root.input_definitions.parameters
     assert defaults["run_root"].default_value.string_value == "gs://bucket/runs/addition-demo"
-    assert defaults["spec"].default_value.struct_value["name"] == "addition-demo"
+    assert json.loads(defaults["spec"].default_value.string_value)["name"] == "addition-demo"
     # one run unrolls loop.iterations_per_run iterations
     iteration_dags = [name for name in spec.components if name.startswith("comp-rlpipe-iteration")]
     assert len(iteration_dags) == 5
@@ -113,7 +113,7 @@ def test_gke_spec_carries_the_cluster_settings(tmp_path: Path):
     assert executed and all(t["retryPolicy"]["maxRetryCount"] == 2 for t in executed)
     assert platform["exec-update"]["activeDeadlineSeconds"] == "7200"
     # the embedded spec points the steps at cluster storage, not at this machine
-    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    spec = json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])
     assert spec["storage"]["root"] == "/mnt/rlpipe/runs" and spec["storage"]["cache"] == "/mnt/rlpipe/cache"
     run_root = pipeline["root"]["inputDefinitions"]["parameters"]["run_root"]["defaultValue"]
     assert run_root == "/mnt/rlpipe/runs/addition-demo"
@@ -159,7 +159,7 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
     assert executors["exec-update"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
     nodes = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-generate"]["nodeSelector"]
     assert nodes["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
-    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    spec = json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])
     assert spec["samplers"]["endpoints"] == ["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]
 
 
@@ -176,7 +176,7 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
         container = executors[f"exec-{step}"]["container"]
         assert container["image"] == "ghcr.io/rlpipe/step:0.1.0" and "accelerator" not in container.get("resources", {})
     assert executors["exec-warm-start"]["container"]["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
-    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    spec = json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])
     endpoint = "http://rlpipe-trainer-addition-demo.rlpipe.svc.cluster.local:8001"
     assert spec["trainer"]["endpoint"] == endpoint
     assert yaml.safe_load_all((tmp_path / "x.trainer.yaml").read_text())  # the JobSet and its Service
@@ -184,7 +184,7 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
     mine = "http://my-trainer.rlpipe.svc.cluster.local:8001"
     subprocess.run(command + ["--set", f"trainer.endpoint={mine}"], check=True, capture_output=True)
     pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
-    assert pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]["trainer"]["endpoint"] == mine
+    assert json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])["trainer"]["endpoint"] == mine
 
 
 def test_trainer_gpus_is_what_the_trainer_pods_request(tmp_path: Path):

@@ -54,13 +54,20 @@ def _check_consistent(run_root: Path, iterations: int, store: Path | None = None
 
 
 def test_run_the_loop_and_continue_it(tmp_path: Path):
-    spec = _write_spec(tmp_path)
+    """The whole loop, then the same spec file again with more iterations: it continues. The spec
+    says `model.warm_start.target_accuracy: null` (run max_steps), a null every KFP step must parse
+    as null, not as the default 0.4, or the unchanged spec file would be refused on resume."""
+    warm_start = {"max_steps": 5, "batch_size": 8, "validation_size": 8, "target_accuracy": None}
+    spec = _write_spec(tmp_path, model={"warm_start": warm_start})
+    assert "target_accuracy: null" in spec.read_text()
     run_dir = tmp_path / "run"
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MLflow run: mlflow ui --backend-store-uri sqlite:///" in result.stdout
     _check_consistent(run_dir, 3)
-    # running again with more iterations continues from state.json
+    # the prepare step rewrote spec.json with the spec it parsed from its KFP parameter
+    assert json.loads((run_dir / "spec.json").read_text())["model"]["warm_start"]["target_accuracy"] is None
+    # running the same spec file again with more iterations continues from state.json
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir), "--iterations", "4")
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(run_dir, 4)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlpipe.spec import SpecError, load_spec, parse_spec, spec_to_dict
+from rlpipe.spec import SpecError, load_spec, parse_spec, spec_from_json, spec_to_dict
 
 from .conftest import REPO
 
@@ -58,37 +58,19 @@ def test_missing_name_and_missing_file(tmp_path: Path):
         load_spec(tmp_path / "nope.yaml")
 
 
-def test_overrides_and_round_trip_through_kfp_floats(tmp_path: Path):
+def test_overrides(tmp_path: Path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "x"}))
     spec = load_spec(path, {"trainer.lr": 1e-4, "loop.iterations": 7})
     assert spec.trainer.lr == 1e-4 and spec.loop.iterations == 7
-    as_parameter = spec_to_dict(spec)
-    assert None not in as_parameter["model"].values()  # KFP parameters cannot hold null
-    # protobuf Struct turns every int into a float; parsing must accept that
-    floated = yaml.safe_load(yaml.safe_dump(as_parameter).replace("iterations: 7", "iterations: 7.0"))
-    assert parse_spec(floated).loop.iterations == 7
+    assert parse_spec({"name": "x", "loop": {"iterations": 7.0}}).loop.iterations == 7  # YAML may say 7.0
+    with pytest.raises(SpecError, match="trainer.lr: must be a number"):
+        parse_spec({"name": "x", "trainer": {"lr": float("inf")}})  # JSON could not carry it
 
 
-def test_free_form_options_survive_the_protobuf_struct(tmp_path: Path):
-    """A KFP dict parameter is a protobuf Struct: every number a double. Typed fields were parsed
-    back before; free-form options (generator, reward types) must get their ints back too."""
-    from google.protobuf import json_format, struct_pb2
-
-    data = {
-        "name": "x",
-        "data": {"options": {"digits": 2, "scale": 0.5, "nested": [3, {"k": 4}]}},
-        "reward": {"functions": [{"type": "length_penalty", "max_tokens": 8, "buffer_tokens": 2}]},
-    }
-    as_parameter = spec_to_dict(parse_spec(data))
-    struct = struct_pb2.Struct()
-    struct.update(as_parameter)
-    floated = json_format.MessageToDict(struct)
-    assert floated["data"]["options"]["digits"] == 2.0 and isinstance(floated["data"]["options"]["digits"], float)
-    spec = parse_spec(floated)
-    assert spec.data.options == {"digits": 2, "scale": 0.5, "nested": [3, {"k": 4}]}
-    assert type(spec.data.options["digits"]) is int and type(spec.data.options["nested"][1]["k"]) is int
-    assert spec.reward.functions[0]["max_tokens"] == 8 and type(spec.reward.functions[0]["max_tokens"]) is int
+def test_a_parameter_that_is_not_a_spec_says_what_to_pass():
+    with pytest.raises(SpecError, match=r"not a run spec's JSON .*rlpipe.spec.spec_to_json"):
+        spec_from_json("{'name': 'x'}")
 
 
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
@@ -104,14 +86,38 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
     commit_state(run_root, iteration=0)  # from here on the spec is locked
     check_spec_unchanged(parse_spec({"name": "x", "loop": {"iterations": 99}}), run_root)  # more iterations: fine
     check_spec_unchanged(parse_spec({"name": "x", "storage": {"root": "/elsewhere"}}), run_root)  # another cwd
-    with pytest.raises(ValueError, match="sections trainer differ"):
+    with pytest.raises(ValueError) as refused:
         check_spec_unchanged(parse_spec({"name": "x", "trainer": {"lr": 1e-2}}), run_root)
-    # the engine and the samplers may change on resume: every engine samples the same policy
+    assert "trainer.lr: started with 0.0005, now 0.01" in str(refused.value)
+    # the engine, the samplers and the threads may change on resume: every engine samples the same policy
     check_spec_unchanged(
         parse_spec({"name": "x", "rollout": {"engine": "sampler"}, "samplers": {"replicas": 4}}), run_root
     )
-    with pytest.raises(ValueError, match="sections rollout differ"):
-        check_spec_unchanged(parse_spec({"name": "x", "rollout": {"engine": "sampler", "temperature": 0.7}}), run_root)
+    check_spec_unchanged(parse_spec({"name": "x", "trainer": {"threads": 2}}), run_root)
+    with pytest.raises(ValueError) as refused:
+        check_spec_unchanged(
+            parse_spec({"name": "x", "rollout": {"engine": "sampler", "temperature": 0.7}, "seed": 3}), run_root
+        )
+    message = str(refused.value)
+    assert "rollout.temperature: started with 1.0, now 0.7" in message and "seed: started with 0, now 3" in message
+    assert "rollout.engine" not in message
+
+
+def test_a_resumed_run_compares_what_the_stored_spec_means(tmp_path: Path):
+    """An explicit null is a setting (not its default), and a stored spec is read as parsed."""
+    from rlpipe.pipelines.local_run import check_spec_unchanged
+    from rlpipe.store.run_root import commit_state, write_json
+
+    run_root = str(tmp_path / "run")
+    unbounded = parse_spec({"name": "x", "model": {"warm_start": {"target_accuracy": None}}})
+    check_spec_unchanged(unbounded, run_root)
+    commit_state(run_root, iteration=1)
+    check_spec_unchanged(unbounded, run_root)
+    with pytest.raises(ValueError, match="model.warm_start.target_accuracy: started with null, now 0.4"):
+        check_spec_unchanged(parse_spec({"name": "x"}), run_root)
+    # a spec.json that omits defaults (or writes 7.0 for 7) means the same spec
+    write_json(f"{run_root}/spec.json", {"name": "x", "loop": {"iterations": 7.0}})
+    check_spec_unchanged(parse_spec({"name": "x"}), run_root)
 
 
 def test_vllm_engines_refuse_truncated_sampling():

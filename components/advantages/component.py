@@ -7,7 +7,7 @@ from rlpipe.components import STEP_IMAGE
 
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
 def advantages(
-    spec: dict,
+    spec: str,
     scored: dsl.Input[dsl.Dataset],
     batch: dsl.Output[dsl.Dataset],
     rollout_samples: dsl.Output[dsl.Markdown],

@@ -6,7 +6,7 @@ from rlpipe.components import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
-def reference_logprobs(spec: dict, run_root: str, metrics: dsl.Output[dsl.Metrics]) -> NamedTuple(
+def reference_logprobs(spec: str, run_root: str, metrics: dsl.Output[dsl.Metrics]) -> NamedTuple(
     "Outputs", step_metrics=dict
 ):
     """The frozen v0's log-probs of every pair's chosen and rejected completion, stored beside the

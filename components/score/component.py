@@ -7,7 +7,7 @@ from rlpipe.components import STEP_IMAGE
 
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
 def score(
-    spec: dict,
+    spec: str,
     rollouts: dsl.Input[dsl.Dataset],
     scored: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],

@@ -7,7 +7,7 @@ from rlpipe.components import STEP_IMAGE
 
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
 def sync_weights(
-    spec: dict,
+    spec: str,
     run_root: str,
     staged: dict,
     iteration: int,

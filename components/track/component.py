@@ -4,12 +4,12 @@ from rlpipe.components import STEP_IMAGE
 
 
 @dsl.component(base_image=STEP_IMAGE, install_kfp_package=False)
-def track(spec: dict, run_root: str, status: dsl.PipelineTaskFinalStatus) -> str:
+def track(spec: str, run_root: str, status: dsl.PipelineTaskFinalStatus) -> str:
     """Exit task: log what MLflow lacks of the committed run (metrics, eval samples, registered versions),
     even when an iteration failed (what was committed is kept). Returns the MLflow run id."""
-    from rlpipe.spec import parse_spec
+    from rlpipe.spec import spec_from_json
     from rlpipe.tracking import flush
 
-    done = flush(parse_spec(spec), run_root)
+    done = flush(spec_from_json(spec), run_root)
     print(f"MLflow run {done['run_id']}: {done}; pipeline {status.state}")
     return done["run_id"]

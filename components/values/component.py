@@ -7,7 +7,7 @@ from rlpipe.components import TRAINER_IMAGE
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
 def values(
-    spec: dict,
+    spec: str,
     run_root: str,
     weights: dict,
     iteration: int,

@@ -95,6 +95,10 @@ def supervised_warm_start(
             )
             if accuracy >= ws.target_accuracy:
                 break
+    if ws.target_accuracy is None:  # no stop check ran: measure where max_steps landed
+        accuracy = greedy_accuracy(
+            model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s
+        )
     model.eval()
     return {
         "warm_start/final_loss": sum(recent) / max(len(recent), 1),
