@@ -68,15 +68,16 @@ class Progress:
     iteration: int = 0
     task: str = "starting"
     latest: dict[str, float] = field(default_factory=dict)
+    iterations: dict[int, dict[str, float]] = field(default_factory=dict)
     evals: dict[int, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
     def refresh(self, run_root: str, log_path: Path) -> None:
-        iterations = list_metrics(run_root, "iter")
         state = read_state(run_root) or {}
         self.iteration = state.get("iteration", 0)
-        if iterations:
-            self.latest = iterations[max(iterations)]
+        self.iterations = {i: m for i, m in list_metrics(run_root, "iter").items() if i <= self.iteration}
+        if self.iterations:
+            self.latest = self.iterations[max(self.iterations)]
         self.evals = {i: m[EVAL_ACCURACY] for i, m in list_metrics(run_root, "eval").items()}
         if log_path.exists():
             with log_path.open("rb") as f:
@@ -118,14 +119,21 @@ class Progress:
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
         return table
 
-    def line(self) -> str:
-        m = self.latest
-        text = f"iteration {self.iteration}/{self.total}"
-        if m:
-            text += f"  reward {m.get('reward/mean', 0):.3f}  {m.get('time/iteration_wall_s', 0):.1f}s"
-        if self.evals:
-            text += f"  eval {self.evals[max(self.evals)]:.3f}"
-        return text
+    def new_lines(self, printed: dict[str, int]) -> list[str]:
+        """The plain-text display (no terminal): a line per newly committed iteration, and one per new
+        held-out eval; `printed` remembers what was said, so each is said once."""
+        lines = []
+        for i in sorted(i for i in self.iterations if i > printed.get("iteration", -1)):
+            printed["iteration"] = i
+            m = self.iterations[i]
+            text = f"iteration {i}/{self.total}"
+            if i > 0:
+                text += f"  reward {m.get('reward/mean', 0):.3f}  {m.get('time/iteration_wall_s', 0):.1f}s"
+            lines.append(text)
+        for i in sorted(i for i in self.evals if i > printed.get("eval", -1)):
+            printed["eval"] = i
+            lines.append(f"  held-out greedy accuracy {self.evals[i]:.3f} (iteration {i})")
+        return lines
 
 
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
@@ -211,15 +219,16 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     stop = threading.Event()
     interactive = console.is_terminal
 
+    printed: dict[str, int] = {}
+
     def watch(live: Live | None) -> None:
-        printed = -1
         while not stop.wait(1.0):
             progress.refresh(run_root, log_path)
             if live is not None:
                 live.update(progress.render())
-            elif progress.iteration != printed:
-                printed = progress.iteration
-                say(progress.line())
+            else:
+                for line in progress.new_lines(printed):
+                    say(line)
 
     with contextlib.ExitStack() as stack:
         if fleet is not None:
@@ -259,7 +268,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 live.update(progress.render())
     state = read_state(run_root) or {}
     if not interactive:
-        say(progress.line())
+        for line in progress.new_lines(printed):
+            say(line)
     if stopped := stopped_by_gate(spec, state):
         say(f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there")
     if state.get("mlflow_run_id"):

@@ -184,7 +184,8 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
     mine = "http://my-trainer.rlpipe.svc.cluster.local:8001"
     subprocess.run(command + ["--set", f"trainer.endpoint={mine}"], check=True, capture_output=True)
     pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
-    assert json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])["trainer"]["endpoint"] == mine
+    spec = json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])
+    assert spec["trainer"]["endpoint"] == mine
 
 
 def test_trainer_gpus_is_what_the_trainer_pods_request(tmp_path: Path):

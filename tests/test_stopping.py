@@ -1,0 +1,93 @@
+"""How a run ends when it must: a long-lived service that dies during start-up fails the step
+waiting for it at once, with the service's own last error line; SIGTERM or SIGINT to `rlpipe run`
+stops every process the run started and leaves it resumable."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlpipe.services.local_servers import STARTUP_ATTEMPTS, LocalServers, last_error_line
+from rlpipe.spec import parse_spec
+
+from .conftest import tiny_spec_dict
+
+CRASHING_SERVER = """
+import sys
+print("loading the policy ...", flush=True)
+raise ValueError("trainer.device is cuda but torch sees no GPU")
+"""
+
+
+def _crashing(kind: str, run_root: Path) -> LocalServers:
+    """Real processes that exit during start-up, as a misconfigured service does."""
+    return LocalServers(
+        kind,
+        str(run_root),
+        1,
+        lambda port: ([sys.executable, "-c", CRASHING_SERVER, str(port)], {}),
+        marker=CRASHING_SERVER,
+        wait_for_weights=False,
+    )
+
+
+def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp_path: Path):
+    log = tmp_path / "trainer-0.log"
+    log.write_text(
+        "--- rlpipe: starting trainer on http://127.0.0.1:1\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1\nrlpipe.spec.SpecError: an older failure\n'
+        "--- rlpipe: starting trainer on http://127.0.0.1:1\nloading\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1\nrlpipe.services.trainer_client.TrainerError: the real one\n  (a note)\n'
+    )
+    assert last_error_line(log) == "TrainerError: the real one"
+    log.write_text("--- rlpipe: starting sampler on http://127.0.0.1:1\nKilled\n")
+    assert last_error_line(log) == "Killed"
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sampler", "producer"])
+def test_a_service_that_dies_at_start_up_fails_the_waiting_step_at_once(tmp_path: Path, kind: str):
+    from rlpipe.data import prepare_data
+    from rlpipe.rollout_buffer import take
+    from rlpipe.services.sampler_client import SamplerError, wait_ready
+    from rlpipe.services.trainer_client import TrainerError, wait_for_trainer
+
+    run_root = tmp_path / "run"
+    servers = _crashing(kind, run_root)
+    servers.start()
+    started = time.monotonic()
+    try:
+        if kind == "trainer":
+            with pytest.raises(TrainerError) as failure:
+                wait_for_trainer(servers.urls[0], str(run_root))
+        elif kind == "sampler":
+            with pytest.raises(SamplerError) as failure:
+                wait_ready(servers.urls, 900, str(run_root))
+        else:
+            spec = parse_spec(tiny_spec_dict(tmp_path, loop={"max_staleness": 1}))
+            prepare_data(spec, str(run_root))
+            with pytest.raises(RuntimeError) as failure:
+                take(spec, str(run_root), {}, 1, str(tmp_path / "rollouts.parquet"))
+        assert servers.replicas[0].state == "failed" and servers.replicas[0].restarts == STARTUP_ATTEMPTS
+    finally:
+        servers.stop()
+    waited = time.monotonic() - started
+    assert waited < 20, f"waited {waited:.1f} s for a service that had died"
+    message = str(failure.value)
+    assert "ValueError: trainer.device is cuda but torch sees no GPU" in message
+    assert f"{kind}-0.log" in message and "Traceback" not in message
+
+
+def test_a_service_that_served_before_is_restarted_not_failed(tmp_path: Path):
+    """Only a service that never answered is given up on after STARTUP_ATTEMPTS: one that served and
+    then died (a kill, an out-of-memory) is restarted, as a Deployment would."""
+    servers = _crashing("trainer", tmp_path / "run")
+    servers.replicas[0].served = True
+    servers.start()
+    try:
+        deadline = time.monotonic() + 30
+        while servers.replicas[0].restarts <= STARTUP_ATTEMPTS and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert servers.replicas[0].restarts > STARTUP_ATTEMPTS and servers.replicas[0].state != "failed"
+    finally:
+        servers.stop()
