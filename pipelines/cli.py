@@ -40,10 +40,14 @@ def _spec(args: argparse.Namespace) -> RunSpec:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlpipe.pipelines.local_run import run_locally
+    from rlpipe.pipelines.local_run import RunStopped, run_locally
 
     spec = _spec(args)
-    state = run_locally(spec, args.run_dir)
+    try:
+        state = run_locally(spec, args.run_dir)
+    except RunStopped as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 128 + err.signum
     from rlpipe.evaluation import stopped_by_gate
 
     return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1

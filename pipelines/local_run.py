@@ -11,9 +11,11 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from rich.table import Table
 from rlpipe.evaluation import stopped_by_gate
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
+from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.store.run_root import (
     data_uri,
@@ -58,6 +61,67 @@ STEP_ENVIRONMENT = {
 
 class PipelineRunFailed(RuntimeError):
     """A KFP task failed; the message names it and points at its log."""
+
+
+class RunStopped(Exception):
+    """SIGTERM or SIGINT stopped `rlpipe run`; every process it started was stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}: every step and service this run started is stopped; "
+            "run the same command again to resume from the last committed iteration"
+        )
+
+
+@contextlib.contextmanager
+def signals_stop_the_run() -> Iterator[None]:
+    """SIGTERM (what a supervisor, systemd or a container runtime sends) stops the run as Ctrl-C does:
+    both raise KeyboardInterrupt in the main thread, so the `finally` blocks stop what the run started
+    (the running KFP step, then the services); a second signal during that is ignored. Raises
+    RunStopped naming the signal. kfp.local waits on its step inside `with Popen(...)`, which waits
+    for the child forever on any exception but KeyboardInterrupt: hence that exception."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        yield
+        return
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        received.append(signum)
+        for each in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {each: signal.signal(each, stop) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise RunStopped(received[0] if received else signal.SIGINT) from None
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+
+
+def stop_step_processes(services: list[LocalServers], grace_s: float = 5.0) -> None:
+    """Stop this driver's other child processes (a KFP step kfp.local was running, and the processes it
+    started), leaving the services, which stop themselves: SIGTERM, then SIGKILL after `grace_s`."""
+    import psutil
+
+    service_groups = {pid for servers in services for pid in servers.started_pids}
+    steps = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if os.getpgid(child.pid) not in service_groups:
+                steps.append(child)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    for process in steps:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(steps, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 @dataclass
@@ -230,7 +294,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 for line in progress.new_lines(printed):
                     say(line)
 
-    with contextlib.ExitStack() as stack:
+    services = [servers for servers in (fleet, trainer, producer) if servers is not None]
+    with signals_stop_the_run(), contextlib.ExitStack() as stack:
         if fleet is not None:
             fleet.start()  # the servers start once the weight store has a version
             stack.callback(fleet.stop)
@@ -240,6 +305,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         if producer is not None:
             producer.start()
             stack.callback(producer.stop)
+        stack.callback(stop_step_processes, services)  # first, before the services the steps talk to
         live = (
             stack.enter_context(Live(progress.render(), console=console, refresh_per_second=2)) if interactive else None
         )

@@ -2,11 +2,15 @@
 waiting for it at once, with the service's own last error line; SIGTERM or SIGINT to `rlpipe run`
 stops every process the run started and leaves it resumable."""
 
+import json
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlpipe.services.local_servers import STARTUP_ATTEMPTS, LocalServers, last_error_line
 from rlpipe.spec import parse_spec
@@ -91,3 +95,76 @@ def test_a_service_that_served_before_is_restarted_not_failed(tmp_path: Path):
         assert servers.replicas[0].restarts > STARTUP_ATTEMPTS and servers.replicas[0].state != "failed"
     finally:
         servers.stop()
+
+
+def _run_processes(driver: int, run_dir: Path) -> dict[int, float]:
+    """{pid: start time} of what the run started: the driver's descendants, and any process naming the run dir."""
+    import psutil
+
+    found = {p.pid: p.create_time() for p in psutil.Process(driver).children(recursive=True)}
+    for process in psutil.process_iter(["cmdline", "create_time"]):
+        if process.pid != driver and str(run_dir) in " ".join(process.info["cmdline"] or []):
+            found[process.pid] = process.info["create_time"]
+    return found
+
+
+def _alive(processes: dict[int, float]) -> list[str]:
+    import psutil
+
+    alive = []
+    for pid, created in processes.items():
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == created and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {' '.join(process.cmdline())[:200]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize(
+    ("signum", "max_staleness"),
+    [
+        (signal.SIGTERM, 0),  # the resident trainer and the running step
+        pytest.param(signal.SIGINT, 1, marks=pytest.mark.slow),  # the trainer, the rollout producer and the step
+    ],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
+    tmp_path: Path, signum: int, max_staleness: int
+):
+    loop = {"iterations": 3, "iterations_per_run": 3, "eval_every": 3, "max_staleness": max_staleness}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, loop=loop, trainer={"resident": True})))
+    run_dir = tmp_path / "run"
+    log = run_dir / "logs" / "kfp-local.log"
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    marker = "Executing task \x1b[96m'update-2'"  # the second iteration's update: a thin client mid-request
+    while time.monotonic() < deadline and driver.poll() is None:
+        if log.exists() and marker in log.read_text(errors="replace"):
+            break
+        time.sleep(0.05)
+    assert driver.poll() is None, "the run finished before the signal could land"
+    started = _run_processes(driver.pid, run_dir)
+    assert any("executor_main" in line for line in _alive(started)), "no KFP step was running"
+    assert any("trainer_service" in line for line in _alive(started))
+    if max_staleness:
+        assert any("rollout_producer" in line for line in _alive(started))
+
+    sent = time.monotonic()
+    driver.send_signal(signum)  # the driver alone, as a supervisor or `kill PID` does
+    out, err = driver.communicate(timeout=60)
+    stopped_in = time.monotonic() - sent
+    assert driver.returncode == 128 + signum, out + err
+    assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in out + err, out + err
+    while _alive(started) and time.monotonic() - sent < 30:
+        time.sleep(0.2)
+    assert not _alive(started), f"left running after the driver ended: {_alive(started)}"
+    assert stopped_in < 30, f"the driver took {stopped_in:.1f} s to stop"
+
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["iteration"] == 3 and (run_dir / "weights" / "LATEST").read_text() == "v000003"
