@@ -168,3 +168,40 @@ def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
     assert result.returncode == 0, result.stdout + result.stderr
     state = json.loads((run_dir / "state.json").read_text())
     assert state["iteration"] == 3 and (run_dir / "weights" / "LATEST").read_text() == "v000003"
+
+
+SKIP_PREFLIGHT = """
+import sys
+import rlpipe.pipelines.local_run as local_run
+from rlpipe.pipelines.cli import main
+
+local_run.preflight = lambda *args, **kwargs: None  # as if the check had missed it
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_resident_trainer_that_cannot_start_fails_the_run_in_seconds(tmp_path: Path):
+    """The issue's hang: trainer.device cuda without a GPU, the warm start cached (as after any earlier
+    run of the model), so the first step that needs the device is the evaluate step's request to the
+    resident trainer, which crash-looped while the step waited. The pre-flight catches this case;
+    here it is bypassed, to show that the waiting step itself ends with the trainer's own error."""
+    from rlpipe.data import prepare_data
+    from rlpipe.training.warm_start import warm_start
+
+    data = tiny_spec_dict(tmp_path, trainer={"resident": True, "device": "cuda"})
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    on_cpu = parse_spec(data | {"trainer": {"resident": True, "device": "cpu"}})
+    prepare_data(on_cpu, str(tmp_path / "earlier"))
+    warm_start(on_cpu, str(tmp_path / "earlier"), on_cpu.cache_root)  # an earlier run cached v0
+
+    started = time.monotonic()
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-c", SKIP_PREFLIGHT, "run", str(spec), "--run-dir", str(run_dir)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "trainer.device is cuda but torch sees no GPU" in result.stderr and "trainer-0.log" in result.stderr
+    assert "Traceback" not in output, output
+    assert took < 60, f"took {took:.0f} s"
