@@ -5,6 +5,7 @@ a whole DPO run on KFP's local runner, and its compiled YAML."""
 
 import copy
 import dataclasses
+import json
 import math
 import random
 import subprocess
@@ -282,7 +283,8 @@ def test_compiled_dpo_yaml_parses_strictly(tmp_path: Path):
     assert len([name for name in spec.components if name.startswith("comp-rlpipe-dpo-iteration")]) == 5
     update = spec.components["comp-dpo-update"]
     assert not list(update.input_definitions.artifacts)  # weights and pairs stay in the run root
-    assert spec.root.input_definitions.parameters["spec"].default_value.struct_value["algorithm"]["name"] == "dpo"
+    embedded = json.loads(spec.root.input_definitions.parameters["spec"].default_value.string_value)
+    assert embedded["algorithm"]["name"] == "dpo"
     argo = subprocess.run(
         [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-dpo.yaml"),
          "-o", str(tmp_path / "argo.yaml"), "--target", "argo", "--run-root", "gs://bucket/runs/x"],
