@@ -5,12 +5,15 @@ accuracy at the warm start and after the run, wall time, completions generated, 
 algorithm is known by. Writes benchmarks/results/algorithms.{json,md}.
 
     python benchmarks/algorithms.py --seeds 2 --jobs 2
+    python benchmarks/algorithms.py --jobs 2 --smoke   # tiny sizes, 1 seed: every algorithm in ~a minute
 
-DAPO keeps 256 prompts per iteration out of at most 512 sampled (dynamic sampling, max_oversample 2),
-so it generates no more than the others. Each run is `rlpipe run examples/addition.yaml --set
-algorithm.name=... --set seed=S --run-dir runs/algorithms/<name>-seed<S>`; a complete run is read,
-not re-run, and an interrupted one resumes. Wall is the sum of the iterations' wall clocks
-(time/iteration_wall_s: generate to commit, without the warm start and evals), so it survives both.
+DAPO keeps half the spec's prompts per iteration (256) out of at most all of them sampled (dynamic
+sampling, max_oversample 2), so it generates no more than the others. Each run is `rlpipe run
+examples/addition.yaml --set algorithm.name=... --set seed=S --run-dir runs/algorithms/<name>-seed<S>`;
+a complete run is read, not re-run, and an interrupted one resumes. Wall is the sum of the iterations'
+wall clocks (time/iteration_wall_s: generate to commit, without the warm start and evals), so it
+survives both. `--smoke` runs at benchmarks/smoke.yaml's sizes (one seed unless --seeds says),
+with runs and results under runs/smoke/ unless --runs/--results-dir say.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ from pathlib import Path
 import yaml
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
+from rlpipe.spec import load_spec
+
 RESULTS = Path(__file__).with_name("results")
+SMOKE = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text())
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition.yaml"
 # algorithm -> its own settings (everything else is the demo's) and the metric it is known by
 ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
     "grpo": ({}, "policy/clip_fraction"),
     "dr_grpo": ({}, "rollout/completion_tokens_mean"),
-    "dapo": (
-        {"rollout.prompts_per_iteration": 256, "algorithm.max_oversample": 2.0},
-        "dynamic_sampling/zero_spread_dropped",
-    ),
+    "dapo": ({"algorithm.max_oversample": 2.0}, "dynamic_sampling/zero_spread_dropped"),  # + half the prompts
     "gspo": ({}, "policy/clip_fraction"),
     "rloo": ({}, "advantage/abs_mean"),
     "reinforce_pp": ({}, "advantage/abs_mean"),
@@ -44,16 +48,25 @@ ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
 }
 
 
-def run(name: str, seed: int, run_dir: Path) -> None:
+def settings_for(name: str, seed: int, base: dict) -> dict:
+    """The run's spec overrides: `base` (the smoke sizes, or none), the algorithm, the seed and the
+    algorithm's own settings; DAPO keeps half the spec's prompts per iteration."""
+    own = dict(ALGORITHMS[name][0])
+    if name == "dapo":
+        own["rollout.prompts_per_iteration"] = load_spec(SPEC, base).rollout.prompts_per_iteration // 2
+    return base | {"algorithm.name": name, "seed": seed} | own
+
+
+def run(name: str, seed: int, run_dir: Path, base: dict) -> None:
     """Run (or resume) the algorithm's run, unless it is complete."""
-    iterations = yaml.safe_load(SPEC.read_text())["loop"]["iterations"]
+    settings = settings_for(name, seed, base)
     state = run_dir / "state.json"
-    if state.exists() and json.loads(state.read_text()).get("iteration", 0) >= iterations:
+    done = json.loads(state.read_text()).get("iteration", 0) if state.exists() else 0
+    if done >= load_spec(SPEC, settings).loop.iterations:
         return
-    settings = {"algorithm.name": name, "seed": seed} | ALGORITHMS[name][0]
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(SPEC), "--run-dir", str(run_dir)]
     for key, value in settings.items():
-        command += ["--set", f"{key}={'null' if value is None else value}"]
+        command += ["--set", f"{key}={json.dumps(value)}"]
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as out:
@@ -62,19 +75,21 @@ def run(name: str, seed: int, run_dir: Path) -> None:
         )
 
 
-def result(name: str, seed: int, run_dir: Path) -> dict:
-    """What the run directory says: the eval curve, completions generated, the known-by metric's mean."""
+def result(name: str, seed: int, run_dir: Path, base: dict) -> dict:
+    """What the run directory says: the eval curve, completions generated, the known-by metric's mean
+    over the iterations that logged it (None if none did)."""
     evals = {
         int(path.stem.split("_")[1]): json.loads(path.read_text())["eval/accuracy_greedy"]
         for path in sorted((run_dir / "metrics").glob("eval_*.json"))
     }
     iterations = [json.loads(p.read_text()) for p in sorted((run_dir / "metrics").glob("iter_*.json"))][1:]
     metric = ALGORITHMS[name][1]
-    spec = yaml.safe_load(SPEC.read_text())
-    group = spec["rollout"]["samples_per_prompt"]
+    rollout = load_spec(SPEC, settings_for(name, seed, base)).rollout
     generated = sum(
-        m.get("dynamic_sampling/groups_sampled", spec["rollout"]["prompts_per_iteration"]) * group for m in iterations
+        m.get("dynamic_sampling/groups_sampled", rollout.prompts_per_iteration) * rollout.samples_per_prompt
+        for m in iterations
     )
+    logged = [m[metric] for m in iterations if metric in m]
     first, last = evals[min(evals)], evals[max(evals)]
     return {
         "algorithm": name,
@@ -83,33 +98,39 @@ def result(name: str, seed: int, run_dir: Path) -> dict:
         "gain_points": round(100 * (last - first), 1),
         "completions": int(generated),
         "known_by": metric,
-        "known_by_mean": sum(m.get(metric, 0.0) for m in iterations) / max(len(iterations), 1),
+        "known_by_mean": sum(logged) / len(logged) if logged else None,
         "wall_s": round(sum(m["time/iteration_wall_s"] for m in iterations)),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, help="default 2 (--smoke: 1)")
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses about one core)")
-    parser.add_argument("--runs", type=Path, default=Path("runs/algorithms"))
+    parser.add_argument("--runs", type=Path, help="default runs/algorithms (--smoke: runs/smoke)")
     parser.add_argument("--note", default="", help="a line for the results, e.g. what else shared the machine")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
-    # seeds side by side first: the two runs of a seed never warm-start into the cache at once
-    jobs = [
-        (name, seed, (args.runs / f"{name}-seed{seed}").resolve())
-        for name in args.algorithms
-        for seed in range(args.seeds)
-    ]
+    seeds = args.seeds or (1 if args.smoke else 2)
+    runs = args.runs or (SMOKE_ROOT / "algorithms" if args.smoke else Path("runs/algorithms"))
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
+    base = SMOKE | {"storage.cache": str(runs.resolve() / "cache")} if args.smoke else {}
+    jobs = [(name, seed, (runs / f"{name}-seed{seed}").resolve()) for name in args.algorithms for seed in range(seeds)]
+    # one run per seed first, then the rest: two runs never warm-start one seed into the cache at once
+    # (they would race on the same cache entry)
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda job: run(*job), jobs))
-    rows = [result(*job) for job in jobs]
+        list(pool.map(lambda job: run(*job, base), jobs[:seeds]))
+        list(pool.map(lambda job: run(*job, base), jobs[seeds:]))
+    rows = [result(*job, base) for job in jobs]
     machine = describe_machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    smoke = " --smoke" if args.smoke else ""
     lines = [
-        f"`python benchmarks/algorithms.py --seeds {args.seeds} --jobs {args.jobs}` on {machine}, commit {commit}; "
-        f"{args.jobs} run(s) at a time",
+        f"`python benchmarks/algorithms.py --seeds {seeds} --jobs {args.jobs}{smoke}` on {machine}, "
+        f"commit {commit}; {args.jobs} run(s) at a time",
         *([args.note] if args.note else []),
         "",
         "| algorithm | seed | held-out accuracy: warm start -> last | gain (points) | completions "
@@ -118,16 +139,17 @@ def main() -> None:
     ]
     for r in sorted(rows, key=lambda r: (list(ALGORITHMS).index(r["algorithm"]), r["seed"])):
         evals = r["evals"]
+        known_by = "not logged" if r["known_by_mean"] is None else f"{r['known_by_mean']:.3f}"
         lines.append(
             f"| {r['algorithm']} | {r['seed']} | {evals[min(evals)]:.3f} -> {evals[max(evals)]:.3f} | "
-            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {r['known_by_mean']:.3f} | "
+            f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {known_by} | "
             f"{r['wall_s']} s |"
         )
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "algorithms.md").write_text("\n".join(lines) + "\n")
-    record = {"machine": machine, "commit": commit, "note": args.note, "runs": rows}
-    (RESULTS / "algorithms.json").write_text(json.dumps(record, indent=2) + "\n")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "algorithms.md").write_text("\n".join(lines) + "\n")
+    record = {"machine": machine, "commit": commit, "note": args.note, "smoke": args.smoke, "runs": rows}
+    (results / "algorithms.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ asynchronous default); s=1 also without any correction (the clipped ratio to the
 policy), which shows why. Writes benchmarks/results/async.{json,md}.
 
     python benchmarks/async.py --seeds 3 --iterations 20
+    python benchmarks/async.py --smoke   # tiny sizes (benchmarks/smoke.yaml), 1 seed, 2 iterations
 
 Per run: wall per iteration (from the first iteration's commit to the last's, evals and pipeline-run
 boundaries included, so the first iteration's model loads are left out), samples/s, held-out greedy
 accuracy at each eval (equal samples across s), each engine's busy share of the wall (the trainer's
 update time; generation: the resident trainer's sampling time at s=0, the producer's busy time at
-s >= 1) and the staleness the iterations trained on. A complete run is read, not re-run.
+s >= 1) and the staleness the iterations trained on. A complete run is read, not re-run. `--smoke`
+puts runs and results under runs/smoke/ unless --runs/--results-dir say.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
+from rlpipe.spec import load_spec
+
 RESULTS = Path(__file__).with_name("results")
+SMOKE = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text())
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition.yaml"
 CONFIGS: dict[str, dict[str, object]] = {
     "s=0": {"loop.max_staleness": 0},
@@ -38,25 +45,26 @@ def run_dir_for(root: Path, config: str, seed: int) -> Path:
     return root / f"{config.replace('=', '').replace(' ', '-').lower()}-seed{seed}"
 
 
-def run(config: str, seed: int, iterations: int, run_dir: Path) -> None:
+def run(config: str, seed: int, iterations: int, run_dir: Path, base: dict) -> None:
+    """Run (or resume) the config's run with `base` (the smoke sizes, or none) under it, unless complete."""
     state = run_dir / "state.json"
     if state.exists() and json.loads(state.read_text()).get("iteration", 0) >= iterations:
         return
-    settings = CONFIGS[config] | {"seed": seed, "loop.iterations": iterations}
+    settings = base | CONFIGS[config] | {"seed": seed, "loop.iterations": iterations}
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(SPEC), "--run-dir", str(run_dir)]
     for key, value in settings.items():
-        command += ["--set", f"{key}={value}"]
+        command += ["--set", f"{key}={json.dumps(value)}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with run_dir.with_suffix(".log").open("a") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True)
 
 
-def result(config: str, seed: int, iterations: int, run_dir: Path) -> dict:
+def result(config: str, seed: int, iterations: int, run_dir: Path, samples: int) -> dict:
+    """The run's figures; `samples`: completions per iteration."""
     metrics_dir = run_dir / "metrics"
     per_iteration = [json.loads((metrics_dir / f"iter_{i:06d}.json").read_text()) for i in range(1, iterations + 1)]
     committed = [(metrics_dir / f"iter_{i:06d}.json").stat().st_mtime for i in range(1, iterations + 1)]
     wall = (committed[-1] - committed[0]) / (iterations - 1)
-    samples = 4096  # rollout.prompts_per_iteration x samples_per_prompt, every iteration
     later = per_iteration[1:]
     update = statistics.mean(m["time/update_s"] for m in later)
     if CONFIGS[config]["loop.max_staleness"]:
@@ -83,21 +91,30 @@ def result(config: str, seed: int, iterations: int, run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=20)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, help="default 3 (--smoke: 1)")
+    parser.add_argument("--iterations", type=int, help="default 20 (--smoke: 2)")
     parser.add_argument("--uncorrected-seeds", type=int, default=1, help="seeds of the s=1 run without a correction")
-    parser.add_argument("--runs", default="runs/async")
+    parser.add_argument("--runs", type=Path, help="default runs/async (--smoke: runs/smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
-    root = Path(args.runs).resolve()
-    plan = [(c, s) for s in range(args.seeds) for c in ("s=0", "s=1", "s=2")]
+    seeds = args.seeds or (1 if args.smoke else 3)
+    iterations = args.iterations or (2 if args.smoke else 20)
+    root = (args.runs or (SMOKE_ROOT / "async" if args.smoke else Path("runs/async"))).resolve()
+    results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
+    base = SMOKE | {"storage.cache": str(root / "cache")} if args.smoke else {}
+    spec = load_spec(SPEC, base)
+    samples = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
+    plan = [(c, s) for s in range(seeds) for c in ("s=0", "s=1", "s=2")]
     plan += [("s=1 no correction", s) for s in range(args.uncorrected_seeds)]
     results = []
     for config, seed in plan:
         run_dir = run_dir_for(root, config, seed)
         print(f"{config} seed {seed}: {run_dir}", flush=True)
-        run(config, seed, args.iterations, run_dir)
-        results.append(result(config, seed, args.iterations, run_dir))
+        run(config, seed, iterations, run_dir, base)
+        results.append(result(config, seed, iterations, run_dir, samples))
         print(json.dumps(results[-1]), flush=True)
 
     machine = describe_machine()
@@ -105,16 +122,18 @@ def main() -> None:
     for r in results:
         by_config.setdefault(r["config"], []).append(r)
     base = {r["seed"]: r for r in by_config["s=0"]}
+    smoke = " --smoke" if args.smoke else ""
     lines = [
-        f"# Asynchronous RL on the demo ({args.iterations} iterations x 4,096 completions, one run at a time)",
+        f"# Asynchronous RL on the demo ({iterations} iterations x {samples:,} completions, one run at a time)",
         "",
         f"machine: {machine}",
         "",
-        "Command: `python benchmarks/async.py --seeds 3 --iterations 20`. Samples/s ratio: against s=0 of the "
-        "same seed. Accuracy: held-out greedy, at the warm start and after every 5 iterations (equal samples).",
+        f"Command: `python benchmarks/async.py --seeds {seeds} --iterations {iterations}{smoke}`. Samples/s ratio: "
+        f"against s=0 of the same seed. Accuracy: held-out greedy, at the warm start and after every "
+        f"{spec.loop.eval_every} iterations (equal samples).",
         "",
         "| s | seed | wall/iteration | samples/s | vs s=0 | trainer busy | generation busy | staleness | "
-        "held-out accuracy (0, 5, 10, ...) |",
+        f"held-out accuracy (0, {spec.loop.eval_every}, {2 * spec.loop.eval_every}, ...) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -137,9 +156,10 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "async.md").write_text(text)
-    (RESULTS / "async.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "async.md").write_text(text)
+    record = {"machine": machine, "smoke": args.smoke, "results": results}
+    (results_dir / "async.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ benchmarks/results/dpo.{json,md}.
 
     python benchmarks/dpo.py --seeds 3 --jobs 2
     python benchmarks/dpo.py --seeds 3 --set algorithm.rpo_alpha=1.0 --name dpo_rpo   # a variant
+    python benchmarks/dpo.py --smoke                                                    # tiny sizes, 1 seed
 
 Each run is `rlpipe run examples/addition-dpo.yaml --set seed=S --run-dir runs/dpo/<name>-seed<S>`; a
-complete run is read, not re-run, and an interrupted one resumes.
+complete run is read, not re-run, and an interrupted one resumes. `--smoke` runs at
+benchmarks/smoke.yaml's sizes (one seed unless --seeds says) with a verifier the barely warm-started
+tiny model passes sometimes (a "1" anywhere, so there are pairs), runs and results under runs/smoke/
+unless --runs/--results-dir say.
 """
 
 from __future__ import annotations
@@ -27,13 +31,21 @@ from pathlib import Path
 import yaml
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
+from rlpipe.spec import load_spec
+
 RESULTS = Path(__file__).with_name("results")
+SMOKE = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text()) | {
+    "reward.verifier": {"type": "regex", "pattern": "1", "mode": "search"},
+    "preferences.eval_pairs": 8,
+}
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition-dpo.yaml"
 
 
 def run(seed: int, run_dir: Path, settings: list[str]) -> None:
-    """Run (or resume) one seed's run, unless it is complete."""
-    iterations = yaml.safe_load(SPEC.read_text())["loop"]["iterations"]
+    """Run (or resume) one seed's run, unless it is complete; `settings` are `--set` KEY=VALUE items."""
+    overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in settings)}
+    iterations = load_spec(SPEC, overrides).loop.iterations
     state = run_dir / "state.json"
     if state.exists() and json.loads(state.read_text()).get("iteration", 0) >= iterations:
         return
@@ -76,24 +88,31 @@ def result(name: str, seed: int, run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, help="default 3 (--smoke: 1)")
     parser.add_argument("--only", type=int, nargs="+", metavar="SEED", help="run just these seeds (of --seeds)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses about one core)")
-    parser.add_argument("--runs", type=Path, default=Path("runs/dpo"))
+    parser.add_argument("--runs", type=Path, help="default runs/dpo (--smoke: runs/smoke)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override for every run")
     parser.add_argument("--name", default="dpo", help="the variant's name (run directories, the results' rows)")
-    parser.add_argument("--results", default="dpo", help="results file stem under benchmarks/results/")
+    parser.add_argument("--results", default="dpo", help="results file stem (in --results-dir)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
-    seeds = args.only if args.only else range(args.seeds)
-    jobs = [(seed, (args.runs / f"{args.name}-seed{seed}").resolve()) for seed in seeds]
+    seeds = args.only or range(args.seeds or (1 if args.smoke else 3))
+    runs = args.runs or (SMOKE_ROOT / "dpo" if args.smoke else Path("runs/dpo"))
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
+    smoke = SMOKE | {"storage.cache": str(runs.resolve() / "cache")} if args.smoke else {}
+    settings = [f"{key}={json.dumps(value)}" for key, value in smoke.items()] + args.set
+    jobs = [(seed, (runs / f"{args.name}-seed{seed}").resolve()) for seed in seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda job: run(*job, args.set), jobs))
+        list(pool.map(lambda job: run(*job, settings), jobs))
     rows = [result(args.name, *job) for job in jobs]
     machine = describe_machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    settings = "".join(f" --set {s}" for s in args.set)
+    command = "".join(f" --set {s}" for s in args.set) + (" --smoke" if args.smoke else "")
     lines = [
-        f"`python benchmarks/dpo.py --seeds {args.seeds} --jobs {args.jobs}{settings}` on {machine}, commit {commit}; "
+        f"`python benchmarks/dpo.py --seeds {len(seeds)} --jobs {args.jobs}{command}` on {machine}, commit {commit}; "
         f"examples/addition-dpo.yaml, {args.jobs} run(s) at a time",
         "",
         "| variant | seed | pairs (train / held-out) | held-out greedy accuracy: warm start -> DPO | gain (points) "
@@ -109,10 +128,10 @@ def main() -> None:
             f"{r['eval_logprob_accuracy_v0']:.3f} -> {r['eval_logprob_accuracy']:.3f} | {r['wall_s']} s |"
         )
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.results}.md").write_text("\n".join(lines) + "\n")
-    record = {"machine": machine, "commit": commit, "settings": args.set, "runs": rows}
-    (RESULTS / f"{args.results}.json").write_text(json.dumps(record, indent=2) + "\n")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{args.results}.md").write_text("\n".join(lines) + "\n")
+    record = {"machine": machine, "commit": commit, "settings": args.set, "smoke": args.smoke, "runs": rows}
+    (results / f"{args.results}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                               # a GPU: Qwen2.5-0.5B and 1.5B shapes, bf16
     python benchmarks/gpu.py --device cpu --shapes small   # anywhere: a small shape on the CPU
+    python benchmarks/gpu.py --smoke                       # the CPU path at tiny batches: seconds
 
 Models are random-init Qwen2 configs of the real sizes (vocab 151,936); the batch is synthetic
 (prompt and completion tokens, advantages, sampling log-probs). Per shape, through rlpipe's own
@@ -17,8 +18,8 @@ functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.s
   - generation: torch-engine tokens/s, `--gen-rows` rows of `--new-tokens` (LoRA samples merged, so
     its generation is the full model's: measured once per shape);
   - the iteration's compute: generate + update wall.
-Writes benchmarks/results/gpu_<device>.{json,md}. A whole iteration through the step functions, with
-weight sync, is benchmarks/iteration_at_scale.py.
+Writes benchmarks/results/gpu_<device>.{json,md} (--smoke: under runs/smoke/ unless --results-dir
+says). A whole iteration through the step functions, with weight sync, is benchmarks/iteration_at_scale.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
 RESULTS = Path(__file__).with_name("results")
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
@@ -202,11 +204,14 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
     parser.add_argument("--gen-rows", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true", help="the CPU path at tiny batches (any --device): seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
+    results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
     from rlpipe.modeling import configure_torch, resolve_device
 
-    device = resolve_device(args.device)
+    device = resolve_device("cpu" if args.smoke else args.device)
     gpu = device.type == "cuda"
     defaults = {  # a GPU: RL-sized batches; a CPU: small enough for minutes
         "shapes": ["qwen2.5-0.5b", "qwen2.5-1.5b"] if gpu else ["small"],
@@ -218,6 +223,8 @@ def main() -> None:
         "gen_rows": 256 if gpu else 16,
         "new_tokens": 128 if gpu else 16,
     }
+    if args.smoke:
+        defaults |= {"rows_per_step": 4, "prompt_tokens": 16, "completion_tokens": 16, "gen_rows": 4, "new_tokens": 4}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -235,7 +242,8 @@ def main() -> None:
     machine = describe_machine()
     settings = {k: getattr(args, k) for k in [*defaults, "lora_rank"]}
     lines = [
-        f"`python benchmarks/gpu.py --device {args.device}` on {machine}; torch {torch.__version__}; {settings}",
+        f"`python benchmarks/gpu.py --device {args.device}{' --smoke' if args.smoke else ''}` on {machine}; "
+        f"torch {torch.__version__}; {settings}",
         "",
         "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
         "| generation tokens/s | generate + update |",
@@ -256,10 +264,16 @@ def main() -> None:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"gpu_{device.type}.md").write_text("\n".join(lines) + "\n")
-    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
-    (RESULTS / f"gpu_{device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"gpu_{device.type}.md").write_text("\n".join(lines) + "\n")
+    record = {
+        "machine": machine,
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "settings": settings,
+        "results": results,
+    }
+    (results_dir / f"gpu_{device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The same step functions as the pipeline, called in one process: the no-orchestration baseline.
 
     python benchmarks/in_process_loop.py examples/addition.yaml --run-dir /tmp/inproc [--set trainer.mini_batches=4]
+    python benchmarks/in_process_loop.py examples/addition.yaml --smoke   # tiny sizes: seconds
 
 Prints per-iteration step times and eval accuracy; the gap to `rlpipe run` is orchestration.
+`--smoke` runs the spec at benchmarks/smoke.yaml's sizes (--set still applies on top), with the
+warm-start cache in the run directory.
 """
 
 from __future__ import annotations
@@ -23,15 +26,20 @@ def main() -> None:
     parser.add_argument("spec")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--set", action="append", default=[], help="dotted.key=value (YAML value)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
     args = parser.parse_args()
 
     from rlpipe import loop
     from rlpipe.spec import load_spec
 
+    run_root = str(Path(args.run_dir or tempfile.mkdtemp(prefix="rlpipe-inproc-")).resolve())
+    smoke = {}
+    if args.smoke:  # its warm-start cache in the run directory, not in the demo's runs/.cache
+        smoke = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text())
+        smoke["storage.cache"] = f"{run_root}/cache"
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     # every step function in this process: the resident trainer is this process
-    spec = load_spec(args.spec, {"trainer.resident": False} | overrides)
-    run_root = str(Path(args.run_dir or tempfile.mkdtemp(prefix="rlpipe-inproc-")).resolve())
+    spec = load_spec(args.spec, smoke | {"trainer.resident": False} | overrides)
     cache = spec.cache_root
     work = Path(run_root) / "work"
     work.mkdir(parents=True, exist_ok=True)

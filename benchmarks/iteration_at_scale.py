@@ -4,6 +4,7 @@
 
     python benchmarks/iteration_at_scale.py                        # this CPU: Qwen2.5-0.5B shape, fp32
     python benchmarks/iteration_at_scale.py --device cuda --shapes qwen2.5-0.5b qwen2.5-1.5b --modes full lora
+    python benchmarks/iteration_at_scale.py --smoke --modes full lora   # the CPU path, small shape: seconds
 
 Each (shape, mode) runs in its own process, so its peak memory is its own: on CPU the process's peak
 RSS (VmHWM, everything: model, optimizer, activations, KV cache, Python), on a GPU
@@ -17,7 +18,8 @@ and `--micro-batch-tokens 0` show the difference.
 Random-init weights of the real shape and a word-level tokenizer over the shape's whole vocabulary
 (w0 ... wN), so every sampled id decodes; prompts are random words. The reward is a stand-in (a coin
 flip keyed by the completion's text) so that GRPO's advantages are not all zero: these figures
-measure time and memory, not learning.
+measure time and memory, not learning. `--smoke` runs the CPU path (any --device) with the small shape
+and a tiny iteration, and writes under runs/smoke/ unless --results-dir says.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("results")
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (as benchmarks/gpu.py)
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
@@ -235,7 +238,7 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default qwen2.5-0.5b (--smoke: small)")
     parser.add_argument("--modes", nargs="+", default=["full"], choices=["full", "lora"])
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -250,6 +253,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--work-dir", default=None, help="where model, run root and cache go (temp by default)")
     parser.add_argument("--tag", default=None, help="results file suffix (default: the device)")
+    parser.add_argument("--smoke", action="store_true", help="the CPU path, small shape, tiny iteration: seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     parser.add_argument("--shape", help=argparse.SUPPRESS)  # set for the per-run child process
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -260,6 +265,10 @@ def main() -> None:
 
     import torch
 
+    if args.smoke:
+        args.device = "cpu"
+        args.threads = 1
+    args.shapes = args.shapes or (["small"] if args.smoke else ["qwen2.5-0.5b"])
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     defaults = {  # a GPU: an RL-sized iteration; this CPU: the smallest one that is still a real iteration
         "dtype": "bfloat16" if gpu else "float32",
@@ -270,6 +279,15 @@ def main() -> None:
         "generate_batch": 512 if gpu else 32,
         "micro_batch_tokens": 16384 if gpu else 1024,
     }
+    if args.smoke:
+        defaults |= {
+            "prompts": 2,
+            "samples": 2,
+            "prompt_tokens": 8,
+            "new_tokens": 8,
+            "generate_batch": 4,
+            "micro_batch_tokens": 16,
+        }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -297,15 +315,22 @@ def main() -> None:
 
     machine = describe_machine()
     command = f"python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} " + (
-        f"--modes {' '.join(args.modes)}"
+        f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "")
     )
-    record = {"machine": machine, "torch": torch.__version__, "settings": settings, "results": results}
+    record = {
+        "machine": machine,
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "settings": settings,
+        "results": results,
+    }
     headline = f"`{command}` on {machine}; torch {torch.__version__}; {settings}"
-    print(write_results(args.tag or ("cuda" if gpu else "cpu"), headline, record))
+    results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    print(write_results(results_dir, args.tag or ("cuda" if gpu else "cpu"), headline, record))
 
 
-def write_results(tag: str, headline: str, record: dict) -> str:
-    """benchmarks/results/iteration_at_scale_<tag>.{md,json}; returns the markdown."""
+def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> str:
+    """<results_dir>/iteration_at_scale_<tag>.{md,json}; returns the markdown."""
     lines = [
         headline,
         "",
@@ -327,9 +352,9 @@ def write_results(tag: str, headline: str, record: dict) -> str:
             f"{r['swap_in_sampler_s']:.2f} s",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"iteration_at_scale_{tag}.json").write_text(
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
+    (results_dir / f"iteration_at_scale_{tag}.json").write_text(
         json.dumps(record | {"headline": headline}, indent=2) + "\n"
     )
     return "\n".join(lines)

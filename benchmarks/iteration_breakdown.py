@@ -1,6 +1,7 @@
 """Where an iteration's wall time goes under `rlpipe run`: step compute vs orchestration.
 
     python benchmarks/iteration_breakdown.py RUN_DIR [--imports 3] [--before OLDER_RUN_DIR]
+    python benchmarks/iteration_breakdown.py RUN_DIR --smoke --results-dir /tmp/out   # 1 repeat, seconds
 
 Per step, averaged over the run's iterations: the task's wall time as the KFP local runner
 logged it (RUN_DIR/logs/kfp-local.log), and inside it the imports, model load and compute
@@ -8,7 +9,9 @@ the step itself measured (RUN_DIR/metrics/iter_*.json); the rest is interpreter 
 and the KFP executor. Then measures,
 side by side in fresh processes, what a torch step pays to import torch + transformers with
 scikit-learn/scipy visible (as installed by MLflow) vs hidden (rlpipe.modeling's guard).
-Writes benchmarks/results/iteration_breakdown.{json,md}.
+Writes benchmarks/results/iteration_breakdown.{json,md}. `--smoke` measures each side-by-side
+figure once and writes under runs/smoke/ unless --results-dir says (RUN_DIR: any `rlpipe run`, e.g.
+a `benchmarks/demo_seeds.py --smoke` one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from rlpipe.steps import ITERATION_STEPS as STEPS
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 
 
 def task_walls(log_path: Path) -> dict[str, list[float]]:
@@ -149,7 +153,12 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--imports", type=int, default=3, help="repeats of each side-by-side measurement")
     parser.add_argument("--before", type=Path, help="a run of the same spec with older code, to compare with")
+    parser.add_argument("--smoke", action="store_true", help="one repeat of each measurement (--imports 1)")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
+    if args.smoke:
+        args.imports = 1
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
     table = average_breakdown(args.run_dir)
     visible = import_seconds(False, args.imports)
@@ -209,8 +218,8 @@ def main() -> None:
     ]
     report = "\n".join(lines)
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "iteration_breakdown.md").write_text(report + "\n")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "iteration_breakdown.md").write_text(report + "\n")
     payload = {
         "machine": describe_machine(),
         "breakdown": table,
@@ -220,7 +229,7 @@ def main() -> None:
         "cold_update_default_malloc_s": default_s,
         "cold_update_tuned_malloc_s": tuned_s,
     }
-    (RESULTS / "iteration_breakdown.json").write_text(json.dumps(payload, indent=2))
+    (results / "iteration_breakdown.json").write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

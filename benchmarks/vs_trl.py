@@ -3,6 +3,7 @@
     pip install -e ".[local,bench]"
     python benchmarks/vs_trl.py --quick          # 1 seed, short runs (<= 10 min here)
     python benchmarks/vs_trl.py --seeds 3        # the claim: 3 seeds per system
+    python benchmarks/vs_trl.py --smoke          # tiny sizes (benchmarks/smoke.yaml), 1 seed: about a minute
 
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
 character tokenizer, the same addition data (rlpipe's prepare step), the same reward
@@ -16,7 +17,9 @@ Each system runs in its own process, alternately, seed by seed; held-out greedy
 accuracy (the same 500 problems, the same evaluator) is measured during training and its cost
 is taken off both clocks.
 
-Writes benchmarks/results/vs_trl.{json,md}.
+Writes benchmarks/results/vs_trl.{json,md} (--quick: vs_trl_quick; --smoke: vs_trl_smoke under
+runs/smoke/ unless --results-dir says). The batch sizes above are the demo's; with --smoke every
+count scales with the spec's completions per iteration (prompts x samples) and mini-batches.
 """
 
 from __future__ import annotations
@@ -32,17 +35,21 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+SMOKE = yaml.safe_load((REPO / "benchmarks" / "smoke.yaml").read_text())
+SMOKE_ROOT = REPO / "runs" / "smoke"
 # rlpipe's settings besides the demo spec. colocated: the resident trainer also samples (torch
 # engine), as TRL does; samplers: vLLM sampler service + resident trainer; per-step: every step
 # in a fresh process (the demo's default).
 RLPIPE_SETTINGS = {
-    "colocated": {"rollout.engine": "torch", "trainer.resident": "true"},
-    "samplers": {"rollout.engine": "sampler", "trainer.resident": "true"},
-    "per-step": {"rollout.engine": "torch", "trainer.resident": "false"},
+    "colocated": {"rollout.engine": "torch", "trainer.resident": True},
+    "samplers": {"rollout.engine": "sampler", "trainer.resident": True},
+    "per-step": {"rollout.engine": "torch", "trainer.resident": False},
 }
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
@@ -97,9 +104,9 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlpipe.data.addition import exact_match
     from rlpipe.evaluation import greedy_accuracy
     from rlpipe.modeling import load_tokenizer
+    from rlpipe.rewards.verifiers import exact_match
 
     torch.set_num_threads(1)
     run_root, model_dir = args.run_root, args.model_dir
@@ -121,7 +128,7 @@ def run_trl(args: argparse.Namespace) -> None:
             if state.global_step % args.trl_eval_every and state.global_step < args.trl_steps:
                 return
             t = time.time()
-            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, 5, 4096)
+            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
             HeldOut.eval_s += time.time() - t
             curve.append(
                 {"samples": state.global_step * per_step, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
@@ -135,7 +142,7 @@ def run_trl(args: argparse.Namespace) -> None:
         seed=args.seed,
         per_device_train_batch_size=per_step,  # completions per optimizer step
         steps_per_generation=args.trl_steps_per_generation,
-        num_generations=8,
+        num_generations=args.trl_generations,
         learning_rate=5e-4,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
@@ -144,7 +151,7 @@ def run_trl(args: argparse.Namespace) -> None:
         epsilon=0.2,
         loss_type="grpo",
         scale_rewards="group",
-        max_completion_length=5,
+        max_completion_length=args.trl_new_tokens,
         temperature=1.0,
         top_k=0,
         max_steps=args.trl_steps,
@@ -161,7 +168,8 @@ def run_trl(args: argparse.Namespace) -> None:
         callbacks=[HeldOut()],
     )
     t = time.time()
-    curve.append({"samples": 0, "acc": greedy_accuracy(model, tokenizer, held_out, VERIFIER, 5, 4096)})
+    accuracy = greedy_accuracy(model, tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
+    curve.append({"samples": 0, "acc": accuracy})
     HeldOut.eval_s = time.time() - t
     trainer.train()
     finished = time.time()
@@ -178,19 +186,26 @@ def run_trl(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
-# TRL's batch structures: (completions per optimizer step, optimizer steps per generation)
-TRL_BATCHES = {"trl": (512, 1), "trl_same_batch": (1024, 4)}
+def trl_batches(spec) -> dict[str, tuple[int, int]]:
+    """TRL's batch structures, (completions per optimizer step, optimizer steps per generation): `trl`
+    an eighth of rlpipe's iteration per step (the demo: 64 prompts x 8), generating every step;
+    `trl_same_batch` rlpipe's (the demo: 4 steps of 1024 per generation of 512 prompts x 8)."""
+    per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
+    mini_batches = spec.trainer.mini_batches
+    return {"trl": (per_iteration // 8, 1), "trl_same_batch": (per_iteration // mini_batches, mini_batches)}
 
 
-def trl_once(system: str, seed: int, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
-    """TRL on `samples` completions, evaluated every 4096 (as rlpipe: one iteration)."""
-    per_step, per_generation = TRL_BATCHES[system]
-    steps, eval_every = samples // per_step, 4096 // per_step
+def trl_once(system: str, seed: int, spec, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
+    """TRL on `samples` completions, evaluated every rlpipe iteration's worth (the demo: 4096)."""
+    per_step, per_generation = trl_batches(spec)[system]
+    per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
+    steps, eval_every = samples // per_step, per_iteration // per_step
     out = work / f"{system}-seed{seed}.json"
     command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
     command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
     command += ["--trl-per-step", str(per_step), "--trl-steps-per-generation", str(per_generation)]
-    command += ["--out", str(out)]
+    command += ["--trl-generations", str(spec.rollout.samples_per_prompt)]
+    command += ["--trl-new-tokens", str(spec.rollout.max_new_tokens), "--out", str(out)]
     launched = time.time()  # both clocks start when the system's first process starts
     peak = run_measured(command, env={**os.environ, **THREADS_ENV})
     result = json.loads(out.read_text())
@@ -218,9 +233,10 @@ def evaluate_intervals(log_path: Path, day_start: float) -> list[tuple[float, fl
     return intervals
 
 
-def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path) -> dict:
+def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, work: Path) -> dict:
     """`rlpipe run` of the demo spec (warm start cached), evaluating every iteration; the curve from
-    its eval metrics files, with every evaluate task's wall time taken off the clock."""
+    its eval metrics files, with every evaluate task's wall time taken off the clock. `per_iteration`:
+    completions per iteration (the demo: 4096)."""
     run_dir = work / f"rlpipe-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
     command = [
@@ -233,13 +249,13 @@ def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path
     ]
     command += [str(run_dir), "--iterations", str(iterations)]
     for key, value in {
+        **settings,
         "seed": seed,
         "storage.cache": str(work / "cache"),
         "loop.eval_every": 1,
         "loop.iterations_per_run": min(5, iterations),
-        **settings,
     }.items():
-        command += ["--set", f"{key}={value}"]
+        command += ["--set", f"{key}={json.dumps(value)}"]
     started = time.time()
     peak = run_measured(command, cwd=REPO)
     wall = time.time() - started
@@ -255,16 +271,16 @@ def rlpipe_once(seed: int, iterations: int, settings: dict[str, str], work: Path
     }
     iters = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/iter_*.json"))[1:]]
     curve = [
-        {"samples": i * 4096, "wall_s": mtime - started - eval_s_before(mtime), "acc": m[EVAL_ACCURACY]}
+        {"samples": i * per_iteration, "wall_s": mtime - started - eval_s_before(mtime), "acc": m[EVAL_ACCURACY]}
         for i, (m, mtime) in sorted(evals.items())
     ]
     curve[0]["wall_s"] = 0.0  # v0's accuracy: before any training
     return {
         "curve": curve,
         "train_wall_s": wall - eval_s_before(time.time()),
-        "samples": 4096 * iterations,
-        "completion_tokens": sum(m["rollout/completion_tokens_mean"] * 4096 for m in iters),
-        "prompt_tokens": 7 * 4096 * iterations,
+        "samples": per_iteration * iterations,
+        "completion_tokens": sum(m["rollout/completion_tokens_mean"] * per_iteration for m in iters),
+        "prompt_tokens": 7 * per_iteration * iterations,
         "generate_s": sum(m["time/generate_s"] for m in iters),
         "update_s": sum(m["time/update_s"] for m in iters),
         "orchestration_s_per_iteration": statistics.fmean(m[ITERATION_OVERHEAD] for m in iters),
@@ -291,6 +307,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
+    parser.add_argument("--smoke", action="store_true", help="1 seed at tiny sizes (benchmarks/smoke.yaml): ~a minute")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--target", type=float, default=None, help="held-out greedy accuracy to reach (absolute)")
     parser.add_argument(
@@ -299,8 +316,10 @@ def main() -> None:
         default=None,
         help="target = the warm-started model's accuracy + gain (default 0.15 with --quick, else 0.25)",
     )
-    parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench-vs-trl")
+    parser.add_argument("--work", type=Path, help="scratch and runs (default runs/bench-vs-trl; --smoke: runs/smoke)")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     parser.add_argument("--device", choices=["cpu"], default="cpu", help="cuda: not built yet (no GPU lent)")
+    parser.add_argument("--note", default="", help="a line for the results, e.g. what else shared the machine")
     parser.add_argument(
         "--rlpipe",
         choices=sorted(RLPIPE_SETTINGS),
@@ -316,6 +335,8 @@ def main() -> None:
     parser.add_argument("--trl-eval-every", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trl-per-step", type=int, default=512, help=argparse.SUPPRESS)
     parser.add_argument("--trl-steps-per-generation", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-generations", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-new-tokens", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_trl:
         from rlpipe.optional_imports import hide_vision_and_audio
@@ -324,34 +345,40 @@ def main() -> None:
         return run_trl(args)
 
     os.environ.update(THREADS_ENV)
-    seeds = 1 if args.quick else args.seeds
-    # equal granularity: both evaluate every 4096 completions (1 rlpipe iteration, 8 TRL steps)
-    rl_iterations = 8 if args.quick else 25
-    trl_samples = 4096 * (12 if args.quick else 37)  # TRL 64x8 learns slower per sample: run it ~1.5x longer
+    length = "smoke" if args.smoke else "quick" if args.quick else "full"
+    seeds = args.seeds if length == "full" else 1
+    # rlpipe's iterations, and TRL's in iterations' worth of completions: `trl` (an eighth of an
+    # iteration per step) learns slower per sample, so it runs ~1.5x longer
+    rl_iterations, trl_iterations = {"full": (25, 37), "quick": (8, 12), "smoke": (2, 3)}[length]
+    work = args.work or (SMOKE_ROOT / "vs-trl" if args.smoke else REPO / "runs" / "bench-vs-trl")
+    sizes = SMOKE if args.smoke else {}
+    spec = demo_spec(0, work, sizes)
+    # equal granularity: both evaluate every rlpipe iteration (the demo: 4096 completions, 8 TRL steps)
+    per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
         from rlpipe.preflight import check_installed
 
-        check_installed(demo_spec(0, args.work, {"rollout.engine": "sampler"}))
-    args.work.mkdir(parents=True, exist_ok=True)
+        check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}))
+    work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     runs: dict[str, list[dict]] = {"rlpipe": [], "trl": [], "trl_same_batch": []}
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL
     # run only (prompt order, sampling, mini-batch shuffle), so the systems differ only in training.
-    run_root, model_dir = prepare_reference(demo_spec(0, args.work), args.work)
+    run_root, model_dir = prepare_reference(spec, work)
     shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "data.seed": 0}
     for seed in range(seeds):
-        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, settings | shared, args.work))
-        for system in TRL_BATCHES:
-            samples = trl_samples if system == "trl" else 4096 * rl_iterations
-            runs[system].append(trl_once(system, seed, run_root, model_dir, samples, args.work))
+        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, sizes | settings | shared, per_iteration, work))
+        for system in ("trl", "trl_same_batch"):
+            samples = per_iteration * (trl_iterations if system == "trl" else rl_iterations)
+            runs[system].append(trl_once(system, seed, spec, run_root, model_dir, samples, work))
     duration = time.time() - started
 
     budget = min(min(r["samples"] for r in runs[s]) for s in runs)
     # every system starts from the same warm-started model, whose accuracy (about
     # model.warm_start.target_accuracy) sets the bar: a fixed target would measure the warm start
     start_accuracy = runs["rlpipe"][0]["curve"][0]["acc"]
-    gain = args.gain if args.gain is not None else (0.15 if args.quick else 0.25)
+    gain = args.gain if args.gain is not None else (0.25 if length == "full" else 0.15)
     target = args.target if args.target is not None else round(start_accuracy + gain, 3)
     target_note = "" if args.target is not None else f" (the warm-started model's {start_accuracy:.3f} + {gain})"
     summary: dict[str, dict[str, float | None]] = {}
@@ -382,17 +409,23 @@ def main() -> None:
     import torch
     import trl
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    prompts, group = spec.rollout.prompts_per_iteration, spec.rollout.samples_per_prompt
+    (trl_step, _), (same_step, same_steps) = trl_batches(spec).values()
     lines = [
-        "# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py" + (" --quick)" if args.quick else ")"),
+        f"# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py{'' if length == 'full' else ' --' + length})",
         "",
         f"machine: {describe_machine()}, 1 torch thread; torch {torch.__version__}, trl {trl.__version__}; "
-        f"{seeds} seed(s); date {time.strftime('%Y-%m-%d')}; benchmark wall {duration:.0f} s",
+        f"commit {commit.stdout.strip()}; {seeds} seed(s); date {time.strftime('%Y-%m-%d')}; "
+        f"benchmark wall {duration:.0f} s",
+        *(["", args.note] if args.note else []),
+        *(["", "--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more"] if args.smoke else []),
         "",
         "rlpipe: `rlpipe run examples/addition.yaml` on kfp.local with "
-        + ", ".join(f"{k}={v}" for k, v in settings.items())
-        + " (512 prompts x 8 per iteration, 4 mini-batches); TRL: GRPOTrainer, 64 prompts x 8 per step; "
-        "TRL same batch: GRPOTrainer with rlpipe's batch structure (1024 completions per step, 4 steps per "
-        "generation of 512 prompts x 8). "
+        + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
+        + f" ({prompts} prompts x {group} per iteration, {spec.trainer.mini_batches} mini-batches); TRL: GRPOTrainer, "
+        f"{trl_step // group} prompts x {group} per step; TRL same batch: GRPOTrainer with rlpipe's batch structure "
+        f"({same_step} completions per step, {same_steps} steps per generation of {prompts} prompts x {group}). "
         "Every seed starts from the same warm-started model and data (seed 0's); seeds vary the RL run. "
         "Clocks start when each system's first process starts.",
         "",
@@ -439,15 +472,13 @@ def main() -> None:
         lines.append(f"| {samples} | {' | '.join(cells)} |")
     report = "\n".join(lines)
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    name = "vs_trl_quick" if args.quick else "vs_trl"
-    (RESULTS / f"{name}.md").write_text(report + "\n")
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps(
-            {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings},
-            indent=2,
-        )
-    )
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    name = {"full": "vs_trl", "quick": "vs_trl_quick", "smoke": "vs_trl_smoke"}[length]
+    (results / f"{name}.md").write_text(report + "\n")
+    record = {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings}
+    record |= {"note": args.note, "commit": commit.stdout.strip()}
+    (results / f"{name}.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
