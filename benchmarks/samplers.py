@@ -36,6 +36,8 @@ from pathlib import Path
 
 import yaml
 
+from rlpipe.spec import RunSpec, load_spec
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SMOKE = yaml.safe_load((REPO / "benchmarks" / "smoke.yaml").read_text())
@@ -51,9 +53,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 VARIANTS = {"torch": ("torch", 2), "vllm": ("vllm", 2), "sampler x1": ("sampler", 1), "sampler x2": ("sampler", 2)}
 
 
-def demo_spec(overrides: dict):
-    from rlpipe.spec import load_spec
-
+def demo_spec(overrides: dict) -> RunSpec:
     return load_spec(REPO / "examples" / "addition.yaml", overrides)
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
+from rlpipe.spec import RunSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -71,14 +72,12 @@ def run_measured(command: list[str], **kwargs) -> float:
     return int(result.stderr.strip().splitlines()[-1]) / 1e6
 
 
-def demo_spec(seed: int, work: Path, overrides: dict | None = None):
-    from rlpipe.spec import load_spec
-
+def demo_spec(seed: int, work: Path, overrides: dict | None = None) -> RunSpec:
     base = {"seed": seed, "storage.root": str(work / "runs"), "storage.cache": str(work / "cache")}
     return load_spec(REPO / "examples" / "addition.yaml", base | (overrides or {}))
 
 
-def prepare_reference(spec, work: Path) -> tuple[str, str]:
+def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
     """Data and the warm-started v0 that both systems start from: (run root, v0 directory)."""
     from rlpipe.data import prepare_data
     from rlpipe.store.commit import sync_weights
@@ -186,7 +185,7 @@ def run_trl(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
-def trl_batches(spec) -> dict[str, tuple[int, int]]:
+def trl_batches(spec: RunSpec) -> dict[str, tuple[int, int]]:
     """TRL's batch structures, (completions per optimizer step, optimizer steps per generation): `trl`
     an eighth of rlpipe's iteration per step (the demo: 64 prompts x 8), generating every step;
     `trl_same_batch` rlpipe's (the demo: 4 steps of 1024 per generation of 512 prompts x 8)."""
@@ -195,7 +194,7 @@ def trl_batches(spec) -> dict[str, tuple[int, int]]:
     return {"trl": (per_iteration // 8, 1), "trl_same_batch": (per_iteration // mini_batches, mini_batches)}
 
 
-def trl_once(system: str, seed: int, spec, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
+def trl_once(system: str, seed: int, spec: RunSpec, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
     """TRL on `samples` completions, evaluated every rlpipe iteration's worth (the demo: 4096)."""
     per_step, per_generation = trl_batches(spec)[system]
     per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
