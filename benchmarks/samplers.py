@@ -155,7 +155,7 @@ def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_si
     fleet.start()
     try:
         t = time.time()
-        wait_ready(fleet.urls, 900, str(fleet.fleet_file))
+        wait_ready(fleet.urls, 900, fleet.run_root)
         start_s = time.time() - t
         rows = [publish_and_reload(run_root, models[v % 2], fleet.urls[0], v) for v in range(1, repeats + 1)]
     finally:
@@ -223,7 +223,7 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     fleet = LocalFleet(parse_spec({"name": "gen", "samplers": {"replicas": 2}}), str(run_root))
     fleet.start()
     try:
-        wait_ready(fleet.urls, 900, str(fleet.fleet_file))
+        wait_ready(fleet.urls, 900, fleet.run_root)
         sync_replicas(fleet.urls, str(model_dir), 0, 120)  # label them v0
         fleets = {"service_1_replica": fleet.urls[:1], "service_2_replicas": fleet.urls}
         samples = spec.rollout.samples_per_prompt
