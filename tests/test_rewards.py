@@ -43,6 +43,47 @@ def test_math_equivalence_on_hand_cases(completion: str, reference: str, equal: 
     assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=[reference]) == [float(equal)]
 
 
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "To calculate 77 * 7, we need to perform the multiplication operation",  # what a real policy learned
+        "What is 77 * 7? Answer with the number only.",  # the prompt echoed
+        "77*7",  # an expression instead of a value
+        "$77 \\times 7$",
+        "The answer is 77 \\cdot 7.",
+        "539 540 541",  # several numbers listed
+        "It is 538, 539 or 540",
+        "The answer is 538, 539 or 540.",
+        "77 * 7 = 547",  # a wrong value
+        "",
+    ],
+)
+def test_math_equivalence_gives_nothing_for_games(completion: str):
+    """Each scores 0 against 539 = 77 * 7 (math-verify's default extraction took `77*7` from the first
+    one, and sympy evaluated it to 539)."""
+    assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=["539"]) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("539", "539"),
+        ("77 * 7 = 539", "539"),
+        ("The answer is 539.", "539"),
+        ("Answer: 539", "539"),
+        ("\\boxed{539}", "539"),
+        ("so 77*7 is $539$", "539"),
+        ("7 * 7 = 49, so 77 * 7 = 539", "539"),
+        ("The answer is \\frac{1}{2}", "0.5"),
+        ("x = 1/2.", "0.5"),
+        ("The result is 1,234", "1234"),
+        ("3.5", "7/2"),
+    ],
+)
+def test_math_equivalence_credits_a_final_answer(completion: str, reference: str):
+    assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=[reference]) == [1.0]
+
+
 def test_exact_match_reads_the_answer_column_it_is_given():
     entry = {"type": "exact_match", "answer_column": "answer"}
     assert _call(entry, [" 12", "13", "-1"], answer=["12", "12", "-1"]) == [1.0, 0.0, 1.0]

@@ -5,6 +5,7 @@ column; as reward types ({type: exact_match, answer_column: answer}) from the co
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +21,17 @@ def exact_match(prompts: list[str], completions: list[str], reference: list[str]
 def math_equivalence(prompts: list[str], completions: list[str], reference: list[str], **_: object) -> list[float]:
     """1.0 when the completion's final answer equals the reference mathematically, else 0.0.
 
-    math-verify (HF's Math-Verify) extracts the answer (a \\boxed{} or $...$ LaTeX answer, else
-    the last number or expression) and compares with sympy: 1/2 = 0.5 = \\frac{1}{2},
-    2\\sqrt{2} = \\sqrt{8}, (x+1)^2 = x^2+2x+1. A reference without $ or \\boxed is read as LaTeX math.
-    Its own signal timeouts are off (they need the main thread); reward.timeout_s bounds the call.
+    The final answer (`final_answer`) is, in this order:
+      1. the last `\\boxed{...}`;
+      2. else the rest of the sentence after the last "answer is", "answer:" or "=";
+      3. else the last `$...$` math span;
+      4. else the last number, unless the last sentence lists several numbers.
+    It must be one value: a list ("538, 539 or 540") or unevaluated arithmetic of numbers ("77 * 7",
+    "$77 \\times 7$") is no answer and scores 0. So restating the question ("To calculate 77 * 7, we
+    need to ...") earns nothing, while "77 * 7 = 539", "The answer is 539." and "so it is $539$" do.
+    math-verify (HF's Math-Verify) then compares it with the reference (read as LaTeX math) using
+    sympy: 1/2 = 0.5 = \\frac{1}{2}, 2\\sqrt{2} = \\sqrt{8}, x^2+2x+1 = (x+1)^2. Its signal timeouts are
+    off (they need the main thread); reward.timeout_s bounds the call.
     """
     from math_verify import parse, verify
 
@@ -32,9 +40,48 @@ def math_equivalence(prompts: list[str], completions: list[str], reference: list
     for completion, ref in zip(completions, reference, strict=True):
         ref = str(ref)
         gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=None)
-        answer = parse(completion, parsing_timeout=None)
-        scores.append(float(bool(gold) and bool(answer) and verify(gold, answer, timeout_seconds=None)))
+        answer = final_answer(completion)
+        parsed = parse(f"${answer}$", parsing_timeout=None) if answer else []
+        scores.append(float(bool(gold) and bool(parsed) and verify(gold, parsed, timeout_seconds=None)))
     return scores
+
+
+NUMBER = r"-?\d+(?:\.\d+)?"
+ANCHOR = re.compile(r"answer\s+is\s*:?|answer\s*:|=", re.IGNORECASE)
+SENTENCE_END = re.compile(r"\n|[.!?](?!\d)|;")
+LIST_OF_NUMBERS = re.compile(rf"{NUMBER}\s*(?:,|\bor\b|\band\b|\s)\s*{NUMBER}")  # "538, 539 or 540"
+ARITHMETIC = re.compile(r"\d\s*(?:[-+*^×÷]|\\times|\\cdot|\\div)\s*[-\d({\\]")  # "77*7", "77 \\times 7"
+
+
+def final_answer(completion: str) -> str | None:
+    """The completion's final answer as math text (math_equivalence's rule), or None when it gives none."""
+    text = re.sub(r"(\d),(\d{3})\b", r"\1\2", completion)  # 1,234 -> 1234
+    boxed = text.rfind("\\boxed{")
+    if boxed >= 0:
+        depth, start = 0, boxed + len("\\boxed{")
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth < 0:
+                return text[start:end].strip() or None
+        return None
+    anchors = list(ANCHOR.finditer(text))
+    if anchors:
+        rest = text[anchors[-1].end() :]
+        candidate = SENTENCE_END.split(rest, maxsplit=1)[0].strip().strip("$").strip()
+    elif spans := re.findall(r"\$([^$]+)\$", text):
+        candidate = spans[-1].strip()
+    else:
+        last_sentence = [part for part in SENTENCE_END.split(text) if part.strip()][-1:] or [""]
+        numbers = re.findall(NUMBER, last_sentence[0])
+        if not numbers or LIST_OF_NUMBERS.search(last_sentence[0]):
+            return None
+        candidate = numbers[-1]
+    if not candidate or LIST_OF_NUMBERS.search(candidate) or "," in candidate and "\\{" not in candidate:
+        return None
+    is_numeric = not re.search(r"[A-Za-z]", re.sub(r"\\(d?frac|tfrac|sqrt|left|right|times|cdot|div)", "", candidate))
+    if is_numeric and ARITHMETIC.search(candidate):
+        return None  # an expression left for the reader to evaluate is not an answer
+    return candidate
 
 
 def _verifier_type(verify: RewardFunction, kind: str) -> Callable[[dict[str, Any], str], RewardFunction]:

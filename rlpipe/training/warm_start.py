@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -134,12 +135,14 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
             metrics |= supervised_warm_start(
                 model, tokenizer, rows, ws, spec.seed, spec.reward, spec.rollout.max_new_tokens
             )
-        tmp = cached.with_name(f"{cached.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = cached.with_name(f"{cached.name}.tmp-{uuid.uuid4().hex[:8]}")  # runs may warm-start one key at once
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         recorded.write_text(json.dumps(metrics))
-        tmp.rename(cached)
+        try:
+            tmp.rename(cached)
+        except OSError:  # another run cached the same warm start first: the same weights, keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
         fs.put(str(cached) + "/", staged_path, recursive=True)
         metrics["warm_start/cached"] = 0.0
     metrics |= read_json(data_counts_uri(run_root)) or {}
