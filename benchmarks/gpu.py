@@ -209,7 +209,8 @@ def main() -> None:
     args = parser.parse_args()
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
-    from rlpipe.modeling import configure_torch, resolve_device
+    from rlpipe.devices import resolve_device
+    from rlpipe.modeling import configure_torch
 
     device = resolve_device("cpu" if args.smoke else args.device)
     gpu = device.type == "cuda"

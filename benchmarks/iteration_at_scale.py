@@ -144,7 +144,8 @@ def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
     import torch
     from safetensors.torch import load_file
 
-    from rlpipe.modeling import load_weights, resolve_device
+    from rlpipe.devices import resolve_device
+    from rlpipe.modeling import load_weights
     from rlpipe.store.weights import local_path
 
     held, _ = load_weights(v0, cache, threads=torch.get_num_threads(), device=device)
@@ -174,7 +175,8 @@ def peak_memory_gib(device: str) -> float:
 
 def one_run(args: argparse.Namespace, lora: bool) -> dict:
     """One iteration of (args.shape, full or LoRA) in this process; its figures."""
-    from rlpipe.modeling import configure_torch, resolve_device
+    from rlpipe.devices import resolve_device
+    from rlpipe.modeling import configure_torch
 
     configure_torch(args.threads)
     args.device = resolve_device(args.device).type

@@ -24,6 +24,7 @@ with unused_hidden():
         Qwen2ForCausalLM,
     )
 
+from rlpipe.devices import resolve_device  # noqa: E402
 from rlpipe.model_files import char_tokenizer  # noqa: E402
 from rlpipe.spec import LoraSpec, TinyModelSpec  # noqa: E402
 
@@ -110,19 +111,6 @@ def load_tokenizer(local_dir: str | Path) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def resolve_device(name: str) -> torch.device:
-    """trainer.device as a torch.device: auto = the GPU when one is visible. Asking for cuda
-    without one is an error, never a silent CPU run."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"trainer.device is {name} but torch sees no GPU (torch {torch.__version__}, CUDA build: "
-            f"{torch.version.cuda or 'no'}); set trainer.device: auto or cpu, or run where a GPU is visible"
-        )
-    return torch.device(name)
 
 
 def release_memory(device: torch.device, phase: str) -> dict[str, float]:

@@ -51,8 +51,13 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
     return f"run root {run_root} and cache {cache} are writable"
 
 
+PROMPTS_CHECKED = 512  # rows of each split the check renders and tokenizes
+
+
 def check_data(spec: RunSpec) -> str:
-    """The data section gives train and held-out rows, and their first prompts render and tokenize."""
+    """The data section gives train and held-out rows, enough for the warm start, and their prompts
+    render and tokenize within data.max_prompt_tokens (the first PROMPTS_CHECKED of each split, as the
+    prepare step encodes them). Every problem found is listed, not only the first."""
     from rlpipe.data import task_rows
     from rlpipe.data.prompts import encode_prompts
 
@@ -61,24 +66,36 @@ def check_data(spec: RunSpec) -> str:
         train, held_out = task_rows(spec)
     except ValueError as err:
         raise CheckFailed(str(err)) from None
+    problems = []
     if not train or not held_out:
-        raise CheckFailed(f"data: {len(train)} train rows and {len(held_out)} held-out rows; both need some")
+        problems.append(f"data: {len(train)} train rows and {len(held_out)} held-out rows; both need some")
     ws = spec.model.warm_start
     if ws.max_steps and len(train) < ws.validation_size + ws.batch_size:
-        raise CheckFailed(
+        problems.append(
             f"model.warm_start: {len(train)} train rows cannot hold validation_size={ws.validation_size} plus a "
             f"batch of {ws.batch_size}; bring more train rows (data.train_size) or lower them"
         )
     tokenized = ""
-    if _tokenizer_is_local(spec):
+    if _tokenizer_is_local(spec) and (train or held_out):
         from rlpipe.model_files import load_prompt_tokenizer
 
         try:
-            encoded, _ = encode_prompts(train[:4], data, load_prompt_tokenizer(spec.model.path, spec.cache_root))
+            tokenizer = load_prompt_tokenizer(spec.model.path, spec.cache_root)
+            for split, rows in (("train", train), ("held-out", held_out)):
+                sample = rows[:PROMPTS_CHECKED]
+                encoded, dropped = encode_prompts(sample, data, tokenizer)
+                if sample and not encoded:
+                    problems.append(
+                        f"data.max_prompt_tokens {data.max_prompt_tokens} drops every {split} prompt (all "
+                        f"{len(sample)} checked are longer); raise it, or set it to null to keep every prompt"
+                    )
+                elif split == "train" and encoded:
+                    kept = f", {dropped} of {len(sample)} checked longer than max_prompt_tokens" if dropped else ""
+                    tokenized = f"; first prompt {len(encoded[0]['prompt_token_ids'])} tokens{kept}"
         except (ValueError, FileNotFoundError) as err:
-            raise CheckFailed(str(err)) from None
-        if encoded:
-            tokenized = f"; first prompt {len(encoded[0]['prompt_token_ids'])} tokens"
+            problems.append(str(err))
+    if problems:
+        raise CheckFailed("\n    ".join(problems))
     source = f"generator {data.generator}" if data.generator else f"{data.path}"
     return f"data {source}: {len(train)} train rows, {len(held_out)} held-out rows{tokenized}"
 
@@ -227,7 +244,54 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
         raise CheckFailed(
             f"tracking.uri {uri}: MLflow 3 has no file store; use sqlite:///path/mlflow.db or a server URL"
         )
-    return f"tracking: {uri} (not checked: only http(s) and sqlite URIs are probed)"
+    scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else uri.split(":", 1)[0]
+    accepted = mlflow_tracking_schemes()
+    if scheme not in accepted:
+        raise CheckFailed(
+            f"tracking.uri {uri}: MLflow accepts no {scheme!r} URI; use one of {', '.join(sorted(accepted))} "
+            "(e.g. http://mlflow:5000 or sqlite:///path/mlflow.db), or remove it to track in sqlite under the run dir"
+        )
+    return f"tracking: {uri} (a {scheme} store: accepted by MLflow, not probed here)"
+
+
+def mlflow_tracking_schemes() -> set[str]:
+    """The URI schemes MLflow's tracking store registry builds a store for (plugins included),
+    without `file` (MLflow 3 has no file store)."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    return {scheme for scheme in _tracking_store_registry._registry if scheme and scheme != "file"}
+
+
+def check_device(spec: RunSpec) -> str:
+    """trainer.device resolved as the trainer will resolve it (rlpipe.devices.resolve_device), and
+    trainer.gpus against the GPUs torch sees, when the torch steps or the resident trainer run on this
+    machine (a trainer at trainer.endpoint is another machine's)."""
+    if spec.trainer.resident and spec.trainer.endpoint:
+        return f"device: the resident trainer at {spec.trainer.endpoint} (its own machine, not checked here)"
+    if importlib.util.find_spec("torch") is None:
+        return "device: not checked (torch is not installed here)"
+    import torch
+
+    from rlpipe.devices import resolve_device
+
+    try:
+        device = resolve_device(spec.trainer.device)
+    except RuntimeError as err:
+        raise CheckFailed(str(err)) from None
+    if problem := gpus_problem(spec.trainer.gpus, device.type, torch.cuda.device_count()):
+        raise CheckFailed(problem)
+    processes = f", {spec.trainer.gpus} processes" if spec.trainer.gpus > 1 else ""
+    return f"device: trainer.device {spec.trainer.device} -> {device.type}{processes}"
+
+
+def gpus_problem(gpus: int, device: str, visible: int) -> str | None:
+    """What is wrong with trainer.gpus on a machine where torch sees `visible` GPUs (None: nothing)."""
+    if device == "cuda" and gpus > visible:
+        return (
+            f"trainer.gpus is {gpus} but torch sees {visible} GPU(s) here; set trainer.gpus: {visible} or fewer, "
+            "or trainer.device: cpu to run that many gloo processes"
+        )
+    return None
 
 
 def check_installed(spec: RunSpec) -> str:
@@ -279,6 +343,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
     """Run every check; say each result; raise PreflightError listing every failure."""
     checks: list[Callable[[], str]] = [
         lambda: check_installed(spec),
+        lambda: check_device(spec),
         lambda: check_run_root(spec, run_root),
         lambda: check_data(spec),
         lambda: check_algorithm(spec),

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, resolve_device
+from rlpipe.devices import resolve_device
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
 from rlpipe.training.trainer import Trainer, micro_batches, train_on_batch
 

@@ -439,7 +439,7 @@ def serve(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     import rlpipe.training.trainer  # noqa: F401 (torch + transformers before the first request)
-    from rlpipe.modeling import resolve_device
+    from rlpipe.devices import resolve_device
     from rlpipe.training.distributed import init_from_torchrun
 
     rank, processes = init_from_torchrun(resolve_device(args.device), args.collective_timeout_s)

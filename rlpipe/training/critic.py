@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rlpipe.modeling import configure_torch, resolve_device
+from rlpipe.devices import resolve_device
+from rlpipe.modeling import configure_torch
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_ref, seal, staging_uri

@@ -23,7 +23,8 @@ import torch
 from rlpipe.algorithms import get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.dpo import pair_micro_batches, paired_rows
 from rlpipe.algorithms.policy_gradient import aggregate, behaviour_weights
-from rlpipe.modeling import add_lora, is_adapted, load_weights, resolve_device
+from rlpipe.devices import resolve_device
+from rlpipe.modeling import add_lora, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri

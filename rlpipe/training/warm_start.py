@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from rlpipe.devices import resolve_device
 from rlpipe.model_files import resolve_model_source
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy, resolve_device
+from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
 from rlpipe.rollouts import read_table
 from rlpipe.spec import WARM_START_KEYS, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json

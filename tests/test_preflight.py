@@ -1,0 +1,69 @@
+"""The pre-flight (`rlpipe check`, the start of every `rlpipe run`) catches what would otherwise fail
+later or hang: a device the trainer cannot use, a tracking URI MLflow does not accept, and every data
+problem at once. Each fails with the key to change, no traceback, before any step runs."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rlpipe.preflight import gpus_problem
+
+from .test_failures import _fails_clearly, _rlpipe, _spec
+
+
+def _check_fails(result, *named: str) -> str:
+    """`rlpipe check` failed, printing each check's result (FAIL lines name the keys), no traceback."""
+    assert result.returncode == 1 and "check(s) failed" in result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for text in named:
+        assert text in result.stdout, result.stdout
+    return result.stdout
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "per-step"])
+def test_cuda_without_a_gpu_fails_at_once(tmp_path: Path, resident: bool):
+    """The issue's hang (resident trainer, warm start cached) cannot start: no step runs."""
+    spec = _spec(tmp_path, trainer={"device": "cuda", "resident": resident})
+    started = time.monotonic()
+    result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"))
+    took = time.monotonic() - started
+    message = _fails_clearly(result, "pre-flight check failed", "trainer.device is cuda but torch sees no GPU")
+    assert "set trainer.device: auto or cpu" in message
+    assert took < 30, f"took {took:.0f} s"
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
+def test_more_gpus_than_torch_sees_names_trainer_gpus():
+    assert "trainer.gpus is 4 but torch sees 2 GPU(s) here; set trainer.gpus: 2" in gpus_problem(4, "cuda", 2)
+    assert gpus_problem(2, "cuda", 2) is None
+    assert gpus_problem(4, "cpu", 0) is None  # on cpu, trainer.gpus gloo processes
+
+
+def test_an_unknown_tracking_scheme_is_refused_with_the_ones_mlflow_accepts(tmp_path: Path):
+    result = _rlpipe("check", str(_spec(tmp_path, tracking={"uri": "bogus://x"})), "--run-dir", str(tmp_path / "r"))
+    message = _check_fails(result, "tracking.uri bogus://x: MLflow accepts no 'bogus' URI")
+    assert all(scheme in message for scheme in ("http", "https", "sqlite", "postgresql", "databricks"))
+    assert "'file'" not in message and ", file," not in message
+    accepted = _rlpipe("check", str(_spec(tmp_path, "pg.yaml", tracking={"uri": "postgresql://u@db/mlflow"})))
+    assert "tracking: postgresql://u@db/mlflow (a postgresql store: accepted by MLflow, not probed here)" in (
+        accepted.stdout
+    )
+
+
+def test_prompts_all_dropped_by_max_prompt_tokens_are_caught_before_any_step(tmp_path: Path):
+    spec = _spec(tmp_path, data={"max_prompt_tokens": 2})  # "12+34=" is 7 tokens with bos
+    result = _rlpipe("run", str(spec), "--run-dir", str(tmp_path / "run"))
+    _fails_clearly(result, "pre-flight check failed", "data.max_prompt_tokens 2 drops every train prompt")
+    assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "state.json").exists()
+
+
+def test_every_data_problem_is_listed_at_once(tmp_path: Path):
+    """Too few rows for the warm start and a template column the rows lack, in one failure."""
+    spec = _spec(tmp_path, data={"train_size": 10, "prompt_template": "{question} ="})
+    message = _check_fails(
+        _rlpipe("check", str(spec)),
+        "model.warm_start: 10 train rows cannot hold validation_size",
+        "data.prompt_template names column 'question' that the rows lack",
+    )
+    assert message.count("FAIL") == 1  # one check, listing both
