@@ -594,7 +594,7 @@ def test_compiled_multi_node_trainer(tmp_path: Path):
     }
     (port,) = service["spec"]["ports"]
     assert _port_number(c, port["targetPort"]) == int(flags["--port"]) == port["port"]
-    spec = pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"]
+    spec = json.loads(pipeline["root"]["inputDefinitions"]["parameters"]["spec"]["defaultValue"])
     assert spec["trainer"]["endpoint"] == f"http://{name}.{NAMESPACE}.svc.cluster.local:{port['port']}"
     assert (spec["trainer"]["gpus"], spec["trainer"]["nodes"]) == (8, 2)
 
