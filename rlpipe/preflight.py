@@ -12,9 +12,13 @@ import importlib.util
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, join
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 
 class CheckFailed(ValueError):
@@ -76,11 +80,19 @@ def check_data(spec: RunSpec) -> str:
             f"batch of {ws.batch_size}; bring more train rows (data.train_size) or lower them"
         )
     tokenized = ""
+    tokenizer = None
     if _tokenizer_is_local(spec) and (train or held_out):
         from rlpipe.model_files import load_prompt_tokenizer
 
         try:
             tokenizer = load_prompt_tokenizer(spec.model.path, spec.cache_root)
+        except (ValueError, FileNotFoundError) as err:
+            problems.append(str(err))
+        except Exception as err:  # noqa: BLE001 (credentials, network, ... reading a URI)
+            problems.append(f"model.path {spec.model.path}: cannot read its tokenizer ({type(err).__name__}: {err})")
+    if tokenizer is not None:
+        split = "train"
+        try:
             for split, rows in (("train", train), ("held-out", held_out)):
                 sample = rows[:PROMPTS_CHECKED]
                 encoded, dropped = encode_prompts(sample, data, tokenizer)
@@ -92,8 +104,13 @@ def check_data(spec: RunSpec) -> str:
                 elif split == "train" and encoded:
                     kept = f", {dropped} of {len(sample)} checked longer than max_prompt_tokens" if dropped else ""
                     tokenized = f"; first prompt {len(encoded[0]['prompt_token_ids'])} tokens{kept}"
-        except (ValueError, FileNotFoundError) as err:
+        except ValueError as err:
             problems.append(str(err))
+        except Exception as err:  # noqa: BLE001 (a template that fails on a row: '{0}', '{a.b}', raise_exception)
+            problems.append(
+                f"data: a {split} prompt does not render ({type(err).__name__}: {err}); fix data.prompt_template "
+                "(its fields name the rows' columns: {column}) or the chat template (data.chat_template)"
+            )
     if problems:
         raise CheckFailed("\n    ".join(problems))
     source = f"generator {data.generator}" if data.generator else f"{data.path}"
@@ -213,7 +230,9 @@ def check_rewards(spec: RunSpec) -> str:
 
 
 def check_tracking(spec: RunSpec, run_root: str) -> str:
-    """The MLflow tracking URI is reachable (a server answers /health; sqlite's directory is writable)."""
+    """The MLflow tracking URI: a server answers /health; any other URI needs a store in MLflow's
+    registry and, for a database (sqlite, postgresql, mysql, mssql), SQLAlchemy's driver for it
+    installed (a database server is not connected to; sqlite's directory is created)."""
     from rlpipe.tracking import tracking_uri
 
     try:
@@ -233,25 +252,70 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
         if status != 200:
             raise CheckFailed(f"tracking.uri {uri}/health answered {status}; is it an MLflow server?")
         return f"tracking: MLflow server {uri}"
-    if uri.startswith("sqlite:///"):
+    if uri.startswith(("file:", "/", ".")):
+        raise CheckFailed(
+            f"tracking.uri {uri}: MLflow 3 has no file store; use sqlite:///path/mlflow.db or a server URL"
+        )
+    if uri.startswith("sqlite:///"):  # the default: checked without importing MLflow (a second)
+        if importlib.util.find_spec("sqlalchemy") is None:
+            raise CheckFailed(NO_SQLALCHEMY.format(uri=uri))
         folder = Path(uri.removeprefix("sqlite:///")).parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise CheckFailed(f"tracking.uri {uri}: cannot create {folder} ({err})") from None
         return f"tracking: {uri}"
-    if uri.startswith(("file:", "/", ".")):
-        raise CheckFailed(
-            f"tracking.uri {uri}: MLflow 3 has no file store; use sqlite:///path/mlflow.db or a server URL"
+    if problem := tracking_store_problem(uri):
+        raise CheckFailed(problem)
+    if database := _database_url(uri):
+        return (
+            f"tracking: {database} (SQLAlchemy's {database.get_backend_name()} driver "
+            f"{database.get_driver_name()} is installed; the database is not connected to here)"
         )
-    scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else uri.split(":", 1)[0]
-    accepted = mlflow_tracking_schemes()
-    if scheme not in accepted:
-        raise CheckFailed(
-            f"tracking.uri {uri}: MLflow accepts no {scheme!r} URI; use one of {', '.join(sorted(accepted))} "
-            "(e.g. http://mlflow:5000 or sqlite:///path/mlflow.db), or remove it to track in sqlite under the run dir"
+    return f"tracking: {uri} (a {_scheme(uri)} store: accepted by MLflow, not probed here)"
+
+
+NO_SQLALCHEMY = "tracking.uri {uri}: MLflow's database stores need SQLAlchemy; pip install mlflow (or '.[local]')"
+
+
+def tracking_store_problem(uri: str) -> str | None:
+    """Why MLflow cannot build a tracking store for `uri` (None: it can), decided as MLflow decides
+    it (its store registry, plugins included), and for a database URI whether SQLAlchemy can import
+    the driver it names or defaults to. Nothing is connected to."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException as Unsupported
+
+    accepted = ", ".join(sorted(mlflow_tracking_schemes()))
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except MlflowException as err:  # Unsupported: no store for the scheme; else a malformed database URI
+        reason = f"MLflow accepts no {_scheme(uri)!r} URI" if isinstance(err, Unsupported) else err.message.rstrip(".")
+        return (
+            f"tracking.uri {uri}: {reason}; use one of {accepted} (e.g. http://mlflow:5000 or "
+            "sqlite:///path/mlflow.db), or remove it to track in sqlite under the run dir"
         )
-    return f"tracking: {uri} (a {scheme} store: accepted by MLflow, not probed here)"
+    if not _is_database(uri):
+        return None
+    if importlib.util.find_spec("sqlalchemy") is None:
+        return NO_SQLALCHEMY.format(uri=uri)
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = _database_url(uri)
+        dialect = url.get_dialect()
+    except ArgumentError as err:  # a malformed URL, or a driver name SQLAlchemy has no dialect for
+        backend = _scheme(uri).split("+", 1)[0]
+        return f"tracking.uri {uri}: SQLAlchemy cannot read it ({err}); the form is {backend}[+DRIVER]://..."
+    import_driver = getattr(dialect, "import_dbapi", None) or dialect.dbapi  # SQLAlchemy 2, 1.4
+    try:
+        import_driver()
+    except ImportError as err:
+        return (
+            f"tracking.uri {url}: SQLAlchemy's {url.get_backend_name()} driver {url.get_driver_name()} cannot be "
+            f"imported ({err}); install it, or name an installed driver: {url.get_backend_name()}+DRIVER://..."
+        )
+    return None
 
 
 def mlflow_tracking_schemes() -> set[str]:
@@ -260,6 +324,27 @@ def mlflow_tracking_schemes() -> set[str]:
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 
     return {scheme for scheme in _tracking_store_registry._registry if scheme and scheme != "file"}
+
+
+def _scheme(uri: str) -> str:
+    return uri.split("://", 1)[0] if "://" in uri else uri.split(":", 1)[0]
+
+
+def _is_database(uri: str) -> bool:
+    """A URI MLflow keeps in a database through SQLAlchemy (sqlite, postgresql, mysql, mssql)."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+    from mlflow.utils.uri import get_uri_scheme
+
+    return "://" in uri and get_uri_scheme(uri) in DATABASE_ENGINES
+
+
+def _database_url(uri: str) -> URL | None:
+    """SQLAlchemy's reading of a database URI (its str hides the password), or None."""
+    if not _is_database(uri) or importlib.util.find_spec("sqlalchemy") is None:
+        return None
+    from sqlalchemy.engine import make_url
+
+    return make_url(uri)
 
 
 def check_device(spec: RunSpec) -> str:

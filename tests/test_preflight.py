@@ -2,12 +2,13 @@
 later or hang: a device the trainer cannot use, a tracking URI MLflow does not accept, and every data
 problem at once. Each fails with the key to change, no traceback, before any step runs."""
 
+import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 
-from rlpipe.preflight import gpus_problem
+from rlpipe.preflight import gpus_problem, tracking_store_problem
 
 from .test_failures import _fails_clearly, _rlpipe, _spec
 
@@ -45,10 +46,16 @@ def test_an_unknown_tracking_scheme_is_refused_with_the_ones_mlflow_accepts(tmp_
     message = _check_fails(result, "tracking.uri bogus://x: MLflow accepts no 'bogus' URI")
     assert all(scheme in message for scheme in ("http", "https", "sqlite", "postgresql", "databricks"))
     assert "'file'" not in message and ", file," not in message
-    accepted = _rlpipe("check", str(_spec(tmp_path, "pg.yaml", tracking={"uri": "postgresql://u@db/mlflow"})))
-    assert "tracking: postgresql://u@db/mlflow (a postgresql store: accepted by MLflow, not probed here)" in (
-        accepted.stdout
-    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pymysql") is not None, reason="pymysql is installed here")
+def test_a_database_tracking_uri_needs_its_driver_and_is_not_connected_to():
+    problem = tracking_store_problem("mysql+pymysql://me:secret@db/mlflow")
+    assert "tracking.uri mysql+pymysql://me:***@db/mlflow: SQLAlchemy's mysql driver pymysql cannot be" in problem
+    assert "secret" not in problem
+    assert "MLflow accepts no 'postgres' URI; use one of" in tracking_store_problem("postgres://db/mlflow")
+    assert tracking_store_problem("sqlite:///somewhere/mlflow.db") is None  # the driver is the stdlib's
+    assert tracking_store_problem("databricks") is None  # accepted by MLflow, not probed
 
 
 def test_prompts_all_dropped_by_max_prompt_tokens_are_caught_before_any_step(tmp_path: Path):
@@ -67,3 +74,8 @@ def test_every_data_problem_is_listed_at_once(tmp_path: Path):
         "data.prompt_template names column 'question' that the rows lack",
     )
     assert message.count("FAIL") == 1  # one check, listing both
+
+
+@pytest.mark.parametrize("template", ["{0} =", "{prompt.text} ="])
+def test_a_prompt_template_that_cannot_render_is_named_not_a_traceback(tmp_path: Path, template: str):
+    _check_fails(_rlpipe("check", str(_spec(tmp_path, data={"prompt_template": template}))), "fix data.prompt_template")
