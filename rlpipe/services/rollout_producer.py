@@ -80,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     cache_root = args.cache_root or cache_root_for(spec.storage.root, spec.storage.cache)
     status: dict[str, Any] = {"busy_s": 0.0, "chunks_written": 0, "version": None}
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def stop_now(signum: int, frame: object) -> None:
+        # At once, mid-chunk too: a chunk lands by an atomic rename or not at all (kill -9 is safe the
+        # same way), and a chunk can take longer than `rlpipe run` waits for its services to stop.
+        stop.set()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop_now)
     server = health_server(args.host, args.port, status)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
