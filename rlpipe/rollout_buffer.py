@@ -21,8 +21,9 @@ chunk older than s (counted in async/stale_rows_dropped; the producer generates 
 version), and writes the rollouts artifact from the chunks, in order, plus `taken.json`: each chunk's
 rows, version and sha256. sync_weights copies that record into state.json with the commit and moves
 the iteration's directory to consumed/ (`retire`). A rerun of an uncommitted iteration takes the same
-chunks again; a committed one is never taken again. So each prompt of the consumed range is used
-exactly once, whatever is killed when.
+chunks again; a committed one is never taken again, nor sampled again (the producer checks that the
+state it listed the buffer against is still the committed one). So each prompt of the consumed range
+is used exactly once, whatever is killed when.
 """
 
 from __future__ import annotations
@@ -84,11 +85,18 @@ def file_sha256(uri: str) -> str:
 
 def next_chunk(spec: RunSpec, run_root: str, committed: int) -> tuple[int, int] | None:
     """(iteration, chunk) the producer generates next: the first missing chunk of iterations
-    committed+1 .. committed+1+s (and at most loop.iterations); None when they are all there."""
+    committed+1 .. committed+1+s (and at most loop.iterations); None when they are all there, or when
+    state.json has moved past `committed` meanwhile (the caller reads it again).
+
+    `committed` was read before the listing: an iteration that commits in between is retired to
+    consumed/ and lists as missing. Sampling it again would write a stray iter_N beside its consumed
+    record (which retire used to move over the record, taken.json and all), so a listing only counts
+    when state.json is still at `committed` after it (state.json is written before retire moves)."""
     from rlpipe.engines import iteration_prompts, read_train_rows
 
     last = min(committed + 1 + spec.loop.max_staleness, spec.loop.iterations)
     rows = None
+    todo = None
     for iteration in range(committed + 1, last + 1):
         fs, directory = filesystem(iteration_uri(run_root, iteration))
         try:
@@ -97,10 +105,12 @@ def next_chunk(spec: RunSpec, run_root: str, committed: int) -> tuple[int, int] 
             return None
         rows = rows if rows is not None else read_train_rows(run_root).num_rows
         chunks = len(chunk_orders(iteration_prompts(spec, run_root, rows, iteration)))
-        for chunk in range(chunks):
-            if f"chunk_{chunk:03d}.parquet" not in present:
-                return iteration, chunk
-    return None
+        todo = next(((iteration, c) for c in range(chunks) if f"chunk_{c:03d}.parquet" not in present), None)
+        if todo is not None:
+            break
+    if todo is not None and (read_state(run_root) or {}).get("iteration") != committed:
+        return None  # committed meanwhile: the listing may show a retired iteration as missing
+    return todo
 
 
 def generate_chunk(
@@ -273,7 +283,9 @@ def taken_record(run_root: str, iteration: int) -> dict[str, Any] | None:
 def retire(run_root: str, committed: int, keep: int) -> None:
     """Move the buffer's iterations <= `committed` to consumed/ (idempotent: also what a commit killed
     before it retired leaves), and keep the last `keep` consumed iterations. Only sync_weights calls it,
-    once the commit is made: the producer never writes to an iteration <= committed."""
+    once the commit is made. The producer does not write to an iteration <= committed (next_chunk checks
+    the state after its listing); a directory without taken.json, which no generate step took, is
+    deleted, never moved over the record of what the iteration trained on."""
     from rlpipe.store.run_root import move
 
     fs, root = filesystem(buffer_uri(run_root))
@@ -282,6 +294,11 @@ def retire(run_root: str, committed: int, keep: int) -> None:
     for path in fs.ls(root, detail=False):
         name = path.rsplit("/", 1)[-1]
         if name.startswith("iter_") and int(name[5:]) <= committed:
+            if not fs.exists(join(path, "taken.json")):
+                # no generate step took it: chunks a producer wrote after the iteration committed (it
+                # read the state before the commit). Never moved over consumed/iter_N, N's record
+                fs.rm(path, recursive=True)
+                continue
             target = iteration_uri(run_root, int(name[5:]), consumed=True)
             target_fs, target_path = filesystem(target)
             if target_fs.exists(target_path):

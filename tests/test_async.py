@@ -198,6 +198,64 @@ def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_ru
     assert pq.read_table(chunk_uri(run_root, 1, 2)).num_rows == 8
 
 
+def test_a_producer_that_read_the_state_before_a_commit_never_writes_into_the_committed_iteration(
+    initialized_run, tmp_path: Path, monkeypatch
+):
+    """The producer reads state.json, then lists the buffer. If iteration N commits (and retires to
+    consumed/) in between, the listing finds no iter_N: a producer trusting its stale state sampled
+    iteration N again into a new iter_N, and the next commit's retire moved that stray over
+    consumed/iter_N, losing N's taken.json (what N trained on)."""
+    from rlpipe import loop
+    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, iteration_uri
+    from rlpipe.store import run_root as store
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = _async_spec(initialized_run, 1)
+    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    (tmp_path / "1").mkdir()
+    v1, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "1", cache)
+    assert not Path(iteration_uri(run_root, 1)).exists()  # committed and retired
+
+    before_the_commit = dict(store.read_state(run_root), iteration=0, weights_version=0)
+    reads = iter([before_the_commit])  # the producer's first read: the state just before iteration 1 committed
+    monkeypatch.setattr("rlpipe.rollout_buffer.read_state", lambda root: next(reads, None) or store.read_state(root))
+    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 3, CHUNKS - 1)).exists)
+    assert not Path(iteration_uri(run_root, 1)).exists()  # iteration 1 was not sampled again
+
+    (tmp_path / "2").mkdir()
+    loop.run_iteration(spec, run_root, v1, 2, tmp_path / "2", cache)
+    for iteration in (1, 2):
+        used = Path(iteration_uri(run_root, iteration, consumed=True))
+        taken = json.loads((used / "taken.json").read_text())
+        chunks = sorted(p.name for p in used.glob("chunk_*.parquet"))
+        assert chunks == [f"chunk_{c['chunk']:03d}.parquet" for c in taken["chunks"]]
+
+
+def test_retire_drops_a_stray_chunk_of_a_committed_iteration_and_keeps_its_record(tmp_path: Path):
+    """A chunk that lands in iter_N after N committed (no taken.json: no generate step took it) is
+    deleted, never moved over consumed/iter_N."""
+    from rlpipe.rollout_buffer import iteration_uri, retire
+
+    run_root = str(tmp_path)
+    used = Path(iteration_uri(run_root, 1, consumed=True))
+    used.mkdir(parents=True)
+    (used / "chunk_000.parquet").write_bytes(b"taken")
+    (used / "taken.json").write_text('{"iteration": 1}')
+    stray = Path(iteration_uri(run_root, 1))
+    stray.mkdir()
+    (stray / "chunk_000.parquet").write_bytes(b"stray")
+    taking = Path(iteration_uri(run_root, 2))
+    taking.mkdir()
+    (taking / "chunk_000.parquet").write_bytes(b"taken by 2")
+    (taking / "taken.json").write_text('{"iteration": 2}')
+
+    retire(run_root, 2, keep=10)
+    assert not stray.exists() and not taking.exists()
+    assert (used / "taken.json").read_text() == '{"iteration": 1}'
+    assert (used / "chunk_000.parquet").read_bytes() == b"taken"
+    assert (Path(iteration_uri(run_root, 2, consumed=True)) / "taken.json").exists()
+
+
 def test_generate_says_what_to_do_when_no_producer_runs(initialized_run, tmp_path: Path, monkeypatch):
     from rlpipe.rollout_buffer import take
     from rlpipe.store.weights import read_ref

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
-from rlpipe.rollout_buffer import retire, taken_record
+from rlpipe.rollout_buffer import iteration_uri, retire, taken_record
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import commit_state, filesystem, iteration_metrics_uri, optimizer_dir, read_state, write_json
 from rlpipe.store.weights import WeightRef, prune, publish, read_ref, weights_bytes
@@ -67,6 +67,12 @@ def sync_weights(
             metrics["async/training_busy_share"] = metrics.get("time/update_s", 0.0) / max(wall, 1e-9)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
     taken = taken_record(run_root, iteration) if spec.loop.max_staleness and iteration else None
+    if spec.loop.max_staleness and iteration and taken is None:  # never commit without what it trained on
+        raise RuntimeError(
+            f"iteration {iteration} took its rollouts from the buffer, but its record of them "
+            f"({iteration_uri(run_root, iteration)}/taken.json) is gone: not committing it. "
+            "Rerun `rlpipe run`: the iteration takes its chunks again"
+        )
     commit_state(
         run_root,
         iteration=iteration,
