@@ -322,6 +322,32 @@ def _wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def test_a_service_killed_before_its_supervisor_saw_it_serve_is_restarted_not_failed(tmp_path: Path):
+    """The supervisor learns that a server served by asking /health every 0.5 s; one killed (SIGKILL)
+    between two asks, as the test below kills the producer, is restarted, not taken for a server that
+    cannot start (STARTUP_ATTEMPTS: those exit with an error of their own)."""
+    from rlpipe.services.local_servers import STARTUP_ATTEMPTS, LocalServers
+
+    never_answers = "import time; time.sleep(600)"
+    servers = LocalServers(
+        "producer",
+        str(tmp_path / "run"),
+        1,
+        lambda port: ([sys.executable, "-c", never_answers, str(port)], {}),
+        marker=never_answers,
+        wait_for_weights=False,
+    )
+    servers.start()
+    try:
+        for kill in range(STARTUP_ATTEMPTS + 1):
+            _wait_for(lambda: len(servers.started_pids) == kill + 1, "a start", timeout=30)
+            os.kill(servers.started_pids[-1], signal.SIGKILL)
+        _wait_for(lambda: servers.replicas[0].restarts == STARTUP_ATTEMPTS + 1, "the restart", timeout=30)
+        assert servers.replicas[0].state != "failed" and not servers.replicas[0].served
+    finally:
+        servers.stop()
+
+
 @pytest.mark.slow  # 70 s: CI's slow step
 def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path):
     import pyarrow.parquet as pq

@@ -6,6 +6,7 @@ Deployment would, up to MAX_RESTARTS), and stopped by PID when the driver exits;
 stops it if the driver is SIGKILLed. A server that exits before it ever answered /health is a
 misconfiguration more often than bad luck: after STARTUP_ATTEMPTS it is marked failed with its
 log's last error line, which a step waiting for it reports at once (store.run_root.failed_services).
+One killed by a signal from outside (SIGKILL, SIGTERM, SIGINT) is restarted as a crash is.
 A record file (`<run root>/<kind>s/fleet.json`) keeps URL, PID, state and log of each, so a later
 `rlpipe run` stops servers that a killed driver left behind.
 """
@@ -31,6 +32,7 @@ from rlpipe.store.run_root import filesystem, fleet_uri, join
 MAX_RESTARTS = 5
 START_MARKER = "--- rlpipe: starting"  # the line each start writes to the server's log
 STARTUP_ATTEMPTS = 2
+KILLED = {-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT}  # exit statuses of a server stopped from outside
 # port -> (argv, extra environment)
 Launch = Callable[[int], tuple[list[str], dict[str, str]]]
 
@@ -205,7 +207,10 @@ class LocalServers:
                 elif process.poll() is not None:
                     stop_group(process)  # a vLLM engine core outlives a crashed server
                     replica.restarts += 1
-                    if replica.restarts >= (MAX_RESTARTS + 1 if replica.served else STARTUP_ATTEMPTS):
+                    # killed from outside (a person, a test, the out-of-memory killer): bad luck, not a
+                    # misconfiguration, even if it died before this loop (every 0.5 s) saw it answer /health
+                    crash = replica.served or process.returncode in KILLED
+                    if replica.restarts >= (MAX_RESTARTS + 1 if crash else STARTUP_ATTEMPTS):
                         replica.state, replica.error = "failed", last_error_line(Path(replica.log))
                     else:
                         self._spawn(index)
