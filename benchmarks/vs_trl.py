@@ -80,7 +80,7 @@ def demo_spec(seed: int, work: Path, overrides: dict | None = None) -> RunSpec:
 def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
     """Data and the warm-started v0 that both systems start from: (run root, v0 directory)."""
     from rlpipe.data import prepare_data
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.loop import sync_weights
     from rlpipe.store.weights import read_ref
     from rlpipe.training.warm_start import warm_start
 

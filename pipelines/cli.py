@@ -180,8 +180,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
+    from rlpipe.fork import fork_run
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.fork import fork_run
 
     parent = _run_root(args.run)
     child = str(Path(parent).parent / args.name)

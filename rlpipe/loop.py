@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.metric_keys import STARTED_AT
+from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
 from rlpipe.steps import iteration_steps, service_for
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def generate(
 
         return take(spec, run_root, weights, iteration, rollouts_path)
     if service_for("generate", spec) == "trainer":
-        from rlpipe.services.trainer_client import request_generate
+        from rlpipe.clients.trainer_client import request_generate
 
         return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
     from rlpipe.engines import generate_rollouts
@@ -129,7 +129,7 @@ def values(
     """The critic's value V_t of every completion token under critic v(N), beside the scored rollouts
     (algorithms with a critic: PPO)."""
     if service_for("values", spec) == "trainer":
-        from rlpipe.services.trainer_client import request_values
+        from rlpipe.clients.trainer_client import request_values
 
         return request_values(spec, run_root, weights, iteration, scored_path, valued_path, cache_root)
     from rlpipe.training.critic import compute_values
@@ -149,7 +149,7 @@ def update(
 ) -> tuple[WeightRef, dict[str, float]]:
     """Train v(N) on the batch (mini-batch policy-gradient steps); stage and seal v(N+1)."""
     if service_for("update", spec) == "trainer":
-        from rlpipe.services.trainer_client import request_update
+        from rlpipe.clients.trainer_client import request_update
 
         return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
     from rlpipe.training.trainer import update_policy
@@ -160,13 +160,67 @@ def update(
 def sync_weights(
     spec: RunSpec, run_root: str, staged: WeightRef, iteration: int, *step_metrics: dict[str, float]
 ) -> tuple[WeightRef, dict[str, float]]:
-    """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json."""
-    from rlpipe.store.commit import sync_weights as publish_and_commit
+    """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json, then
+    prune what the store no longer needs. A kill before the commit redoes the iteration from v(N); a sync
+    retried after its own commit does nothing (rlpipe.store.commit)."""
+    from rlpipe.store.commit import already_committed, commit_iteration
+    from rlpipe.store.run_root import iteration_metrics_uri, write_json
+    from rlpipe.store.weights import publish, weights_bytes
 
-    merged: dict[str, float] = {}
-    for metrics in step_metrics:
-        merged |= metrics
-    return publish_and_commit(spec, run_root, staged, iteration, merged)
+    started = time.time()
+    if (published := already_committed(run_root, iteration)) is not None:
+        return published, {}
+    published = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
+    metrics: dict[str, float] = {}
+    for each in step_metrics:
+        metrics |= each
+    metrics["sync/bytes"] = float(weights_bytes(published["uri"]))  # an adapter's, or all weights
+    if spec.rollout.engine == "sampler" and not spec.loop.max_staleness:  # asynchronous: the producer pulls it
+        from rlpipe.clients.sampler_client import reload_samplers
+
+        metrics |= reload_samplers(spec, published)  # in place; a rerun after a kill finds them labelled
+    metrics["time/sync_weights_s"] = time.time() - started
+    metrics |= iteration_wall(spec, metrics.pop(STARTED_AT, None), metrics)
+    write_json(iteration_metrics_uri(run_root, iteration), metrics)
+    taken = None
+    if spec.loop.max_staleness and iteration:
+        from rlpipe.rollout_buffer import taken_for_commit
+
+        taken = taken_for_commit(run_root, iteration)
+    commit_iteration(run_root, iteration, published, taken)  # <- the commit point
+    prune_store(spec, run_root, published["version"])
+    return published, metrics
+
+
+def iteration_wall(spec: RunSpec, started_at: float | None, metrics: dict[str, float]) -> dict[str, float]:
+    """The iteration's wall clock, from the generate step's process start (STARTED_AT) to now, and the
+    part of it no step's `time/*_s` accounts for (orchestration: process starts, imports, artifacts)."""
+    if started_at is None:
+        return {}
+    wall = time.time() - started_at
+    compute = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s"))
+    timing = {ITERATION_WALL: wall, ITERATION_OVERHEAD: max(0.0, wall - compute)}
+    if spec.loop.max_staleness:
+        timing["async/training_busy_share"] = metrics.get("time/update_s", 0.0) / max(wall, 1e-9)
+    return timing
+
+
+def prune_store(spec: RunSpec, run_root: str, version: int) -> None:
+    """After the commit of v(version): move the iteration's buffered rollouts to consumed/ (asynchronous
+    runs), delete weight versions past storage.keep_versions (never v0 nor a version the MLflow Model
+    Registry points at) and optimizer states older than v(version)'s, the policy's and a critic's."""
+    from rlpipe.store.weights import prune, prune_optimizer_states
+    from rlpipe.tracking import registered_versions
+
+    if spec.loop.max_staleness:
+        from rlpipe.rollout_buffer import retire
+
+        retire(run_root, version, spec.storage.keep_versions)
+    registered = registered_versions(spec, run_root)
+    for lineage in ("policy", "critic"):
+        kept = registered if lineage == "policy" else frozenset()
+        prune(run_root, spec.storage.keep_versions, version, lineage, kept)
+        prune_optimizer_states(run_root, version, lineage)
 
 
 def evaluate(
@@ -180,7 +234,7 @@ def evaluate(
     if not evaluation_pending(spec, run_root, iteration):
         return None
     if service_for("evaluate", spec) == "trainer":
-        from rlpipe.services.trainer_client import request_evaluate
+        from rlpipe.clients.trainer_client import request_evaluate
 
         metrics = request_evaluate(spec, run_root, weights, iteration, cache_root)
     else:
@@ -190,10 +244,10 @@ def evaluate(
     from rlpipe.evaluation import stop_reason
 
     if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
-        from rlpipe.store.run_root import commit_state
+        from rlpipe.store.commit import record_stopped
 
         stopped = {"iteration": iteration, "weights_version": weights["version"], "reason": reason}
-        commit_state(run_root, stopped=stopped | {"when": spec.loop.stop_when})
+        record_stopped(run_root, stopped | {"when": spec.loop.stop_when})
     return metrics
 
 

@@ -240,7 +240,7 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     if uri.startswith(("http://", "https://")):
-        from rlpipe.services.http_json import Unreachable, request_json
+        from rlpipe.clients.http_json import Unreachable, request_json
 
         try:
             status, _ = request_json("GET", uri.rstrip("/") + "/health", connect_timeout_s=5, read_timeout_s=5)

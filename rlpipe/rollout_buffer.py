@@ -280,6 +280,19 @@ def taken_record(run_root: str, iteration: int) -> dict[str, Any] | None:
     return read_json(join(iteration_uri(run_root, iteration), "taken.json"))
 
 
+def taken_for_commit(run_root: str, iteration: int) -> dict[str, Any]:
+    """What asynchronous iteration N trained on, which its commit records; RuntimeError when the record
+    is gone (never commit without it: a rerun takes the chunks again)."""
+    taken = taken_record(run_root, iteration)
+    if taken is None:
+        raise RuntimeError(
+            f"iteration {iteration} took its rollouts from the buffer, but its record of them "
+            f"({iteration_uri(run_root, iteration)}/taken.json) is gone: not committing it. "
+            "Rerun `rlpipe run`: the iteration takes its chunks again"
+        )
+    return taken
+
+
 def retire(run_root: str, committed: int, keep: int) -> None:
     """Move the buffer's iterations <= `committed` to consumed/ (idempotent: also what a commit killed
     before it retired leaves), and keep the last `keep` consumed iterations. Only sync_weights calls it,

@@ -109,7 +109,7 @@ def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "prod
 def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
     """What the step's process imports to compute it: its own modules, or its service's client."""
     if service_for(step, spec) == "trainer":
-        return ("rlpipe.services.trainer_client",)
+        return ("rlpipe.clients.trainer_client",)
     if service_for(step, spec) == "producer":
         return ("rlpipe.rollout_buffer",)
     return BY_NAME[step].computes_with

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
-from rlpipe.store.run_root import commit_state, is_local, list_metrics, read_state
+from rlpipe.store.commit import record_tracking_run
+from rlpipe.store.run_root import is_local, list_metrics, read_state
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -64,7 +65,7 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
         )
     else:
         experiment_id = experiment.experiment_id
-    # a kill between create_run and commit_state must not make a second MLflow run
+    # a kill between create_run and record_tracking_run must not make a second MLflow run
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{state['run_uid']}'")
     if found:
         run_id = found[0].info.run_id
@@ -85,7 +86,7 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
         items = list(params.items())
         for start in range(0, len(items), 100):
             client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in items[start : start + 100]])
-    commit_state(run_root, mlflow_run_id=run_id)
+    record_tracking_run(run_root, run_id)
     return run_id
 
 

@@ -51,7 +51,7 @@ def tiny_spec(tmp_path: Path) -> RunSpec:
 def initialized_run(tmp_path: Path, tiny_spec: RunSpec) -> tuple[RunSpec, str, str]:
     """(spec, run_root, cache_root) with data, v0 published and state.json at iteration 0."""
     from rlpipe.data import prepare_data
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.loop import sync_weights
     from rlpipe.training.warm_start import warm_start
 
     run_root = str(tmp_path / "runs" / "tiny")
@@ -60,3 +60,11 @@ def initialized_run(tmp_path: Path, tiny_spec: RunSpec) -> tuple[RunSpec, str, s
     staged, metrics = warm_start(tiny_spec, run_root, cache)
     sync_weights(tiny_spec, run_root, staged, 0, metrics)
     return tiny_spec, run_root, cache
+
+
+def set_state(run_root: str, **changes) -> None:
+    """Merge `changes` into the run's state.json: a test's stand-in for the commits that write it in a run
+    (rlpipe.store.commit)."""
+    from rlpipe.store.run_root import read_state, state_uri, write_json
+
+    write_json(state_uri(run_root), (read_state(run_root) or {"run_uid": "test-run"}) | changes)

@@ -220,7 +220,7 @@ def test_offline_dpo_steps_in_process(tmp_path: Path, initialized_run):
     """preferences -> reference_logprobs -> dpo_update, each a no-op when rerun: pairs from v0's
     samples, the reference's log-probs stored once, the iteration's pairs trained on."""
     from rlpipe import preferences as dpo
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.loop import sync_weights
     from rlpipe.store.weights import read_ref
 
     base, run_root, cache = initialized_run

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.services.sampler_client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
+from rlpipe.clients.sampler_client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
 from rlpipe.services.sampler_fleet import serve
 
 

@@ -75,7 +75,8 @@ def test_a_parameter_that_is_not_a_spec_says_what_to_pass():
 
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
     from rlpipe.pipelines.local_run import check_spec_unchanged
-    from rlpipe.store.run_root import commit_state
+
+    from .conftest import set_state
 
     run_root = str(tmp_path / "run")
     (tmp_path / "run" / "data").mkdir(parents=True)
@@ -83,7 +84,7 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
     # nothing committed yet: a corrected spec replaces it, and data prepared for the old one goes
     check_spec_unchanged(parse_spec({"name": "x"}), run_root)
     assert not (tmp_path / "run" / "data").exists()
-    commit_state(run_root, iteration=0)  # from here on the spec is locked
+    set_state(run_root, iteration=0)  # from here on the spec is locked
     check_spec_unchanged(parse_spec({"name": "x", "loop": {"iterations": 99}}), run_root)  # more iterations: fine
     check_spec_unchanged(parse_spec({"name": "x", "storage": {"root": "/elsewhere"}}), run_root)  # another cwd
     with pytest.raises(ValueError) as refused:
@@ -106,12 +107,14 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
 def test_a_resumed_run_compares_what_the_stored_spec_means(tmp_path: Path):
     """An explicit null is a setting (not its default), and a stored spec is read as parsed."""
     from rlpipe.pipelines.local_run import check_spec_unchanged
-    from rlpipe.store.run_root import commit_state, write_json
+    from rlpipe.store.run_root import write_json
+
+    from .conftest import set_state
 
     run_root = str(tmp_path / "run")
     unbounded = parse_spec({"name": "x", "model": {"warm_start": {"target_accuracy": None}}})
     check_spec_unchanged(unbounded, run_root)
-    commit_state(run_root, iteration=1)
+    set_state(run_root, iteration=1)
     check_spec_unchanged(unbounded, run_root)
     with pytest.raises(ValueError, match="model.warm_start.target_accuracy: started with null, now 0.4"):
         check_spec_unchanged(parse_spec({"name": "x"}), run_root)

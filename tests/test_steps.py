@@ -11,11 +11,11 @@ import torch
 
 from rlpipe.algorithms import compute_advantages
 from rlpipe.engines import generate_rollouts, prompt_indices
+from rlpipe.loop import sync_weights
 from rlpipe.modeling import load_policy
 from rlpipe.rewards import RewardError, score_rollouts
 from rlpipe.rollouts import ROLLOUT_SCHEMA
 from rlpipe.spec import parse_spec, spec_to_dict
-from rlpipe.store.commit import sync_weights
 from rlpipe.store.run_root import read_state
 from rlpipe.store.weights import latest_version, local_path, read_ref
 from rlpipe.training.trainer import NonFiniteLossError, pack, token_logprobs, update_policy

@@ -42,7 +42,7 @@ def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp
         "--- rlpipe: starting trainer on http://127.0.0.1:1\nTraceback (most recent call last):\n"
         '  File "x.py", line 1\nrlpipe.spec.SpecError: an older failure\n'
         "--- rlpipe: starting trainer on http://127.0.0.1:1\nloading\nTraceback (most recent call last):\n"
-        '  File "x.py", line 1\nrlpipe.services.trainer_client.TrainerError: the real one\n  (a note)\n'
+        '  File "x.py", line 1\nrlpipe.clients.trainer_client.TrainerError: the real one\n  (a note)\n'
     )
     assert last_error_line(log) == "TrainerError: the real one"
     log.write_text("--- rlpipe: starting sampler on http://127.0.0.1:1\nKilled\n")
@@ -51,10 +51,10 @@ def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp
 
 @pytest.mark.parametrize("kind", ["trainer", "sampler", "producer"])
 def test_a_service_that_dies_at_start_up_fails_the_waiting_step_at_once(tmp_path: Path, kind: str):
+    from rlpipe.clients.sampler_client import SamplerError, wait_ready
+    from rlpipe.clients.trainer_client import TrainerError, wait_for_trainer
     from rlpipe.data import prepare_data
     from rlpipe.rollout_buffer import take
-    from rlpipe.services.sampler_client import SamplerError, wait_ready
-    from rlpipe.services.trainer_client import TrainerError, wait_for_trainer
 
     run_root = tmp_path / "run"
     servers = _crashing(kind, run_root)

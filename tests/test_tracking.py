@@ -7,26 +7,26 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from rlpipe.spec import parse_spec
-from rlpipe.store.run_root import commit_state, eval_metrics_uri, iteration_metrics_uri, write_json
+from rlpipe.store.run_root import eval_metrics_uri, iteration_metrics_uri, write_json
 from rlpipe.tracking import flush_metrics, tracking_uri
 
-from .conftest import tiny_spec_dict
+from .conftest import set_state, tiny_spec_dict
 
 
 def test_flush_is_idempotent_and_skips_uncommitted(tmp_path: Path):
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
-    commit_state(run_root, iteration=0, weights_version=0)
+    set_state(run_root, iteration=0, weights_version=0)
     write_json(eval_metrics_uri(run_root, 0), {"eval/accuracy_greedy": 0.25})
     for i in (1, 2, 3):
         write_json(iteration_metrics_uri(run_root, i), {"reward/mean": i / 10, "policy/loss": -i})
-    commit_state(run_root, iteration=2)  # iteration 3's file exists but is not committed
+    set_state(run_root, iteration=2)  # iteration 3's file exists but is not committed
 
     run_id, logged = flush_metrics(spec, run_root)
     assert logged == 3  # eval 0, iterations 1 and 2
     again_id, again = flush_metrics(spec, run_root)
     assert (again_id, again) == (run_id, 0)
-    commit_state(run_root, iteration=3)
+    set_state(run_root, iteration=3)
     assert flush_metrics(spec, run_root)[1] == 1
 
     client = MlflowClient(tracking_uri(spec, run_root))
@@ -41,9 +41,9 @@ def test_lost_run_id_finds_the_same_mlflow_run(tmp_path: Path):
     """A kill between creating the MLflow run and saving its id must not make a second run."""
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
-    commit_state(run_root, iteration=0, weights_version=0)
+    set_state(run_root, iteration=0, weights_version=0)
     run_id, _ = flush_metrics(spec, run_root)
-    commit_state(run_root, mlflow_run_id=None)
+    set_state(run_root, mlflow_run_id=None)
     assert flush_metrics(spec, run_root)[0] == run_id
 
 
@@ -96,7 +96,7 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     # every_eval from here on: each eval the store still has; the gate's version gets its alias
     data["tracking"] = {"register": "every_eval"}
     spec = parse_spec(data)
-    commit_state(run_root, stopped={"iteration": 4, "weights_version": 4, "reason": "test", "when": "x"})
+    set_state(run_root, stopped={"iteration": 4, "weights_version": 4, "reason": "test", "when": "x"})
     assert sorted(versions_to_register(spec, run_root)) == [0, 1, 2, 3, 4]
     assert flush(spec, run_root)["registered"] == [4]  # v2 and v3 were pruned before every_eval was asked for
     assert client.get_model_version_by_alias("tiny", "gate_passed").tags["rlpipe.iteration"] == "4"

@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 from rlpipe.algorithms import compute_advantages
+from rlpipe.clients.trainer_client import TrainerError, request_evaluate, request_generate, request_update
 from rlpipe.engines import generate_rollouts
 from rlpipe.evaluation import evaluate_policy
+from rlpipe.loop import sync_weights
 from rlpipe.rewards import score_rollouts
 from rlpipe.rollouts import read_table
-from rlpipe.services.trainer_client import TrainerError, request_evaluate, request_generate, request_update
 from rlpipe.services.trainer_service import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
-from rlpipe.store.commit import sync_weights
 from rlpipe.store.run_root import read_eval_samples
 from rlpipe.store.weights import read_ref
 from rlpipe.training.trainer import update_policy
@@ -103,7 +103,7 @@ def test_unreachable_trainer_names_what_to_check(initialized_run, tmp_path: Path
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
     data["trainer"] |= {"resident": True, "endpoint": "http://127.0.0.1:9"}
-    monkeypatch.setattr("rlpipe.services.trainer_client.READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("rlpipe.clients.trainer_client.READY_TIMEOUT_S", 1.0)
     (tmp_path / "none.parquet").write_bytes(b"")
     with pytest.raises(TrainerError, match="not ready after 1 s.*trainer.endpoint.*trainer.resident: false"):
         request_update(parse_spec(data), run_root, read_ref(run_root, 0), str(tmp_path / "none.parquet"), 1, cache)
@@ -133,7 +133,7 @@ def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initi
 
 
 def test_update_client_does_not_import_torch():
-    code = "import sys, rlpipe.services.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    code = "import sys, rlpipe.clients.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -263,7 +263,7 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
     """Rank 1 fails an update alone while rank 0 waits for it in FSDP's all-gather: rank 0's wait
     times out (--collective-timeout-s), the client gets a 500 naming both ranks' errors, and every
     process exits non-zero (to be restarted: see the test above)."""
-    from rlpipe.services.http_json import is_healthy, request_json
+    from rlpipe.clients.http_json import is_healthy, request_json
     from rlpipe.services.local_servers import free_port
 
     spec, run_root, cache = initialized_run

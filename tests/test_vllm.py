@@ -34,7 +34,7 @@ SAMPLES = 4
 def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     """A tiny run with data and v0 published (the fleet loads v0 at start)."""
     from rlpipe.data import prepare_data
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.loop import sync_weights
     from rlpipe.training.warm_start import warm_start
 
     tmp = tmp_path_factory.mktemp("vllm")
@@ -54,7 +54,7 @@ def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
 
 @pytest.fixture(scope="module")
 def fleet(run):
-    from rlpipe.services.sampler_client import wait_ready
+    from rlpipe.clients.sampler_client import wait_ready
     from rlpipe.services.sampler_fleet import LocalFleet
 
     spec, run_root, _ = run
@@ -180,7 +180,7 @@ def _served_requests(url: str) -> float:
 def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
     from tokenizers import Tokenizer
 
-    from rlpipe.services.sampler_client import generate_groups, wait_ready
+    from rlpipe.clients.sampler_client import generate_groups, wait_ready
 
     spec, run_root, _ = run
     tokenizer = Tokenizer.from_file(str(Path(run_root) / "weights" / "v000000" / "tokenizer.json"))
@@ -210,8 +210,7 @@ def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
 def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fleet):
     """sync_weights' reload: greedy output becomes the new version's torch greedy output on every
     replica; a reload that fails (half-loaded engine) or finds its replica dead recovers."""
-    from rlpipe.services.sampler_client import SamplerError, reload_replica, wait_ready, weight_version
-    from rlpipe.store.commit import reload_samplers
+    from rlpipe.clients.sampler_client import SamplerError, reload_replica, reload_samplers, wait_ready, weight_version
 
     spec, run_root, _ = run
     spec = service_spec(spec, fleet)

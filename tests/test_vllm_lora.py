@@ -33,7 +33,7 @@ PROMPT = [1, 5, 6, 14, 7, 8, 16]  # "<bos>12+34="
 def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     """A tiny LoRA run with v0 (the base) and two random adapter versions v1, v2 published."""
     from rlpipe.data import prepare_data
-    from rlpipe.store.commit import sync_weights
+    from rlpipe.loop import sync_weights
     from rlpipe.training.warm_start import warm_start
 
     tmp = tmp_path_factory.mktemp("vllm_lora")
@@ -130,7 +130,7 @@ def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_pa
 @pytest.fixture(scope="module")
 def fleet(run):
     """One LoRA sampler, started while the latest version is an adapter: it serves v0 with LoRA on."""
-    from rlpipe.services.sampler_client import wait_ready
+    from rlpipe.clients.sampler_client import wait_ready
     from rlpipe.services.sampler_fleet import LocalFleet
 
     spec, run_root, _ = run
@@ -146,7 +146,7 @@ def fleet(run):
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
-    from rlpipe.services.sampler_client import (
+    from rlpipe.clients.sampler_client import (
         SamplerError,
         ensure_version,
         generate_groups,

@@ -1,4 +1,4 @@
-"""The sampler engine: long-lived vLLM servers (rlpipe.services.sampler_client); the generate
+"""The sampler engine: long-lived vLLM servers (rlpipe.clients.sampler_client); the generate
 step is an HTTP client and imports no torch."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def sample_prompts(
     requests name its adapter)."""
     from tokenizers import Tokenizer
 
-    from rlpipe.services.sampler_client import (
+    from rlpipe.clients.sampler_client import (
         adapter_name,
         ensure_version,
         generate_groups,

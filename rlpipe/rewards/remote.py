@@ -25,7 +25,7 @@ RETRIED_STATUS = (429, 500, 502, 503, 504)
 
 def post_batch(url: str, payload: dict, timeout_s: float, retries: int, headers: dict[str, str], key: str) -> list:
     """The rewards the service answers for one batch, retried with backoff 0.5 s, 1 s, 2 s, ..."""
-    from rlpipe.services.http_json import Unreachable, request_json
+    from rlpipe.clients.http_json import Unreachable, request_json
 
     problem = ""
     for attempt in range(retries + 1):

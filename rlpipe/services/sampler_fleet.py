@@ -13,7 +13,7 @@ server on the latest one; sync_weights then reloads it in place at the steps' pa
 Deployment mounts the PVC where the steps do.
 
 LoRA (model.lora): a server starts on the sealed base with LoRA enabled, and the client hot-loads
-each version's adapter (rlpipe.services.sampler_client). The cluster entrypoint has no spec: it
+each version's adapter (rlpipe.clients.sampler_client). The cluster entrypoint has no spec: it
 enables LoRA when the latest version is an adapter, or when its args carry --enable-lora (a run
 whose samplers start at v0: add `--enable-lora --max-lora-rank R` to the Deployment's args).
 """
@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlpipe.clients.sampler_client import sampler_weights_dir
 from rlpipe.services.local_servers import LocalServers
-from rlpipe.services.sampler_client import sampler_weights_dir
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
 from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, latest_version, version_uri

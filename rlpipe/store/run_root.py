@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -133,14 +132,6 @@ def read_state(run_root: str) -> dict[str, Any] | None:
         "that version's manifest.json give them), or start the run again under a new run name / --run-dir"
     )
     return read_json(state_uri(run_root), way_out)
-
-
-def commit_state(run_root: str, **changes: Any) -> dict[str, Any]:
-    """Merge `changes` into state.json atomically; returns the new state."""
-    state = read_state(run_root) or {"run_uid": uuid.uuid4().hex, "created_at": time.time()}
-    state.update(changes, updated_at=time.time())
-    write_json(state_uri(run_root), state)
-    return state
 
 
 # --- metrics files: one per committed iteration, one per eval ------------------------------

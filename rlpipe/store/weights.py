@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import TypedDict
 
-from rlpipe.store.run_root import atomic_write_text, filesystem, is_local, join, move
+from rlpipe.store.run_root import atomic_write_text, filesystem, is_local, join, move, optimizer_dir
 
 MANIFEST = "manifest.json"
 
@@ -258,3 +258,16 @@ def prune(
                 fs.rm(path, recursive=True)
                 removed.append(version)
     return removed
+
+
+def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy") -> None:
+    """Delete optimizer states older than v(current)'s, and .tmp files of saves killed midway: a run
+    resumes only from the latest version's optimizer state."""
+    fs, opt_dir = filesystem(optimizer_dir(run_root, lineage))
+    if not fs.exists(opt_dir):
+        return
+    for path in fs.ls(opt_dir, detail=False):
+        name = path.rsplit("/", 1)[-1]
+        stale = name.endswith(".pt") and int(name[1:7]) < current
+        if name.startswith("v") and (stale or name.endswith(".tmp")):
+            fs.rm(path)

@@ -23,9 +23,10 @@ import os
 from typing import Any
 
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict, with_overrides
+from rlpipe.store.commit import commit_fork
 from rlpipe.store.run_root import (
     atomic_write_text,
-    commit_state,
+    data_counts_uri,
     data_uri,
     eval_metrics_uri,
     eval_samples_uri,
@@ -75,6 +76,38 @@ def local_services(spec: dict[str, Any]) -> dict[str, Any]:
 def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overrides: dict[str, Any]) -> RunSpec:
     """Make `child_root` a run at `parent_root`'s iteration N with the parent's spec plus `overrides`
     (dotted keys); returns the child's spec. Raises ValueError saying what to change."""
+    parent_state, parent_spec = check_fork(parent_root, child_root, iteration, overrides)
+    start = read_ref(parent_root, iteration)
+    verify(start)
+
+    from rlpipe.tracking import tracking_uri
+
+    parent_tracking = tracking_uri(parse_spec(parent_spec, "the parent's spec"), parent_root)
+    # the fork tracks where its parent does (its sqlite store, by default), so MLflow compares the two
+    overrides = {"tracking.uri": parent_tracking, **local_services(parent_spec), **overrides, "name": name}
+    spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides), "the fork's spec")
+    optimizer_state = share_run_files(parent_root, child_root, iteration)
+    atomic_write_text(join(child_root, "weights", "LATEST"), version_name(iteration))
+    verify(read_ref(child_root, iteration))
+    write_json(join(child_root, "spec.json"), spec_to_dict(spec))
+    forked_from = {
+        "run_root": parent_root,
+        "run_uid": parent_state.get("run_uid"),
+        "mlflow_run_id": parent_state.get("mlflow_run_id"),
+        "tracking_uri": parent_tracking,
+        "iteration": iteration,
+        "weights_sha256": start["sha256"],
+        "optimizer_state": optimizer_state,
+    }
+    commit_fork(child_root, iteration, start["sha256"], forked_from)
+    return spec
+
+
+def check_fork(
+    parent_root: str, child_root: str, iteration: int, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parent's state and spec, when a fork of its iteration N into `child_root` can be made;
+    otherwise ValueError saying what to change."""
     parent_state = read_state(parent_root)
     parent_spec = read_json(join(parent_root, "spec.json"))
     if parent_state is None or parent_spec is None:
@@ -95,62 +128,43 @@ def fork_run(parent_root: str, child_root: str, iteration: int, name: str, overr
             "prompts come from them); start a new run to change them"
         )
     try:
-        start = read_ref(parent_root, iteration)
+        read_ref(parent_root, iteration)
     except FileNotFoundError:
-        kept = sorted(p.rsplit("/", 1)[-1] for p in filesystem(join(parent_root, "weights"))[0].ls(
-            filesystem(join(parent_root, "weights"))[1]) if p.rsplit("/", 1)[-1].startswith("v"))  # fmt: skip
+        fs, root = filesystem(join(parent_root, "weights"))
+        kept = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith("v"))
         raise ValueError(
             f"the parent's weights v{iteration:06d} were pruned (storage.keep_versions keeps the last few); "
             f"fork from one of {', '.join(kept)}, or raise storage.keep_versions in runs you mean to fork"
         ) from None
-    verify(start)
+    return parent_state, parent_spec
 
-    from rlpipe.tracking import tracking_uri
 
-    parent_tracking = tracking_uri(parse_spec(parent_spec, "the parent's spec"), parent_root)
-    # the fork tracks where its parent does (its sqlite store, by default), so MLflow compares the two
-    overrides = {"tracking.uri": parent_tracking, **local_services(parent_spec), **overrides, "name": name}
-    spec = parse_spec(with_overrides(copy.deepcopy(parent_spec), overrides), "the fork's spec")
+def share_run_files(parent_root: str, child_root: str, iteration: int) -> str:
+    """Share what the loop reads to go on from iteration N (module docstring); returns whose optimizer
+    state the child starts from: "parent's", "fresh" (the store keeps only the latest version's, so a
+    fork from an earlier one starts AdamW anew) or "none" (v0 has none)."""
+
+    def exists(uri: str) -> bool:
+        fs, path = filesystem(uri)
+        return fs.exists(path)
+
     for split in ("train", "eval"):
         share(data_uri(parent_root, split), data_uri(child_root, split))
-    counts = join(parent_root, "data", "counts.json")
-    if filesystem(counts)[0].exists(filesystem(counts)[1]):
-        share(counts, join(child_root, "data", "counts.json"))
+    if exists(data_counts_uri(parent_root)):
+        share(data_counts_uri(parent_root), data_counts_uri(child_root))
     for version in sorted({0, iteration}):
         share(version_uri(parent_root, version), version_uri(child_root, version))
     trainer_state = [optimizer_uri(parent_root, iteration)]
     trainer_state += [version_uri(parent_root, iteration, "critic"), optimizer_uri(parent_root, iteration, "critic")]
     for uri in trainer_state:  # a critic's only with PPO; an optimizer's unless v{N} is v0
-        if filesystem(uri)[0].exists(filesystem(uri)[1]):
+        if exists(uri):
             share(uri, child_root + uri[len(parent_root) :])
-    # the store keeps only the latest version's optimizer state: a fork from an earlier one starts AdamW anew
-    opt = optimizer_uri(parent_root, iteration)
-    optimizer_state = "parent's" if filesystem(opt)[0].exists(filesystem(opt)[1]) else "fresh" if iteration else "none"
     for n in range(iteration + 1):
         for uri in (
             iteration_metrics_uri(parent_root, n),
             eval_metrics_uri(parent_root, n),
             eval_samples_uri(parent_root, n),
         ):
-            if filesystem(uri)[0].exists(filesystem(uri)[1]):
+            if exists(uri):
                 share(uri, child_root + uri[len(parent_root) :])
-    atomic_write_text(join(child_root, "weights", "LATEST"), version_name(iteration))
-    verify(read_ref(child_root, iteration))
-    write_json(join(child_root, "spec.json"), spec_to_dict(spec))
-    forked_from = {
-        "run_root": parent_root,
-        "run_uid": parent_state.get("run_uid"),
-        "mlflow_run_id": parent_state.get("mlflow_run_id"),
-        "tracking_uri": parent_tracking,
-        "iteration": iteration,
-        "weights_sha256": start["sha256"],
-        "optimizer_state": optimizer_state,
-    }
-    commit_state(
-        child_root,
-        iteration=iteration,
-        weights_version=iteration,
-        weights_sha256=start["sha256"],
-        forked_from=forked_from,
-    )
-    return spec
+    return "parent's" if exists(optimizer_uri(parent_root, iteration)) else "fresh" if iteration else "none"

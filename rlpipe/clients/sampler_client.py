@@ -7,6 +7,7 @@ Torch-free (HTTP only): the generate and sync_weights steps import it on the lig
                       back on the queue for another replica, so a replica dying mid-batch
                       loses no prompt. Every choice carries vLLM's weight-version spans: a
                       completion sampled (even partly) by another version is redone.
+    reload_samplers   sync_weights (synchronous runs): reload_replica on every healthy replica
     reload_replica    pause (drain) -> reload_policy(weights dir) -> label the version ->
                       reset the prefix cache -> resume -> confirm the label. A failed reload
                       leaves vLLM's model half-loaded; it is retried, and a replica that
@@ -26,14 +27,19 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
+from rlpipe.clients.http_json import is_healthy
 from rlpipe.rollouts import Completions
-from rlpipe.services.http_json import is_healthy
 from rlpipe.store.run_root import failed_services
 from rlpipe.store.weights import ADAPTER_CONFIG
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
 BASE_MODEL = "policy"  # the servers' --served-model-name
@@ -192,6 +198,17 @@ def sync_replicas(
     if errors:
         raise SamplerError("; ".join(str(e) for e in errors.values()))
     return {"time/sampler_reload_s": max(seconds.values()), "samplers/replicas": float(len(urls))}
+
+
+def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
+    """Swap the published version into every running sampler in place (no restart, no model load).
+    Samplers still starting are not waited for: they load LATEST, and generate labels them."""
+    s = spec.samplers
+    urls = [url for url in replica_urls(s.endpoints) if is_healthy(url)]
+    if not urls:
+        return {"samplers/replicas": 0.0}
+    adapters = spec.model.lora is not None
+    return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s, adapters)
 
 
 def _choices(

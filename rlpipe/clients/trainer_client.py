@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlpipe.services.http_json import Unreachable, is_healthy, request_json
+from rlpipe.clients.http_json import Unreachable, is_healthy, request_json
 from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.store.run_root import failed_services, filesystem, join
 from rlpipe.store.weights import WeightRef, as_ref

@@ -1,0 +1,180 @@
+"""The shape the core holds to, measured on its source: subpackages import each other in one direction
+(lazy imports included), one module writes state.json, and functions and modules stay readable sizes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import REPO
+
+CORE = REPO / "rlpipe"
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500
+STATE_WRITER = "rlpipe/store/commit.py"
+
+
+def _modules() -> dict[str, Path]:
+    """rlpipe's modules by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted(CORE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _unit(module: str) -> str | None:
+    """The subpackage or top-level module `module` belongs to: rlpipe.store.weights -> store."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rlpipe" and len(parts) > 1 else None
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Nodes under `if TYPE_CHECKING:`, which never run."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(inner) for inner in ast.walk(node)}
+    return skipped
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every rlpipe module `module` imports, at the top or inside a function."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_nodes(tree)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from .x import y
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found |= {f"{target}.{alias.name}" for alias in node.names}  # `from rlpipe import loop`
+    return {name for name in found if name.startswith("rlpipe.")}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """unit -> the units it imports (subpackages and top-level modules of rlpipe)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        source = _unit(module)
+        if source is None:
+            continue
+        targets = {_unit(name) for name in _imports(module, path) if name in modules}
+        graph.setdefault(source, set()).update(t for t in targets if t and t != source)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one unit (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_rlpipe_subpackages_and_modules_import_each_other_in_one_direction():
+    graph = _import_graph()
+    assert {"store", "spec", "training", "loop"} <= set(graph), sorted(graph)  # the scan sees the core
+    cycles = _cycles(graph)
+    edges = {unit: sorted(graph[unit] & set(group)) for group in cycles for unit in group}
+    assert not cycles, f"import cycles among rlpipe's subpackages/modules: {cycles}; edges inside them: {edges}"
+
+
+def test_the_store_is_the_bottom_layer():
+    """rlpipe.store imports nothing of rlpipe but itself and plain key names."""
+    assert _import_graph().get("store", set()) <= {"metric_keys"}
+
+
+def _code_constants_and_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """The string constants a module's code holds (docstrings left out) and the names it uses."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    constants = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    return constants, names
+
+
+def test_one_module_writes_state_json():
+    """run_root names the file (state_uri) and reads it (read_state); only the commit module writes it,
+    and everything else that changes the state calls the commit module."""
+    naming, using_the_path = [], []
+    for path in sorted(CORE.rglob("*.py")):
+        constants, names = _code_constants_and_names(ast.parse(path.read_text()))
+        name = str(path.relative_to(REPO))
+        if "state.json" in constants:
+            naming.append(name)
+        if "state_uri" in names:
+            using_the_path.append(name)
+    # rlpipe/data/files.py names a Hugging Face dataset directory's own state.json, which it only reads
+    assert naming == ["rlpipe/data/files.py", "rlpipe/store/run_root.py"], naming
+    assert using_the_path == [STATE_WRITER, "rlpipe/store/run_root.py"], using_the_path
+
+
+def test_no_function_or_module_in_rlpipe_is_too_long_to_read():
+    long_functions, long_modules = [], []
+    for path in sorted(CORE.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(REPO))
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
