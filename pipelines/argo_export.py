@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from hera.workflows import models as m
 
-from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
+from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL, security_context
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_json
 from rlpipe.steps import gpus_for, iteration_steps, sandboxed, uses_trainer_image
@@ -36,6 +36,7 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
         for s in cluster.secrets
         if s.steps is None or step in s.steps or (step == "init" and "warm_start" in s.steps)
     ]
+    pod_security, container_security = security_context(cluster)
     return m.Template(
         name=name,
         container=m.Container(
@@ -45,13 +46,7 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
             env=env or None,
             resources=m.ResourceRequirements(requests=requests, limits=limits or None),
             volume_mounts=[m.VolumeMount(name=VOLUME, mount_path=cluster.mount_path)] if cluster.pvc else None,
-            security_context=m.SecurityContext(
-                run_as_non_root=True,
-                run_as_user=cluster.run_as_user,
-                allow_privilege_escalation=False,
-                capabilities=m.Capabilities(drop=["ALL"]),
-                seccomp_profile=m.SeccompProfile(type="RuntimeDefault"),
-            ),
+            security_context=m.SecurityContext.model_validate(pod_security | container_security),
         ),
         node_selector=pod.node_selector or None,
         tolerations=[
@@ -113,11 +108,7 @@ def build_argo(spec: RunSpec, run_root: str | None = None) -> tuple[m.WorkflowTe
         ]
         if cluster.pvc
         else None,
-        security_context=m.PodSecurityContext(
-            run_as_non_root=True,
-            run_as_user=cluster.run_as_user,
-            seccomp_profile=m.SeccompProfile(type="RuntimeDefault"),
-        ),
+        security_context=m.PodSecurityContext.model_validate(security_context(cluster)[0]),
         templates=templates,
     )
     template = m.WorkflowTemplate(

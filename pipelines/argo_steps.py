@@ -12,8 +12,9 @@ import argparse
 import sys
 
 from rlpipe import loop
+from rlpipe.reports import write_reports
 from rlpipe.spec import RunSpec, spec_from_json
-from rlpipe.steps import EVERY_ITERATION, iteration_steps
+from rlpipe.steps import BY_NAME, EVERY_ITERATION, iteration_steps, merged_steps
 from rlpipe.store.run_root import filesystem, join, read_json, read_state, write_json
 
 STEPS = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: prepare, warm_start, publish_warm_start
@@ -47,14 +48,19 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     start = loop.plan(spec, run_root)
     if step == "evaluate":
         values = loop.evaluate(spec, run_root, start.weights, start.iteration, spec.cache_root)
+        reports = _work(run_root, start.iteration, "reports")
+        write_reports("evaluate", reports, iteration=start.iteration, run_root=run_root)
         return f"eval/accuracy_greedy {values['eval/accuracy_greedy']:.3f}" if values else "no eval due"
     iteration = start.iteration + 1
     if iteration > spec.loop.iterations:
         return f"loop done at iteration {start.iteration}"
-    rollouts, scored, valued, batch = (
-        _work(run_root, iteration, f"{n}.parquet") for n in ("rollouts", "scored", "valued", "batch")
-    )
+    paths = {name: _work(run_root, iteration, f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")}
     steps = iteration_steps(spec)
+    for earlier in steps[: steps.index(step)] if step in steps else ():
+        if stands_for := BY_NAME[earlier].stands_for:  # its output replaces that artifact for the steps after it
+            paths[stands_for] = paths[BY_NAME[earlier].outputs[0]]
+    rollouts, scored, valued, batch = (paths[name] for name in ("rollouts", "scored", "valued", "batch"))
+    reports = _work(run_root, iteration, "reports")
 
     def step_metrics(name: str) -> str:
         return join(run_root, "work", f"iter_{iteration:06d}", f"{name}_metrics.json")
@@ -66,15 +72,16 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     elif step == "values":
         values = loop.values(spec, run_root, start.weights, iteration, scored, valued, spec.cache_root)
     elif step == "advantages":
-        values = loop.advantages(spec, valued if "values" in steps else scored, batch)
+        values = loop.advantages(spec, scored, batch)
+        write_reports(step, reports, scored_path=scored, batch_path=batch)
     elif step == "update":
         staged, metrics = loop.update(spec, run_root, start.weights, batch, iteration, spec.cache_root)
         values = {"staged": staged, "metrics": metrics}
     else:  # sync_weights
         updated = read_json(step_metrics("update"))
-        before_update = steps[: steps.index("update")]
-        earlier = [read_json(step_metrics(name)) or {} for name in before_update]
-        loop.sync_weights(spec, run_root, updated["staged"], iteration, *earlier, updated["metrics"])
+        merged = [read_json(step_metrics(name)) or {} for name in merged_steps(spec) if name != "update"]
+        _, metrics = loop.sync_weights(spec, run_root, updated["staged"], iteration, *merged, updated["metrics"])
+        write_reports(step, reports, iteration=iteration, metrics=metrics)
         return f"{step} iteration {iteration}"
     write_json(step_metrics(step), values)
     return f"{step} iteration {iteration}"

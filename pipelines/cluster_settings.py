@@ -1,17 +1,37 @@
 """Cluster settings, applied in one place to every task: image, resources, GPUs, node pool,
-tolerations, the shared-FS PVC, secrets as env by reference, retries, timeout, security.
+tolerations, the shared-FS PVC, secrets as env by reference, retries, timeout, security. The pods'
+security settings come from `security_context`, on every path: KFP tasks, Argo templates
+(pipelines/argo_export.py) and the trainer JobSet (pipelines/trainer_jobset.py).
 
 KFP's own task settings land in the PipelineSpec; kfp-kubernetes settings in the PlatformSpec.
 The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=None.
 """
 
+from typing import Any
+
 from kfp import dsl, kubernetes
 
-from rlpipe.spec import RunSpec
+from rlpipe.spec import ClusterSpec, RunSpec
 from rlpipe.steps import BY_NAME, gpus_for, sandboxed, uses_trainer_image
 
 SANDBOX_LABEL = "rlpipe.dev/sandbox"  # selected by manifests/base/sandbox.yaml's NetworkPolicies
 RUNTIME_CLASS_ANNOTATION = "rlpipe.dev/runtime-class"
+
+
+def security_context(cluster: ClusterSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod's and each container's securityContext (Kubernetes field names), for the `restricted`
+    Pod Security profile: a non-root user and group, seccomp RuntimeDefault; no privilege escalation and
+    no capabilities. On KFP, kfp-kubernetes sets the pod's user fields on each task and KFP 2.17's backend
+    applies the container's (kfp.kubernetes.set_security_context: "Platform security defaults
+    (allowPrivilegeEscalation=false, drop ALL capabilities, seccompProfile=RuntimeDefault) are enforced")."""
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": cluster.run_as_user,
+        "runAsGroup": cluster.run_as_user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return pod, container
 
 
 def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.PipelineTask:
@@ -44,7 +64,13 @@ def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.Pipeli
             kubernetes.use_secret_as_env(task, secret_name=secret.secret, secret_key_to_env={secret.key: secret.env})
     if cluster.retries:
         task.set_retry(cluster.retries, backoff_duration=cluster.retry_backoff)
-    kubernetes.set_security_context(task, run_as_user=cluster.run_as_user, run_as_non_root=True)
+    pod_security, _ = security_context(cluster)  # the container's: KFP's backend (security_context)
+    kubernetes.set_security_context(
+        task,
+        run_as_user=pod_security["runAsUser"],
+        run_as_group=pod_security["runAsGroup"],
+        run_as_non_root=pod_security["runAsNonRoot"],
+    )
     if sandboxed(step, spec):
         # KFP's PlatformSpec has no runtimeClassName (kubeflow/pipelines#8052): the pod carries it as an
         # annotation, which the cluster's admission policy applies (manifests/README.md, "Sandboxed

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from rlpipe.pipelines.cluster_settings import security_context
 from rlpipe.services.local_servers import MAX_RESTARTS
 from rlpipe.spec import RunSpec
 from rlpipe.steps import STEP_NAMES, service_for
@@ -92,19 +93,13 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
         "app.kubernetes.io/component": "trainer",
         "app.kubernetes.io/part-of": "rlpipe",
     }
+    pod_security, container_security = security_context(cluster)
     pod_spec = {
         "restartPolicy": "Never",  # a failed pod fails the Job; the JobSet then restarts every node
         "serviceAccountName": "rlpipe-trainer",
         "automountServiceAccountToken": False,  # the trainer never calls the Kubernetes API
         "terminationGracePeriodSeconds": 30,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": cluster.run_as_user,
-            "runAsGroup": cluster.run_as_user,
-            "fsGroup": cluster.run_as_user,
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security | {"fsGroup": cluster.run_as_user, "fsGroupChangePolicy": "OnRootMismatch"},
         "containers": [
             {
                 "name": "trainer",
@@ -118,11 +113,7 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
                     {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                 ],
                 "resources": {"requests": requests} | ({"limits": limits} if limits else {}),
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]},
-                },
+                "securityContext": container_security | {"readOnlyRootFilesystem": True},
                 "volumeMounts": mounts,
             }
         ],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
-from rlpipe.steps import iteration_steps, service_for
+from rlpipe.steps import BY_NAME, iteration_steps, merged_steps, service_for
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -256,21 +256,23 @@ def run_iteration(
 ) -> tuple[WeightRef, dict[str, float]]:
     """Iteration `iteration`: v(N) = `weights` in, v(N+1) published and committed; its metrics (and
     the held-out evaluation's, when one was due). The artifacts (rollouts, scored, batch) are Parquet
-    files in `work_dir`."""
-    rollouts, scored, valued, batch = (
-        str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")
-    )
+    files in `work_dir`, beside the step table's Markdown reports (rlpipe.reports)."""
+    from rlpipe.reports import write_reports
+
+    paths = {name: str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")}
+    done: dict[str, dict[str, float]] = {}  # each step's metrics, which sync_weights merges
     begun = {STARTED_AT: time.time()}  # sync_weights records the iteration's wall time from here
-    generated = generate(spec, run_root, weights, iteration, rollouts, cache_root)
-    scores = score(spec, rollouts, scored)
-    valued_stats = {}
+    done["generate"] = generate(spec, run_root, weights, iteration, paths["rollouts"], cache_root)
+    done["score"] = score(spec, paths["rollouts"], paths["scored"])
     if "values" in iteration_steps(spec):
-        valued_stats = values(spec, run_root, weights, iteration, scored, valued, cache_root)
-        scored = valued
-    advantage_stats = advantages(spec, scored, batch)
-    staged, trained = update(spec, run_root, weights, batch, iteration, cache_root)
-    published, metrics = sync_weights(
-        spec, run_root, staged, iteration, begun, generated, scores, valued_stats, advantage_stats, trained
-    )
+        done["values"] = values(spec, run_root, weights, iteration, paths["scored"], paths["valued"], cache_root)
+        paths[BY_NAME["values"].stands_for] = paths["valued"]  # valued (scored + V_t) stands for scored from here on
+    done["advantages"] = advantages(spec, paths["scored"], paths["batch"])
+    write_reports("advantages", work_dir, scored_path=paths["scored"], batch_path=paths["batch"])
+    staged, done["update"] = update(spec, run_root, weights, paths["batch"], iteration, cache_root)
+    merged = [done[name] for name in merged_steps(spec)]
+    published, metrics = sync_weights(spec, run_root, staged, iteration, begun, *merged)
+    write_reports("sync_weights", work_dir, iteration=iteration, metrics=metrics)
     evaluated = evaluate(spec, run_root, published, iteration, cache_root)
+    write_reports("evaluate", work_dir, iteration=iteration, run_root=run_root)
     return published, metrics | (evaluated or {})

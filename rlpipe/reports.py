@@ -6,7 +6,9 @@
     time_breakdown   sync_weights: where the iteration's wall time went
 
 Plain functions of files and metrics dicts, without KFP. The light steps write one every iteration, so
-they stay cheap: pyarrow, no pandas.
+they stay cheap: pyarrow, no pandas. Which step writes which is the step table's (rlpipe.steps.Step.reports);
+every path writes them through `step_reports`: a KFP component to its Markdown outputs, the in-process
+loop and the Argo steps to `<report>.md` files beside the iteration's artifacts (`write_reports`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
@@ -239,3 +242,39 @@ def time_report(metrics: dict[str, float], iteration: int) -> str:
     else:
         summary = "No wall time was recorded for this iteration: shares are of the parts' sum."
     return "\n".join([title, "", summary, "", table(["part", "kind", "seconds", "share", ""], rows, "llrrl")]) + "\n"
+
+
+# --- which report each step writes -----------------------------------------------------------
+
+
+def step_reports(
+    step: str,
+    *,
+    iteration: int = 0,
+    run_root: str = "",
+    scored_path: str = "",
+    batch_path: str = "",
+    metrics: dict[str, float] | None = None,
+) -> dict[str, str]:
+    """The Markdown of every report the step table gives `step`, by report name ({} for a step
+    without reports). Each report reads only what its step has at hand."""
+    from rlpipe.steps import BY_NAME
+
+    writers = {
+        "rollout_samples": lambda: samples_report(scored_path, batch_path),
+        "time_breakdown": lambda: time_report(metrics or {}, iteration),
+        "eval_samples": lambda: eval_report(run_root, iteration),
+    }
+    return {name: writers[name]() for name in BY_NAME[step].reports}
+
+
+def write_reports(step: str, directory: str | Path, **context: Any) -> list[Path]:
+    """`step_reports` as `<directory>/<report>.md` files (the in-process loop and the Argo steps, which
+    have no KFP UI to render them); returns the files written."""
+    written = []
+    for name, text in step_reports(step, **context).items():
+        path = Path(directory) / f"{name}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written

@@ -33,6 +33,7 @@ class Step:
     outputs: tuple[str, ...] = ()  # KFP artifacts it writes for the steps after it
     reports: tuple[str, ...] = ()  # Markdown artifacts the KFP UI renders (rlpipe.reports); no step reads them
     stands_for: str | None = None  # the artifact its output replaces for the steps after it
+    merges: tuple[str, ...] = ()  # steps whose metrics it merges, in this order (later keys win)
     needs: str | None = None  # runs only for an algorithm that needs this (rlpipe.algorithms: "critic")
 
 
@@ -61,7 +62,7 @@ STEPS: tuple[Step, ...] = (
          torch=True, run_root=True, computes_with=("rlpipe.training.trainer",), inputs=("batch",)),
     Step("sync_weights", "publish v(N+1), record the iteration's metrics, commit state.json", "iteration",
          "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",),
-         reports=("time_breakdown",)),
+         reports=("time_breakdown",), merges=("generate", "score", "values", "advantages", "update")),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
          torch=True, run_root=True, computes_with=("rlpipe.evaluation",), reports=("eval_samples",)),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
@@ -91,6 +92,12 @@ def iteration_steps(spec: RunSpec) -> tuple[str, ...]:
 
     needs = get_algorithm(spec.algorithm.name).needs
     return tuple(name for name in EVERY_ITERATION if BY_NAME[name].needs in (None, *needs))
+
+
+def merged_steps(spec: RunSpec) -> tuple[str, ...]:
+    """The steps of this spec's iteration whose metrics sync_weights merges, in merge order."""
+    steps = iteration_steps(spec)
+    return tuple(name for name in BY_NAME["sync_weights"].merges if name in steps)
 
 
 def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "producer"] | None:

@@ -99,3 +99,40 @@ def test_argo_steps_run_the_loop_from_state(tiny_spec, tmp_path: Path):
     # iteration points 0..3 (0 = the warm start's metrics) and evals at 0, 2 (eval_every) and 3 (the last)
     # the tiny model never learns: every eval scores 0.0, so the registry has v0 (ties keep the earlier)
     assert run_step("track", tiny_spec, run_root).endswith("7 new points; registered iterations [0]")
+
+
+def test_argo_and_in_process_iterations_write_the_reports_kfp_tasks_do(initialized_run, tmp_path: Path):
+    """The step table's reports (rlpipe.steps.Step.reports: what the KFP components write as Markdown
+    outputs, tests/test_structure.py) are written by the Argo steps and the in-process loop too: the same
+    files, the same text where the inputs are the same (the iteration's rollouts and held-out eval)."""
+    import re
+    import shutil
+
+    from rlpipe import loop
+    from rlpipe.steps import BY_NAME
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = initialized_run
+    argo_root = str(tmp_path / "argo-run")
+    shutil.copytree(run_root, argo_root)  # the same v0, data and state: the same iteration 1
+    (tmp_path / "in-process").mkdir()
+    loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "in-process", cache)
+    for step in ("generate", "score", "advantages", "update", "sync_weights"):
+        run_step(step, spec, argo_root)
+    run_step("evaluate", spec, argo_root)
+
+    expected = {f"{name}.md" for step in ("advantages", "sync_weights", "evaluate") for name in BY_NAME[step].reports}
+    assert expected == {"rollout_samples.md", "time_breakdown.md", "eval_samples.md"}
+    in_process = {p.name: p.read_text() for p in (tmp_path / "in-process").glob("*.md")}
+    argo = {p.name: p.read_text() for p in (Path(argo_root) / "work" / "iter_000001" / "reports").glob("*.md")}
+    assert set(in_process) == set(argo) == expected
+    assert in_process["rollout_samples.md"] == argo["rollout_samples.md"]
+    assert in_process["rollout_samples.md"].startswith("## Rollouts of iteration 1")
+    assert in_process["eval_samples.md"] == argo["eval_samples.md"]
+    assert in_process["eval_samples.md"].startswith("## Held-out eval of iteration 1")
+
+    def rows(text: str) -> list[str]:  # the time report's parts, without their seconds
+        return sorted(re.findall(r"^\| (`[^`]+`) \| (?:compute|overhead) \|", text, re.M))
+
+    assert rows(in_process["time_breakdown.md"]) == rows(argo["time_breakdown.md"])
+    assert "`time/update_s`" in rows(argo["time_breakdown.md"])

@@ -90,7 +90,11 @@ def test_gke_spec_carries_the_cluster_settings(tmp_path: Path):
     # the shared-FS PVC on every step that touches the run root, not on artifact-only steps
     for step in ("generate", "update", "sync-weights", "evaluate", "plan", "track", "warm-start"):
         assert platform[f"exec-{step}"]["pvcMount"][0]["mountPath"] == "/mnt/rlpipe"
-        assert platform[f"exec-{step}"]["securityContext"] == {"runAsNonRoot": True, "runAsUser": "1000"}
+        assert platform[f"exec-{step}"]["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": "1000",
+            "runAsGroup": "1000",
+        }
     assert "pvcMount" not in platform["exec-score"]
     # secrets by reference, only on the steps that need them
     track_env = {e["envVar"]: s["secretName"] for s in platform["exec-track"]["secretAsEnv"] for e in s["keyToEnv"]}
@@ -246,3 +250,36 @@ def test_sandboxed_score_step_carries_the_runtime_class(tmp_path: Path):
     assert json.loads(templates["score"]["podSpecPatch"]) == {"runtimeClassName": "gvisor"}
     assert templates["score"]["metadata"]["labels"]["rlpipe.dev/sandbox"] == "true"
     assert "podSpecPatch" not in templates["update"]
+
+
+def test_kfp_argo_and_the_trainer_jobset_run_pods_under_one_security_context(tmp_path: Path):
+    """pipelines.cluster_settings.security_context is what every path's pods get: the KFP tasks' user
+    fields (KFP 2.17's backend adds the container hardening), the Argo templates' pod and containers, the
+    trainer JobSet's pod (plus fsGroup) and container (plus a read-only root filesystem)."""
+    from rlpipe.pipelines.argo_export import build_argo
+    from rlpipe.pipelines.cluster_settings import security_context
+    from rlpipe.pipelines.trainer_jobset import trainer_manifests
+    from rlpipe.spec import load_spec
+
+    spec = load_spec(REPO / "examples" / "addition-gke.yaml")
+    pod, container = security_context(spec.cluster)
+    assert pod["runAsNonRoot"] and pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+    _, _, platform = _compile_gke(tmp_path)
+    identity = {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in pod.items()}
+    for executor in platform.values():
+        assert executor["securityContext"] == {k: identity[k] for k in ("runAsNonRoot", "runAsUser", "runAsGroup")}
+
+    template, _ = build_argo(spec, "/mnt/rlpipe/runs/addition")
+    workflow = template.model_dump(by_alias=True, exclude_none=True, mode="json")["spec"]
+    assert workflow["securityContext"] == pod
+    for each in workflow["templates"]:
+        if "container" in each:
+            assert each["container"]["securityContext"] == pod | container, each["name"]
+
+    resident = load_spec(REPO / "examples" / "addition-gke.yaml", {"trainer.resident": True})
+    jobset = next(doc for doc in trainer_manifests(resident) if doc["kind"] == "JobSet")
+    trainer_pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod.items() <= trainer_pod["securityContext"].items()
+    assert container.items() <= trainer_pod["containers"][0]["securityContext"].items()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.spec import parse_spec
-from rlpipe.steps import STEP_NAMES, STEPS, modules_for, service_for
+from rlpipe.steps import BY_NAME, STEP_NAMES, STEPS, merged_steps, modules_for, service_for
 
 from .conftest import REPO
 
@@ -103,3 +103,16 @@ def test_reports_are_the_steps_markdown_outputs_and_feed_no_step():
         assert markdown == list(step.reports), step.name
     read = {name for component in COMPONENTS.values() for name in component.component_spec.inputs or {}}
     assert not read & reports
+
+
+def test_sync_weights_merges_the_metrics_the_step_table_names():
+    """The KFP component takes one `<step>_metrics` input per step the table says sync_weights merges (the
+    in-process loop and the Argo steps merge rlpipe.steps.merged_steps, in the same order)."""
+    from rlpipe.components.sync_weights.component import sync_weights
+
+    inputs = [name for name in sync_weights.component_spec.inputs if name.endswith("_metrics")]
+    assert set(inputs) == {f"{step}_metrics" for step in BY_NAME["sync_weights"].merges}
+    ppo = parse_spec({"name": "t", "algorithm": {"name": "ppo"}})
+    grpo = parse_spec({"name": "t"})
+    assert merged_steps(ppo) == ("generate", "score", "values", "advantages", "update")
+    assert merged_steps(grpo) == ("generate", "score", "advantages", "update")

@@ -14,7 +14,7 @@ def advantages(
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", step_metrics=dict):
     """The algorithm's advantage for every completion (rlpipe.loop.advantages); rollout_samples: the
-    reward distribution and the best and worst groups' completions (rlpipe.reports.samples_report)."""
+    reward distribution and the best and worst groups' completions (rlpipe.reports.step_reports)."""
     import time
 
     entered = time.time()
@@ -24,9 +24,9 @@ def advantages(
     from rlpipe import loop
 
     values |= loop.advantages(run_spec, scored.path, batch.path)
-    from rlpipe.reports import samples_report
+    from rlpipe.reports import step_reports
 
     with open(rollout_samples.path, "w", encoding="utf-8") as f:
-        f.write(samples_report(scored.path, batch.path))
+        f.write(step_reports("advantages", scored_path=scored.path, batch_path=batch.path)["rollout_samples"])
     finish(metrics, values)
     return (values,)

@@ -14,7 +14,7 @@ def evaluate(
 ):
     """Greedy accuracy of `weights` on the held-out set, when due (iteration 0, every
     loop.eval_every, the last) and not already recorded (rlpipe.loop.evaluate); eval_samples: the
-    accuracy and the held-out rows' greedy completions (rlpipe.reports.eval_report)."""
+    accuracy and the held-out rows' greedy completions (rlpipe.reports.step_reports)."""
     import time
 
     entered = time.time()
@@ -24,8 +24,8 @@ def evaluate(
     from rlpipe import loop
 
     values = loop.evaluate(run_spec, run_root, weights, iteration, run_spec.cache_root)
-    from rlpipe.reports import eval_report
+    from rlpipe.reports import step_reports
 
     with open(eval_samples.path, "w", encoding="utf-8") as f:
-        f.write(eval_report(run_root, iteration))
+        f.write(step_reports("evaluate", iteration=iteration, run_root=run_root)["eval_samples"])
     finish(metrics, (values | overhead) if values else {})

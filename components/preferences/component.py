@@ -6,9 +6,7 @@ from rlpipe.components import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
-def preferences(spec: str, run_root: str, metrics: dsl.Output[dsl.Metrics]) -> NamedTuple(
-    "Outputs", step_metrics=dict
-):
+def preferences(spec: str, run_root: str, metrics: dsl.Output[dsl.Metrics]) -> NamedTuple("Outputs", step_metrics=dict):
     """Offline DPO's preference pairs, once: v0's samples ranked by the verifier, or the data's
     chosen/rejected columns (rlpipe.preferences.build_preferences)."""
     import time

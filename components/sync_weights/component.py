@@ -20,7 +20,7 @@ def sync_weights(
     values_metrics: dict = {},  # noqa: B006 (KFP's default for an optional input; only PPO has a values step)
 ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
     """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights);
-    time_breakdown: where the iteration's wall time went (rlpipe.reports.time_report)."""
+    time_breakdown: where the iteration's wall time went (rlpipe.reports.step_reports)."""
     import time
 
     entered = time.time()
@@ -31,9 +31,9 @@ def sync_weights(
 
     step_metrics = (generate_metrics, score_metrics, values_metrics, advantages_metrics, update_metrics, overhead)
     weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics)
-    from rlpipe.reports import time_report
+    from rlpipe.reports import step_reports
 
     with open(time_breakdown.path, "w", encoding="utf-8") as f:
-        f.write(time_report(values, iteration))
+        f.write(step_reports("sync_weights", iteration=iteration, metrics=values)["time_breakdown"])
     finish(metrics, values)
     return (weights, iteration + 1)

@@ -232,6 +232,24 @@ def _as_completions(choices: list[dict]) -> Completions:
     )
 
 
+def _sample_prompt(
+    url: str,
+    session: requests.Session,
+    prompt: list[int],
+    params: dict,
+    timeout: float,
+    model: str | None,
+    version: int,
+) -> Completions:
+    """One prompt's completions from one replica; SamplerError when any was sampled, even in part, by
+    weights other than `version` (vLLM's weight-version spans)."""
+    choices = _choices(url, session, prompt, params, timeout, model)
+    spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
+    if spans != {str(version)}:
+        raise SamplerError(f"{url} sampled with weights {sorted(spans)}, expected {version}")
+    return _as_completions(choices)
+
+
 def generate_groups(
     urls: list[str],
     prompts: list[list[int]],
@@ -258,7 +276,6 @@ def generate_groups(
     lock = threading.Lock()
     done = threading.Event()
     state = {"remaining": len(prompts), "workers": 0, "retried": 0, "lost_replicas": set(), "errors": []}
-    expected = str(version)
 
     def work(url: str) -> None:
         session = requests.Session()
@@ -269,12 +286,8 @@ def generate_groups(
                 except queue.Empty:
                     continue
                 try:
-                    choices = _choices(
-                        url, session, prompts[index], {**params, "seed": seed + index * samples}, timeout_s, model
-                    )
-                    spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
-                    if spans != {expected}:
-                        raise SamplerError(f"{url} sampled with weights {sorted(spans)}, expected {expected}")
+                    request = {**params, "seed": seed + index * samples}
+                    completions = _sample_prompt(url, session, prompts[index], request, timeout_s, model, version)
                 except (requests.RequestException, SamplerError, KeyError, ValueError) as err:
                     todo.put(index)  # another replica takes it
                     with lock:
@@ -283,7 +296,7 @@ def generate_groups(
                         state["errors"].append(f"{url}: {err}")
                     return
                 with lock:
-                    results[index] = _as_completions(choices)
+                    results[index] = completions
                     state["remaining"] -= 1
                     if state["remaining"] == 0:
                         done.set()
