@@ -1,0 +1,97 @@
+"""The run spec: one YAML file, validated, with errors that say what to change.
+
+Import from here (`from rlpipe.spec import RunSpec, parse_spec`); each concern has its module,
+and they import in this order (each only the ones above it):
+
+- schema:     `section` and `setting` (how a section and its fields are declared), and the sections
+              of what a run computes: model, data, reward, rollout, samplers, algorithm,
+              preferences, trainer, loop
+- placement:  where it runs and stores: storage, tracking, cluster and its pods
+- run_spec:   RunSpec, the sections together, with the rules across sections
+- migration:  keys older versions read, refused with what to write instead
+- validation: `parse_spec` and SpecError: unknown keys, types, bounds, choices, cross-field rules
+- encoding:   YAML (`load_spec`, `with_overrides`), plain dicts and the JSON that crosses KFP; what
+              the keys affect (TRAINING_KEYS, RESUMABLE_KEYS, WARM_START_KEYS) and `resume_changes`
+
+Steps parse the spec in every process, so this package imports nothing heavy.
+"""
+
+from rlpipe.spec.encoding import (
+    RESUMABLE_KEYS,
+    TRAINING_KEYS,
+    WARM_START_KEYS,
+    flatten,
+    load_spec,
+    pick,
+    resume_changes,
+    section_dict,
+    spec_from_json,
+    spec_to_dict,
+    spec_to_json,
+    with_overrides,
+    without,
+)
+from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
+from rlpipe.spec.placement import CPU, MEMORY, ClusterSpec, PodSpec, SecretEnv, StorageSpec, Toleration, TrackingSpec
+from rlpipe.spec.run_spec import RunSpec
+from rlpipe.spec.schema import (
+    AlgorithmSpec,
+    DataSpec,
+    LoopSpec,
+    LoraSpec,
+    ModelSpec,
+    PreferencesSpec,
+    RewardSpec,
+    RolloutSpec,
+    SamplersSpec,
+    TinyModelSpec,
+    TrainerSpec,
+    WarmStartSpec,
+    section,
+    setting,
+)
+from rlpipe.spec.validation import SpecError, parse_spec
+
+__all__ = [
+    "CPU",
+    "MEMORY",
+    "RESUMABLE_KEYS",
+    "TRAINING_KEYS",
+    "WARM_START_KEYS",
+    "AlgorithmSpec",
+    "ClusterSpec",
+    "DataSpec",
+    "LoopSpec",
+    "LoraSpec",
+    "ModelSpec",
+    "PodSpec",
+    "PreferencesSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "RunSpec",
+    "SamplersSpec",
+    "SecretEnv",
+    "SpecError",
+    "StorageSpec",
+    "TinyModelSpec",
+    "Toleration",
+    "TrackingSpec",
+    "TrainerSpec",
+    "WarmStartSpec",
+    "flatten",
+    "load_spec",
+    "old_gpu_keys",
+    "old_task_section",
+    "parse_spec",
+    "pick",
+    "replaced_keys",
+    "resume_changes",
+    "section",
+    "section_dict",
+    "setting",
+    "spec_from_json",
+    "spec_to_dict",
+    "spec_to_json",
+    "with_overrides",
+    "without",
+]

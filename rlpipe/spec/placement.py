@@ -1,0 +1,97 @@
+"""The sections of the run spec that say where a run keeps its files (storage), what it reports to
+(tracking) and how its steps are placed on a cluster (cluster: images, resources, PVC, secrets).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlpipe.spec.schema import section, setting
+
+
+@section
+class StorageSpec:
+    root: str = setting("./runs", doc="Parent of run directories: a local path or fsspec URI")
+    keep_versions: int = setting(3, ge=1, doc="Weight versions kept besides v0")
+    cache: str | None = setting(None, doc="Warm-start cache; default <root>/.cache")
+
+
+@section
+class TrackingSpec:
+    uri: str | None = setting(None, doc="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
+    experiment: str = "rlpipe"
+    register: Literal["none", "best", "every_eval"] = setting(
+        "best",
+        doc="Which evaluated weight versions the MLflow Model Registry gets (a model version pointing at the "
+        "sealed version in the weight store, not a copy): each new best held-out eval, every eval, or none. "
+        "The alias 'best' follows the best eval; 'gate_passed' marks the version that passed loop.stop_when",
+    )
+    registered_model: str | None = setting(None, doc="The registered model's name; default: the run's name")
+
+
+@section
+class Toleration:
+    key: str
+    operator: Literal["Equal", "Exists"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
+
+
+CPU = r"([0-9]*[.])?[0-9]+m?"  # what KFP's set_cpu_request accepts
+MEMORY = r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?"  # what KFP's set_memory_request accepts
+
+
+@section
+class PodSpec:
+    """Image, resources and placement for one class of steps on the cluster."""
+
+    image: str
+    cpu: str = setting("1", pattern=CPU, doc="CPU request: cores, e.g. 4, 0.5 or 500m")
+    memory: str = setting("2Gi", pattern=MEMORY, doc="Memory request: bytes or with a suffix, e.g. 16Gi")
+    cpu_limit: str | None = setting(None, pattern=CPU)
+    memory_limit: str | None = setting(None, pattern=MEMORY)
+    accelerator: str = setting(
+        "nvidia.com/gpu", doc="Resource name (KFP accelerator type) of the GPUs a step requests (trainer.gpus)"
+    )
+    node_selector: dict[str, str] = setting(default_factory=dict)
+    tolerations: list[Toleration] = setting(default_factory=list)
+    timeout_s: int = setting(7200, ge=60)
+
+
+@section
+class SecretEnv:
+    """Expose one key of a Kubernetes Secret as an env var (by reference: values never enter the spec)."""
+
+    secret: str
+    key: str
+    env: str
+    steps: list[str] | None = setting(None, doc="Steps that get it (e.g. [track]); None = every step")
+
+
+@section
+class ClusterSpec:
+    """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
+
+    trainer: PodSpec = setting(
+        default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi")
+    )
+    step: PodSpec = setting(default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/step:0.1.0"))
+    pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
+    mount_path: str = "/mnt/rlpipe"
+    secrets: list[SecretEnv] = setting(default_factory=list)
+    retries: int = setting(2, ge=0, doc="Every step is safe to retry: nothing is visible before sync commits")
+    retry_backoff: str = "30s"
+    run_as_user: int = 1000
+    sandbox_runtime_class: str | None = setting(
+        "gvisor",
+        doc="RuntimeClass of the score pod when a code_sandbox reward runs candidates' code (GKE Sandbox: "
+        "gvisor); its pod is labelled rlpipe.dev/sandbox=true for the deny-egress NetworkPolicy. null: none",
+    )
+
+    def __post_init__(self) -> None:
+        from rlpipe.steps import STEP_NAMES
+
+        for secret in self.secrets:
+            unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))
+            if unknown:
+                raise ValueError(f"cluster.secrets steps {unknown} are not steps; allowed: {', '.join(STEP_NAMES)}")

@@ -1,0 +1,74 @@
+"""RunSpec: the whole run spec, its sections together, with the rules that span sections."""
+
+from __future__ import annotations
+
+from rlpipe.spec.placement import ClusterSpec, StorageSpec, TrackingSpec
+from rlpipe.spec.schema import (
+    AlgorithmSpec,
+    DataSpec,
+    LoopSpec,
+    ModelSpec,
+    PreferencesSpec,
+    RewardSpec,
+    RolloutSpec,
+    SamplersSpec,
+    TrainerSpec,
+    section,
+    setting,
+)
+
+
+@section
+class RunSpec:
+    name: str = setting(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    seed: int = 0
+    model: ModelSpec = setting(default_factory=ModelSpec)
+    data: DataSpec = setting(default_factory=DataSpec)
+    reward: RewardSpec = setting(default_factory=RewardSpec)
+    rollout: RolloutSpec = setting(default_factory=RolloutSpec)
+    samplers: SamplersSpec = setting(default_factory=SamplersSpec)
+    algorithm: AlgorithmSpec = setting(default_factory=AlgorithmSpec)
+    trainer: TrainerSpec = setting(default_factory=TrainerSpec)
+    loop: LoopSpec = setting(default_factory=LoopSpec)
+    storage: StorageSpec = setting(default_factory=StorageSpec)
+    tracking: TrackingSpec = setting(default_factory=TrackingSpec)
+    cluster: ClusterSpec = setting(default_factory=ClusterSpec)
+    preferences: PreferencesSpec = setting(default_factory=PreferencesSpec)
+
+    @property
+    def cache_root(self) -> str:
+        """Local cache for warm starts and copies of remote weights (rlpipe.store.run_root.cache_root_for)."""
+        from rlpipe.store.run_root import cache_root_for
+
+        return cache_root_for(self.storage.root, self.storage.cache)
+
+    def __post_init__(self) -> None:
+        sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+        if self.trainer.mini_batches > sequences:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per iteration "
+                f"({sequences} = rollout.prompts_per_iteration x rollout.samples_per_prompt)"
+            )
+        if self.model.lora is not None and self.rollout.engine != "torch" and self.model.lora.rank > 512:
+            raise ValueError(
+                f"model.lora.rank {self.model.lora.rank} with rollout.engine {self.rollout.engine}: vLLM serves "
+                "LoRA ranks up to 512; lower the rank or use rollout.engine: torch"
+            )
+        if self.model.lora is not None and self.trainer.gpus * self.trainer.nodes > 1:
+            raise ValueError("model.lora trains in one process for now; set trainer.gpus: 1 and trainer.nodes: 1")
+        truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
+        if self.rollout.engine != "torch" and truncated:
+            raise ValueError(
+                f"rollout.engine {self.rollout.engine} reports log-probs of the top-k/top-p truncated distribution, "
+                "which the update's importance ratio (full softmax at the temperature) does not match; "
+                "set rollout.top_k: 0 and rollout.top_p: 1.0, or use rollout.engine: torch"
+            )
+        if self.loop.max_staleness and self.rollout.engine == "vllm":
+            raise ValueError(
+                "loop.max_staleness >= 1 samples ahead in a long-lived producer, and rollout.engine vllm loads an "
+                "engine per call; use rollout.engine: sampler (long-lived vLLM servers) or torch"
+            )
+        if self.loop.max_staleness and self.algorithm.name == "dpo":
+            raise ValueError(
+                "algorithm dpo trains on a fixed preference set, with no rollouts; set loop.max_staleness: 0"
+            )
