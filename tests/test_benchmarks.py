@@ -1,4 +1,5 @@
-"""Every benchmark the docs cite (docs/performance.md and the pages it links) still runs: each one's `--smoke` (tiny sizes, the same code path),
+"""Every benchmark the docs cite (docs/performance.md and the pages it links) still runs: each one's
+`--smoke` (tiny sizes, the same code path),
 run as a user runs it (`python benchmarks/X.py --smoke ...` from the repository root), writing its
 results into a temporary directory, never benchmarks/results/; then what it wrote is checked.
 CI's slow step (`pytest -m slow`): a few minutes together on a 2-core CPU."""
