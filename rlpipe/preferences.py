@@ -95,7 +95,7 @@ def pairs_from_samples(
     from rlpipe.algorithms.dpo import preference_roles
 
     group_ids = np.repeat(np.arange(len(rows)), group)
-    roles, _ = preference_roles(np.asarray(scores, dtype=np.float64), group_ids, None)
+    roles = preference_roles(np.asarray(scores, dtype=np.float64), group_ids)
     pairs = []
     for g, row in enumerate(rows):
         members = range(g * group, (g + 1) * group)

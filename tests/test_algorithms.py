@@ -10,10 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlpipe.algorithms import ALGORITHMS, get_algorithm, resolve_options
+from rlpipe.algorithms import ALGORITHMS, PolicyInputs, Scored, get_algorithm, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate, kl_estimate
 from rlpipe.spec import parse_spec
-from rlpipe.training.trainer import token_logprobs_and_entropy, train_on_batch
+from rlpipe.training.batching import pack
+from rlpipe.training.logprobs import token_logprobs_and_entropy
+from rlpipe.training.trainer import train_on_batch
 
 from .conftest import tiny_spec_dict
 from .test_precision_and_memory import _batch, _make, _params
@@ -23,6 +25,16 @@ BUILT_IN = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"]
 
 def _options(tmp_path: Path, **algorithm):
     return resolve_options(parse_spec(tiny_spec_dict(tmp_path, algorithm=algorithm)))
+
+
+def _terms(options, logprobs, old, advantages, mask, ref=None):
+    """The loss terms of `options.name`'s configured loss; `advantages` one per sequence ([B])."""
+    loss = get_algorithm(options.name).loss(options)
+    return loss(PolicyInputs(logprobs, old, advantages.unsqueeze(-1).expand_as(logprobs), mask, ref))
+
+
+def _advantages(name: str, options, rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
+    return get_algorithm(name).advantages(Scored(rewards, group_ids), options).per_sequence
 
 
 def test_kl_estimators_by_hand():
@@ -49,37 +61,35 @@ def test_dapo_clips_higher_than_grpo(tmp_path: Path):
     grpo, dapo = _options(tmp_path, name="grpo"), _options(tmp_path, name="dapo")
     assert (dapo.clip_eps, dapo.clip_eps_high, dapo.loss_aggregation) == (0.2, 0.28, "token_mean")
     up = torch.tensor([1.0])
-    assert get_algorithm("grpo").loss(logp, old, up, mask, None, grpo)[0].item() == pytest.approx(-1.2)  # clipped
-    assert get_algorithm("dapo").loss(logp, old, up, mask, None, dapo)[0].item() == pytest.approx(-1.25)  # not
+    assert _terms(grpo, logp, old, up, mask).loss.item() == pytest.approx(-1.2)  # clipped
+    assert _terms(dapo, logp, old, up, mask).loss.item() == pytest.approx(-1.25)  # not
     down, second = torch.tensor([-1.0]), torch.tensor([[0.0, 1.0]])  # ratio 0.7, A < 0: the low bound, 0.8, for both
-    for name, options in (("grpo", grpo), ("dapo", dapo)):
-        assert get_algorithm(name).loss(logp, old, down, second, None, options)[0].item() == pytest.approx(0.8)
+    for options in (grpo, dapo):
+        assert _terms(options, logp, old, down, second).loss.item() == pytest.approx(0.8)
 
 
 def test_dr_grpo_neither_scales_by_std_nor_by_length(tmp_path: Path):
     options = _options(tmp_path, name="dr_grpo")
     assert (options.scale_rewards, options.loss_aggregation, options.length_norm) == ("none", "sequence_sum", 4)
-    advantages, _ = get_algorithm("dr_grpo").advantages(np.array([1.0, 0.0, 0.0, 0.0]), np.zeros(4), options)
+    advantages = _advantages("dr_grpo", options, np.array([1.0, 0.0, 0.0, 0.0]), np.zeros(4))
     np.testing.assert_allclose(advantages, [0.75, -0.25, -0.25, -0.25])
     # one completion of 1 token and one of 3, ratio 1: -(0.75 * 1 + (-0.25) * 3) / 2 / 4 = 0
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, _ = get_algorithm("dr_grpo").loss(
-        torch.zeros((2, 3)), torch.zeros((2, 3)), torch.tensor([0.75, -0.25]), mask, None, options
-    )
+    loss = _terms(options, torch.zeros((2, 3)), torch.zeros((2, 3)), torch.tensor([0.75, -0.25]), mask).loss
     assert loss.item() == pytest.approx(-(0.75 * 1 - 0.25 * 3) / 2 / 4)
 
 
 def test_gspo_uses_one_ratio_per_sequence(tmp_path: Path):
     options = _options(tmp_path, name="gspo")
     assert (options.clip_eps, options.clip_eps_high) == (3e-4, 4e-4)
-    loss_fn, mask, old = get_algorithm("gspo").loss, torch.ones((1, 2)), torch.zeros((1, 2))
+    mask, old = torch.ones((1, 2)), torch.zeros((1, 2))
     far = torch.tensor([[0.1, 0.3]], requires_grad=True)  # s = exp(mean(0.1, 0.3)) = e^0.2, clipped at 1 + 4e-4
-    loss, stats = loss_fn(far, old, torch.tensor([1.0]), mask, None, options)
-    assert loss.item() == pytest.approx(-(1 + 4e-4)) and stats["ratio"].item() == pytest.approx(math.exp(0.2))
-    loss.backward()
+    terms = _terms(options, far, old, torch.tensor([1.0]), mask)
+    assert terms.loss.item() == pytest.approx(-(1 + 4e-4)) and terms.ratio.item() == pytest.approx(math.exp(0.2))
+    terms.loss.backward()
     assert torch.equal(far.grad, torch.zeros_like(far))  # clipped: no gradient
     near = torch.tensor([[1e-4, -1e-4]], requires_grad=True)  # s = exp(0) = 1: inside the range
-    loss, _ = loss_fn(near, old, torch.tensor([2.0]), mask, None, options)
+    loss = _terms(options, near, old, torch.tensor([2.0]), mask).loss
     loss.backward()
     assert loss.item() == pytest.approx(-2.0)
     torch.testing.assert_close(far.new_tensor([[-1.0, -1.0]]), near.grad)  # d/dlogp_t of -A s = -A s / |o| each
@@ -87,25 +97,22 @@ def test_gspo_uses_one_ratio_per_sequence(tmp_path: Path):
 
 def test_rloo_leave_one_out_baseline(tmp_path: Path):
     rewards, groups = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 0, 1, 1])
-    advantages, zero = get_algorithm("rloo").advantages(rewards, groups, _options(tmp_path, name="rloo"))
+    advantages = _advantages("rloo", _options(tmp_path, name="rloo"), rewards, groups)
     # A_0 = 1 - (0 + 0 + 1) / 3, A_1 = 0 - (1 + 0 + 1) / 3; the second group has no spread
     np.testing.assert_allclose(advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0])
-    assert zero.tolist() == [False] * 4 + [True] * 2
 
 
 def test_reinforce_pp_whitens_the_batch_and_folds_the_kl_into_the_reward(tmp_path: Path):
     options = _options(tmp_path, name="reinforce_pp", kl_coef=0.1)
     assert (options.kl_estimator, options.loss_aggregation) == ("k1", "token_mean")
     rewards = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    advantages, _ = get_algorithm("reinforce_pp").advantages(rewards, np.array([0, 0, 0, 0, 1, 1]), options)
+    advantages = _advantages("reinforce_pp", options, rewards, np.array([0, 0, 0, 0, 1, 1]))
     np.testing.assert_allclose(advantages, (rewards - 0.5) / (np.std(rewards, ddof=1) + 1e-4))
     old, ref = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.5, -1.0, -2.0]])  # k1 = old - ref = .5, 0, 1
-    loss, stats = get_algorithm("reinforce_pp").loss(
-        old.clone(), old, torch.tensor([1.0]), torch.ones((1, 3)), ref, options
-    )
+    terms = _terms(options, old.clone(), old, torch.tensor([1.0]), torch.ones((1, 3)), ref)
     # A_t = 1 - 0.1 x KL-to-go (1.5, 1.0, 1.0); ratio 1; token mean
-    assert loss.item() == pytest.approx(-((1 - 0.15) + (1 - 0.1) + (1 - 0.1)) / 3)
-    assert stats["kl"].item() == pytest.approx(0.5)  # tracked with k1: mean(0.5, 0, 1)
+    assert terms.loss.item() == pytest.approx(-((1 - 0.15) + (1 - 0.1) + (1 - 0.1)) / 3)
+    assert terms.kl.item() == pytest.approx(0.5)  # tracked with k1: mean(0.5, 0, 1)
 
 
 def test_options_an_algorithm_does_not_read_are_refused(tmp_path: Path):
@@ -123,13 +130,11 @@ def test_the_entropy_bonus_raises_entropy(tmp_path: Path):
     pq.write_table(table.set_column(table.column_names.index("advantage"), "advantage", [[0.0] * len(table)]), batch)
 
     def mean_entropy(trainer) -> float:
-        from rlpipe.training.trainer import pack
-
         mb = pack(table.to_pylist(), pad_id=0)
         with torch.no_grad():
-            logits = trainer.policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-        _, entropy = token_logprobs_and_entropy(logits, mb["input_ids"][:, 1:], 1.0)
-        mask = mb["completion_mask"]
+            logits = trainer.policy(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+        _, entropy = token_logprobs_and_entropy(logits, mb.targets, 1.0)
+        mask = mb.completion_mask
         return float((entropy * mask).sum() / mask.sum())
 
     settings = {"mini_batches": 2, "warmup_steps": 0, "lr": 0.05}

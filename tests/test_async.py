@@ -68,7 +68,7 @@ def test_weighted_advantages_are_the_decoupled_loss():
     proximal, behaviour = torch.tensor([[-0.5, -1.1, -0.3]]), torch.tensor([[-1.5, -1.0, -0.9]])
     mask, advantages = torch.ones(1, 3), torch.tensor([-1.3])
     weights, _ = behaviour_weights(proximal, behaviour, mask, "truncate", 2.0)
-    loss, _ = clipped_policy_loss(logprobs, proximal, advantages.unsqueeze(-1) * weights, mask, 0.2)
+    loss = clipped_policy_loss(logprobs, proximal, advantages.unsqueeze(-1) * weights, mask, 0.2).loss
     ratio = torch.exp(logprobs - proximal)
     w = torch.exp(proximal - behaviour).clamp(max=2.0)
     by_hand = (-w * torch.minimum(ratio * -1.3, ratio.clamp(0.8, 1.2) * -1.3)).mean()

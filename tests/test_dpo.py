@@ -21,10 +21,11 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from rlpipe.algorithms import compute_advantages, get_algorithm, resolve_options
-from rlpipe.algorithms.dpo import dpo_loss, pair_micro_batches, paired_rows, preference_roles
+from rlpipe.algorithms import PolicyInputs, compute_advantages, get_algorithm, resolve_options
+from rlpipe.algorithms.dpo import PreferenceLoss, paired_rows, preference_roles
 from rlpipe.preferences import pairs_from_samples
 from rlpipe.spec import SpecError, parse_spec
+from rlpipe.training.batching import micro_batches
 from rlpipe.training.trainer import train_on_batch
 
 from .conftest import REPO, tiny_spec_dict
@@ -40,6 +41,13 @@ ROLES = torch.tensor([1.0, -1.0, 1.0, -1.0])
 
 def _options(tmp_path: Path, **algorithm):
     return resolve_options(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"} | algorithm)))
+
+
+def dpo_loss(logprobs, old_logprobs, roles, mask, ref_logprobs, options):
+    """(loss, statistics) of the DPO loss `options` configure, the roles one per row ([B])."""
+    inputs = PolicyInputs(logprobs, old_logprobs, roles.unsqueeze(-1).expand_as(logprobs), mask, ref_logprobs)
+    terms = PreferenceLoss.from_options(options)(inputs)
+    return terms.loss, dict(terms.extra) | {"kl": terms.kl, "ratio": terms.ratio}
 
 
 def _softplus(x: float) -> float:
@@ -92,11 +100,10 @@ def test_a_micro_batch_must_hold_whole_pairs(tmp_path: Path):
 def test_online_pairs_are_ranked_by_reward():
     rewards = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.9, 0.5, 0.2])
     groups = np.array([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
-    roles, zero = preference_roles(rewards, groups, None)
+    roles = preference_roles(rewards, groups)
     # group 0: two correct, two wrong -> two pairs; group 1: all equal -> none; group 2: 0.9 > 0.2 and
     # 0.5 > 0.2 (the tie of 0.2s: the first is the worst)
     assert roles.tolist() == [1, -1, -1, 1, 0, 0, 0, 0, -1, 1, 1, -1]
-    assert zero.tolist() == [False] * 4 + [True] * 4 + [False] * 4
 
 
 def test_online_dpo_advantages_step_writes_roles(tmp_path: Path):
@@ -152,7 +159,7 @@ def test_pairs_stay_together_in_micro_batches(tmp_path: Path):
     assert len(ordered) == 20  # unpaired rows dropped
     for chosen, rejected in zip(ordered[0::2], ordered[1::2]):
         assert chosen["group_id"] == rejected["group_id"] and chosen["advantage"] > 0 > rejected["advantage"]
-    groups = pair_micro_batches(ordered, 40)
+    groups = micro_batches(ordered, 40, unit=2)
     assert len(groups) > 1 and sum(len(g) for g in groups) == 20
     for group in groups:
         assert len(group) % 2 == 0

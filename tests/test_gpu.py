@@ -54,7 +54,8 @@ def test_gradient_accumulation_on_the_gpu_equals_the_one_pass_update(tmp_path: P
 
 def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_path: Path):
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.training.trainer import pack, token_logprobs
+    from rlpipe.training.batching import pack
+    from rlpipe.training.logprobs import token_logprobs
 
     batch = _batch(tmp_path)
     fp32 = _trainer(tmp_path, sgd=False, lr=1e-3, device="cuda")
@@ -71,12 +72,12 @@ def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_pa
         {"prompt_token_ids": p, "completion_token_ids": c, "logprobs": lp, "advantage": 0.0}
         for p, c, lp in zip(prompts, out.token_ids, out.logprobs, strict=True)
     ]
-    mb = {k: v.cuda() for k, v in pack(rows, pad_id=0).items()}
+    mb = pack(rows, pad_id=0).to(torch.device("cuda"))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-    recomputed = token_logprobs(logits, mb["input_ids"][:, 1:], 1.0)
-    mask = mb["completion_mask"].bool()
-    assert (recomputed[mask] - mb["old_logprobs"][mask]).abs().max() < 0.05
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+    recomputed = token_logprobs(logits, mb.targets, 1.0)
+    mask = mb.completion_mask.bool()
+    assert (recomputed[mask] - mb.old_logprobs[mask]).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

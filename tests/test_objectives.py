@@ -13,21 +13,20 @@ from rlpipe.algorithms.policy_gradient import clipped_policy_loss
 def test_group_advantages_by_hand():
     rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
     groups = np.array([0, 0, 0, 0, 1, 1, 1, 1])
-    advantages, zero_variance = group_advantages(rewards, groups, "group")
+    advantages = group_advantages(rewards, groups, "group")
     # group 0: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = sqrt(1/3)
     std = math.sqrt(1 / 3)
     expected = [0.5 / (std + STD_EPS), -0.5 / (std + STD_EPS), -0.5 / (std + STD_EPS), 0.5 / (std + STD_EPS)]
     assert advantages[:4] == pytest.approx(expected)
     assert advantages[4:] == pytest.approx([0.0] * 4)  # identical rewards: no signal
-    assert zero_variance.tolist() == [False] * 4 + [True] * 4
 
 
 def test_group_advantages_other_scalings():
     rewards = np.array([1.0, 0.0, 3.0, 1.0])
     groups = np.array([7, 7, 9, 9])  # ids need not be contiguous from 0
-    none, _ = group_advantages(rewards, groups, "none")
+    none = group_advantages(rewards, groups, "none")
     assert none == pytest.approx([0.5, -0.5, 1.0, -1.0])
-    batch, _ = group_advantages(rewards, groups, "batch")
+    batch = group_advantages(rewards, groups, "batch")
     batch_std = np.std(rewards, ddof=1)
     assert batch == pytest.approx(np.array([0.5, -0.5, 1.0, -1.0]) / (batch_std + STD_EPS))
 
@@ -38,8 +37,10 @@ def test_group_of_one_is_rejected():
 
 
 def _loss(logp, old, adv, mask, **kw):
+    """(loss, statistics) with one advantage per sequence, laid along its row: [B] -> [B, T]."""
     t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    return clipped_policy_loss(t(logp), t(old), t(adv), t(mask), **kw)
+    terms = clipped_policy_loss(t(logp), t(old), t(adv).unsqueeze(-1).expand_as(t(logp)), t(mask), **kw)
+    return terms.loss, {"clip_fraction": terms.clip_fraction, "kl": terms.kl, "ratio": terms.ratio}
 
 
 def test_clipped_loss_by_hand():
@@ -78,9 +79,16 @@ def test_k3_kl_penalty_by_hand():
     assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)
 
 
+def test_advantages_must_be_token_shaped():
+    with pytest.raises(ValueError, match=r"advantages must be \[B, T\]"):
+        clipped_policy_loss(torch.zeros((2, 3)), torch.zeros((2, 3)), torch.ones(2), torch.ones((2, 3)), clip_eps=0.2)
+
+
 def test_gradient_is_the_policy_gradient_at_ratio_one():
     # at ratio 1, d loss / d logp_t = -A / |o| per token (sequence_mean)
     logp = torch.zeros((1, 2), requires_grad=True)
-    loss, _ = clipped_policy_loss(logp, torch.zeros((1, 2)), torch.tensor([3.0]), torch.ones((1, 2)), clip_eps=0.2)
+    loss = clipped_policy_loss(
+        logp, torch.zeros((1, 2)), torch.full((1, 2), 3.0), torch.ones((1, 2)), clip_eps=0.2
+    ).loss
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([-1.5, -1.5])

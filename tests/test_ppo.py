@@ -44,16 +44,17 @@ def test_clipped_value_loss_by_hand():
     returns = torch.tensor([[1.0, -1.0]])
     values = torch.tensor([[0.5, 0.1]], requires_grad=True)
     mask = torch.ones(1, 2)
-    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    terms = value_loss(values, old, returns, mask, clip=0.2)
+    loss = terms.loss
     # token 0: V moved 0.5 > 0.2, clipped V = 0.2: max((0.5-1)^2, (0.2-1)^2) = 0.64 (the clipped one)
     # token 1: V moved 0.1 within the clip: (0.1+1)^2 = 1.21 both ways;  L = 1/2 (0.64 + 1.21) / 2
     assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21) / 2)
-    assert stats["value_clip_fraction"].item() == pytest.approx(0.5)
+    assert terms.clip_fraction.item() == pytest.approx(0.5)
     loss.backward()  # the clipped token gives no gradient: it moved too far already
     assert values.grad[0, 0].item() == 0.0 and values.grad[0, 1].item() == pytest.approx(0.5 * 2 * 1.1 / 2)
-    plain, _ = value_loss(values.detach(), old, returns, mask, clip=None)
+    plain = value_loss(values.detach(), old, returns, mask, clip=None).loss
     assert plain.item() == pytest.approx(0.5 * (0.25 + 1.21) / 2)
-    masked, _ = value_loss(values.detach(), old, returns, torch.tensor([[1.0, 0.0]]), clip=0.2)
+    masked = value_loss(values.detach(), old, returns, torch.tensor([[1.0, 0.0]]), clip=0.2).loss
     assert masked.item() == pytest.approx(0.5 * 0.64)
 
 

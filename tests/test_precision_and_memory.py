@@ -14,7 +14,8 @@ import torch
 from rlpipe.devices import resolve_device
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
-from rlpipe.training.trainer import Trainer, micro_batches, train_on_batch
+from rlpipe.training.batching import micro_batches
+from rlpipe.training.trainer import Trainer, train_on_batch
 
 from .conftest import tiny_spec_dict
 
@@ -361,7 +362,8 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
 
 def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.training.trainer import pack, token_logprobs
+    from rlpipe.training.batching import pack
+    from rlpipe.training.logprobs import token_logprobs
 
     trainer = _trainer(tmp_path, dtype="bfloat16")
     model = trainer.policy.eval()
@@ -374,10 +376,10 @@ def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     ]
     mb = pack(rows, pad_id=0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-    recomputed = token_logprobs(logits, mb["input_ids"][:, 1:], 1.0)
-    mask = mb["completion_mask"].bool()
-    gap = (recomputed[mask] - mb["old_logprobs"][mask]).abs().max()
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+    recomputed = token_logprobs(logits, mb.targets, 1.0)
+    mask = mb.completion_mask.bool()
+    gap = (recomputed[mask] - mb.old_logprobs[mask]).abs().max()
     assert gap < 0.05  # bf16 rounding of a cached vs a full forward, not another distribution
     fp32 = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(0))
     assert fp32.logprobs != out.logprobs  # bf16 really ran

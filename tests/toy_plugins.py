@@ -9,21 +9,20 @@ import time
 
 import numpy as np
 
-from rlpipe.algorithms import Algorithm, register_algorithm
-from rlpipe.algorithms.grpo import surrogate_loss
+from rlpipe.algorithms import Advantages, Algorithm, Scored, register_algorithm
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate
 from rlpipe.data import register_source
 from rlpipe.rewards import register_reward_type
 
 
-def sign_advantages(rewards: np.ndarray, group_ids: np.ndarray, options) -> tuple[np.ndarray, np.ndarray]:
+def sign_advantages(scored: Scored, options) -> Advantages:
     """A_i = sign(r_i - mean of its group): +1 above the group's mean, -1 below, 0 at it."""
+    rewards, group_ids = scored.rewards, scored.group_ids
     means = {g: rewards[group_ids == g].mean() for g in np.unique(group_ids)}
-    centered = rewards - np.array([means[g] for g in group_ids])
-    zero_variance = np.array([np.all(rewards[group_ids == g] == rewards[group_ids == g][0]) for g in group_ids])
-    return np.sign(centered), zero_variance
+    return Advantages(per_sequence=np.sign(rewards - np.array([means[g] for g in group_ids])))
 
 
-register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, surrogate_loss))
+register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, ClippedSurrogate.from_options))
 
 
 def doubling_rows(rng: random.Random, n: int, **_: object) -> list[dict[str, str]]:

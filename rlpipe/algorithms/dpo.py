@@ -37,50 +37,55 @@ The NLL term keeps the chosen (correct) answers likely.
 
 The advantages step marks each completion's role in the `advantage` column: +1 chosen, -1 rejected,
 0 unpaired (it trains nothing). The update keeps each pair together, chosen then rejected, in one
-micro-batch (`paired_rows`, `pair_micro_batches`), so the loss sees rows (2k, 2k+1) as pair k.
+micro-batch (`paired_rows`; rlpipe.training.batching splits in units of 2 rows), so the loss sees rows
+(2k, 2k+1) as pair k.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms import Algorithm, register_algorithm
+from rlpipe.algorithms.policy_gradient import kl_estimate
+from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
 
 if TYPE_CHECKING:
     import torch
 
+    from rlpipe.algorithms.registry import PolicyInputs
     from rlpipe.spec import AlgorithmSpec
 
 CHOSEN, REJECTED = 1.0, -1.0
 DPO_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0, "dpo_loss": "sigmoid", "rpo_alpha": 0.0}
 
 
-def preference_roles(
-    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
-) -> tuple[np.ndarray, np.ndarray]:
+def preference_roles(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
     """Online DPO's pairs, as roles: +1 chosen, -1 rejected, 0 unpaired. In each group (the G samples
     of one prompt), sorted by reward (ties by position), the i-th best is paired with the i-th worst
     for i < G/2 while its reward is strictly higher; so every chosen completion of a group beats every
-    rejected one (with 0/1 rewards: min(correct, wrong) pairs). Returns (roles, zero_variance)."""
+    rejected one (with 0/1 rewards: min(correct, wrong) pairs)."""
     rewards = np.asarray(rewards, dtype=np.float64)
     roles = np.zeros(len(rewards))
-    zero_variance = np.zeros(len(rewards), dtype=bool)
     for group in np.unique(group_ids):
         rows = np.flatnonzero(group_ids == group)
         best = rows[np.lexsort((rows, -rewards[rows]))]  # reward descending, then position
         worst = rows[np.lexsort((rows, rewards[rows]))]  # reward ascending, then position
-        zero_variance[rows] = rewards[rows].min() == rewards[rows].max()
         for high, low in zip(best[: len(rows) // 2], worst[: len(rows) // 2]):
             if rewards[high] <= rewards[low]:
                 break
             roles[high], roles[low] = CHOSEN, REJECTED
-    return roles, zero_variance
+    return roles
 
 
-def offline_only(rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec) -> tuple[np.ndarray, np.ndarray]:
+def online_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+    """online_dpo's `advantage` column: each completion's role (`preference_roles`)."""
+    return Advantages(per_sequence=preference_roles(scored.rewards, scored.group_ids))
+
+
+def offline_only(scored: Scored, options: AlgorithmSpec) -> Advantages:
     raise ValueError(
         "algorithm.name dpo trains on a fixed preference set in its own pipeline (rlpipe run and rlpipe compile "
         "pick it); it has no advantages step. For pairs sampled each iteration use algorithm.name: online_dpo"
@@ -108,98 +113,90 @@ def paired_rows(rows: list[dict], seed: int) -> list[dict]:
     return [row for pair in pairs for row in pair]
 
 
-def pair_micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
-    """`rows` as [c_1, r_1, c_2, r_2, ...] in micro-batches whose padded size (rows x longest
-    sequence) fits `budget` tokens, never splitting a pair; pairs sorted by length, as
-    rlpipe.training.trainer.micro_batches sorts rows. budget None: one micro-batch."""
-    if budget is None:
-        return [rows]
-
-    def length(row: dict) -> int:
-        return len(row["prompt_token_ids"]) + len(row["completion_token_ids"])
-
-    pairs = sorted(zip(rows[0::2], rows[1::2]), key=lambda pair: max(map(length, pair)))
-    groups: list[list[dict]] = [[]]
-    width = 0
-    for pair in pairs:
-        longest = max(map(length, pair))
-        if groups[-1] and max(width, longest) * (len(groups[-1]) + 2) > budget:
-            groups.append([])
-            width = 0
-        groups[-1] += pair
-        width = max(width, longest)
-    return groups
-
-
 def sequence_log_ratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """h_i = sum_t m_it (log pi_it - log pi_ref_it): each sequence's log pi(y|x) - log pi_ref(y|x)."""
     return ((logprobs - ref_logprobs) * mask.to(logprobs.dtype)).sum(-1)
 
 
-def preference_loss(
-    chosen: torch.Tensor, rejected: torch.Tensor, options: AlgorithmSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per pair, z = beta (h_w - h_l)) from the pairs' sequence log-ratios h_w, h_l."""
-    import torch.nn.functional as F
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """The DPO loss (module docstring) with its options bound, over rows (2k, 2k+1) = (chosen, rejected)
+    of pair k, averaged over pairs. The reference's per-token log-probs are computed once (dpo) or by the
+    update's reference forward (online_dpo)."""
 
-    beta = options.beta
-    z = beta * (chosen - rejected)
-    if options.dpo_loss == "ipo":
-        return (chosen - rejected - 1.0 / (2.0 * beta)) ** 2, z
-    if options.dpo_loss != "sigmoid":
-        raise ValueError(f"algorithm.dpo_loss must be sigmoid or ipo, got {options.dpo_loss!r}")
-    eps = options.label_smoothing or 0.0
-    return -(1.0 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z), z
+    name: str  # the algorithm's, for errors
+    beta: float
+    kind: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    kl_estimator: str = "k3"  # the tracked KL to the reference
+
+    @classmethod
+    def from_options(cls, options: AlgorithmSpec) -> PreferenceLoss:
+        return cls(
+            options.name,
+            options.beta,
+            options.dpo_loss,
+            options.label_smoothing or 0.0,
+            options.rpo_alpha or 0.0,
+            options.kl_estimator or "k3",
+        )
+
+    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss per pair, z = beta (h_w - h_l)) from the pairs' sequence log-ratios h_w, h_l."""
+        import torch.nn.functional as F
+
+        z = self.beta * (chosen - rejected)
+        if self.kind == "ipo":
+            return (chosen - rejected - 1.0 / (2.0 * self.beta)) ** 2, z
+        if self.kind != "sigmoid":
+            raise ValueError(f"algorithm.dpo_loss must be sigmoid or ipo, got {self.kind!r}")
+        eps = self.label_smoothing
+        return -(1.0 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z), z
+
+    def __call__(self, inputs: PolicyInputs) -> LossTerms:
+        import torch
+
+        logprobs, ref_logprobs, mask = inputs.logprobs, inputs.ref_logprobs, inputs.mask
+        if ref_logprobs is None:
+            raise ValueError(f"algorithm {self.name} needs the reference's log-probs (the frozen v0)")
+        roles = inputs.advantages[:, 0]  # per sequence: the role, the same along the row
+        if len(roles) % 2 or not (bool((roles[0::2] > 0).all()) and bool((roles[1::2] < 0).all())):
+            raise ValueError("a DPO micro-batch must hold whole pairs, chosen (advantage +1) then rejected (-1)")
+        h = sequence_log_ratios(logprobs, ref_logprobs, mask)
+        losses, z = self.pair_losses(h[0::2], h[1::2])
+        mask_f = mask.to(logprobs.dtype)
+        chosen_nll = -(logprobs * mask_f).sum(-1)[0::2] / mask_f.sum(-1)[0::2].clamp(min=1.0)
+        if self.rpo_alpha:
+            losses = losses + self.rpo_alpha * chosen_nll
+        loss, tokens = losses.mean(), mask_f.sum().clamp(min=1.0)
+        with torch.no_grad():
+            kl = kl_estimate(logprobs, ref_logprobs, self.kl_estimator)
+            extra = {
+                "preference_accuracy": (z > 0).to(logprobs.dtype).mean(),
+                "reward_margin": z.mean(),
+                "chosen_reward": self.beta * h[0::2].mean(),
+                "rejected_reward": self.beta * h[1::2].mean(),
+                "chosen_nll": chosen_nll.mean(),
+            }
+            return LossTerms(
+                loss,
+                clip_fraction=torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
+                kl=(kl * mask_f).sum() / tokens,
+                ratio=(torch.exp(logprobs - inputs.old_logprobs) * mask_f).sum() / tokens,
+                extra=extra,
+            )
 
 
-def dpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    options: AlgorithmSpec,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DPO loss (module docstring) over rows (2k, 2k+1) = (chosen, rejected) of pair k, averaged
-    over pairs. `ref_logprobs`: the frozen reference's per-token log-probs (computed once for dpo,
-    by the update's reference forward for online_dpo)."""
-    import torch
-
-    from rlpipe.algorithms.policy_gradient import kl_estimate
-
-    if ref_logprobs is None:
-        raise ValueError(f"algorithm {options.name} needs the reference's log-probs (the frozen v0)")
-    if len(advantages) % 2 or not (bool((advantages[0::2] > 0).all()) and bool((advantages[1::2] < 0).all())):
-        raise ValueError("a DPO micro-batch must hold whole pairs, chosen (advantage +1) then rejected (-1)")
-    h = sequence_log_ratios(logprobs, ref_logprobs, mask)
-    losses, z = preference_loss(h[0::2], h[1::2], options)
-    mask_f = mask.to(logprobs.dtype)
-    chosen_nll = -(logprobs * mask_f).sum(-1)[0::2] / mask_f.sum(-1)[0::2].clamp(min=1.0)
-    if options.rpo_alpha:
-        losses = losses + options.rpo_alpha * chosen_nll
-    tokens = mask_f.sum().clamp(min=1.0)
-    with torch.no_grad():
-        kl = kl_estimate(logprobs, ref_logprobs, options.kl_estimator or "k3")
-        stats = {
-            "preference_accuracy": (z > 0).to(logprobs.dtype).mean(),
-            "reward_margin": z.mean(),
-            "chosen_reward": options.beta * h[0::2].mean(),
-            "rejected_reward": options.beta * h[1::2].mean(),
-            "chosen_nll": chosen_nll.mean(),
-            "clip_fraction": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
-            "kl": (kl * mask_f).sum() / tokens,
-            "ratio": (torch.exp(logprobs - old_logprobs) * mask_f).sum() / tokens,
-        }
-    return losses.mean(), stats
-
-
-DPO = register_algorithm(Algorithm("dpo", frozenset({"pairs"}), offline_only, dpo_loss, DPO_DEFAULTS))
+DPO = register_algorithm(
+    Algorithm("dpo", frozenset({"pairs"}), offline_only, PreferenceLoss.from_options, DPO_DEFAULTS)
+)
 ONLINE_DPO = register_algorithm(
     Algorithm(
         "online_dpo",
         frozenset({"groups", "pairs", "reference"}),
-        preference_roles,
-        dpo_loss,
+        online_advantages,
+        PreferenceLoss.from_options,
         DPO_DEFAULTS | {"rpo_alpha": 1.0},  # see the module docstring: without it, the demo unlearns
     )
 )

@@ -14,16 +14,16 @@ when called (only the update calls them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms import GRPO_DEFAULTS, Algorithm, register_algorithm
-from rlpipe.algorithms.policy_gradient import clipped_policy_loss
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate, clipped_policy_loss
+from rlpipe.algorithms.registry import GRPO_DEFAULTS, Advantages, Algorithm, LossTerms, Scored, register_algorithm
 
 if TYPE_CHECKING:
-    import torch
-
+    from rlpipe.algorithms.registry import PolicyInputs
     from rlpipe.spec import AlgorithmSpec
 
 STD_EPS = 1e-4  # as TRL: keeps (r - mean) / (std + eps) finite for tiny spreads
@@ -33,16 +33,15 @@ def group_advantages(
     rewards: np.ndarray,
     group_ids: np.ndarray,
     scale: Literal["group", "batch", "none"] = "group",
-) -> tuple[np.ndarray, np.ndarray]:
+) -> np.ndarray:
     """GRPO advantages, one per completion.
 
         A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     scale="group" (GRPO)
         A_i = (r_i - mean_g(r)) / (std_batch(r) + eps) scale="batch"
         A_i =  r_i - mean_g(r)                          scale="none"  (Dr. GRPO)
 
-    std is the unbiased sample std (Bessel), as in TRL. Returns (advantages,
-    zero_variance) where zero_variance[i] says completion i's group had identical
-    rewards (so its advantage is 0 and it carries no gradient).
+    std is the unbiased sample std (Bessel), as in TRL. A group whose rewards are all equal gets
+    A_i = 0 (it carries no gradient).
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     _, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
@@ -53,86 +52,63 @@ def group_advantages(
     centered = rewards - means[inverse]
     group_var = np.bincount(inverse, weights=centered**2) / (counts - 1)
     group_std = np.sqrt(group_var)
-    zero_variance = group_std[inverse] == 0.0
     if scale == "group":
-        advantages = centered / (group_std[inverse] + STD_EPS)
-    elif scale == "batch":
-        advantages = centered / (rewards.std(ddof=1) + STD_EPS)
-    elif scale == "none":
-        advantages = centered
-    else:
-        raise ValueError(f"algorithm.scale_rewards must be group, batch or none, got {scale!r}")
-    return advantages, zero_variance
+        return centered / (group_std[inverse] + STD_EPS)
+    if scale == "batch":
+        return centered / (rewards.std(ddof=1) + STD_EPS)
+    if scale == "none":
+        return centered
+    raise ValueError(f"algorithm.scale_rewards must be group, batch or none, got {scale!r}")
 
 
-def grpo_advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
-) -> tuple[np.ndarray, np.ndarray]:
-    return group_advantages(rewards, group_ids, options.scale_rewards)
+def grpo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+    return Advantages(per_sequence=group_advantages(scored.rewards, scored.group_ids, options.scale_rewards))
 
 
-def surrogate_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    options: AlgorithmSpec,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate (rlpipe.algorithms.policy_gradient) with the algorithm's options."""
-    return clipped_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        clip_eps=options.clip_eps,
-        ref_logprobs=ref_logprobs,
-        kl_coef=options.kl_coef,
-        aggregation=options.loss_aggregation,
-        clip_eps_high=options.clip_eps_high,
-        kl_estimator=options.kl_estimator,
-        length_norm=options.length_norm or 1,
-    )
-
-
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    options: AlgorithmSpec,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class SequenceRatioSurrogate:
     """GSPO: the sequence's ratio s_i = exp( sum_t m_it (logp_it - logp_old_it) / sum_t m_it ),
         L = -mean_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
     computed per token as GSPO-token does: s_it = sg[s_i] exp(logp_it - sg[logp_it]) has the value
     s_i and the gradient s_i grad logp_it, so the sequence mean of the token terms is L with L's gradient."""
-    mask_f = mask.to(logprobs.dtype)
-    log_ratio = ((logprobs - old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
-    ratio = (log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()).exp()
-    return clipped_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        clip_eps=options.clip_eps,
-        ref_logprobs=ref_logprobs,
-        kl_coef=options.kl_coef,
-        aggregation="sequence_mean",
-        clip_eps_high=options.clip_eps_high,
-        kl_estimator=options.kl_estimator,
-        ratio=ratio,
-    )
+
+    clip_eps: float
+    clip_eps_high: float | None
+    kl_coef: float
+    kl_estimator: str
+
+    @classmethod
+    def from_options(cls, options: AlgorithmSpec) -> SequenceRatioSurrogate:
+        return cls(options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator)
+
+    def __call__(self, inputs: PolicyInputs) -> LossTerms:
+        logprobs, mask_f = inputs.logprobs, inputs.mask.to(inputs.logprobs.dtype)
+        log_ratio = ((logprobs - inputs.old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+        ratio = (log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()).exp()
+        return clipped_policy_loss(
+            logprobs,
+            inputs.old_logprobs,
+            inputs.advantages,
+            inputs.mask,
+            clip_eps=self.clip_eps,
+            ref_logprobs=inputs.ref_logprobs,
+            kl_coef=self.kl_coef,
+            aggregation="sequence_mean",
+            clip_eps_high=self.clip_eps_high,
+            kl_estimator=self.kl_estimator,
+            ratio=ratio,
+        )
 
 
 GROUPS = frozenset({"groups"})
-GRPO = register_algorithm(Algorithm("grpo", GROUPS, grpo_advantages, surrogate_loss, GRPO_DEFAULTS))
+SURROGATE = ClippedSurrogate.from_options
+GRPO = register_algorithm(Algorithm("grpo", GROUPS, grpo_advantages, SURROGATE, GRPO_DEFAULTS))
 DR_GRPO = register_algorithm(
     Algorithm(
         "dr_grpo",
         GROUPS,
         grpo_advantages,
-        surrogate_loss,
+        SURROGATE,
         GRPO_DEFAULTS | {"scale_rewards": "none", "loss_aggregation": "sequence_sum", "length_norm": None},
     )
 )
@@ -141,7 +117,7 @@ DAPO = register_algorithm(
         "dapo",
         GROUPS,
         grpo_advantages,
-        surrogate_loss,
+        SURROGATE,
         GRPO_DEFAULTS | {"clip_eps_high": 0.28, "loss_aggregation": "token_mean", "dynamic_sampling": True},
     )
 )
@@ -150,7 +126,7 @@ GSPO = register_algorithm(
         "gspo",
         GROUPS,
         grpo_advantages,
-        gspo_loss,
+        SequenceRatioSurrogate.from_options,
         {
             "scale_rewards": "group",
             "clip_eps": 3e-4,

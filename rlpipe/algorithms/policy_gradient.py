@@ -8,10 +8,16 @@ when a function is called: only the update calls these.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+
+from rlpipe.algorithms.registry import LossTerms
 
 if TYPE_CHECKING:
     import torch
+
+    from rlpipe.algorithms.registry import PolicyInputs
+    from rlpipe.spec import AlgorithmSpec
 
 Aggregation = Literal["sequence_mean", "token_mean", "sequence_sum"]
 
@@ -68,22 +74,27 @@ def clipped_policy_loss(
     kl_estimator: str = "k3",
     length_norm: int = 1,
     ratio: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """PPO's clipped surrogate with an optional KL penalty, per token t of completion i:
         r_it  = exp(logp_it - logp_old_it)        (importance ratio to the sampler; `ratio` overrides it)
         pg_it = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it)
         l_it  = pg_it + beta kl_it                (kl_estimate; beta = kl_coef)
-    then aggregated (`aggregate`). `advantages` is [B] (one per completion) or [B, T] (per token).
-    eps_high = eps_low unless given (DAPO's clip-higher: eps_high > eps_low lets unlikely tokens rise).
+    then aggregated (`aggregate`). Every tensor is [B, T], `advantages` too (a per-sequence A_i along
+    its row). eps_high = eps_low unless given (DAPO's clip-higher: eps_high > eps_low lets unlikely
+    tokens rise).
     """
     import torch
 
+    if advantages.shape != logprobs.shape:
+        raise ValueError(
+            f"advantages must be [B, T] as the log-probs are, {tuple(logprobs.shape)}; got "
+            f"{tuple(advantages.shape)} (a per-sequence A_i goes along its row: A.unsqueeze(-1).expand_as)"
+        )
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs) if ratio is None else ratio
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None:
@@ -94,12 +105,50 @@ def clipped_policy_loss(
     tokens = mask.sum().clamp(min=1.0)
     with torch.no_grad():
         was_clipped = (clipped < unclipped).to(mask.dtype)  # the clip bound was the active term
-        stats = {
-            "clip_fraction": (was_clipped * mask).sum() / tokens,
-            "kl": (kl * mask).sum() / tokens,
-            "ratio": (ratio * mask).sum() / tokens,
-        }
-    return loss, stats
+        return LossTerms(
+            loss,
+            clip_fraction=(was_clipped * mask).sum() / tokens,
+            kl=(kl * mask).sum() / tokens,
+            ratio=(ratio * mask).sum() / tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ClippedSurrogate:
+    """`clipped_policy_loss` with its options bound (grpo, dr_grpo, dapo, rloo, ppo)."""
+
+    clip_eps: float
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: Aggregation = "sequence_mean"
+    length_norm: int = 1
+
+    @classmethod
+    def from_options(cls, options: AlgorithmSpec) -> ClippedSurrogate:
+        return cls(
+            clip_eps=options.clip_eps,
+            clip_eps_high=options.clip_eps_high,
+            kl_coef=options.kl_coef,
+            kl_estimator=options.kl_estimator,
+            aggregation=options.loss_aggregation,
+            length_norm=options.length_norm or 1,
+        )
+
+    def __call__(self, inputs: PolicyInputs) -> LossTerms:
+        return clipped_policy_loss(
+            inputs.logprobs,
+            inputs.old_logprobs,
+            inputs.advantages,
+            inputs.mask,
+            clip_eps=self.clip_eps,
+            ref_logprobs=inputs.ref_logprobs,
+            kl_coef=self.kl_coef,
+            aggregation=self.aggregation,
+            clip_eps_high=self.clip_eps_high,
+            kl_estimator=self.kl_estimator,
+            length_norm=self.length_norm,
+        )
 
 
 def behaviour_weights(

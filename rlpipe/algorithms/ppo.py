@@ -21,12 +21,13 @@ says how much of the return the critic predicted (1: all; <= 0: no better than a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlpipe.algorithms import Algorithm, register_algorithm
-from rlpipe.algorithms.grpo import STD_EPS, surrogate_loss
+from rlpipe.algorithms.grpo import STD_EPS, SURROGATE
+from rlpipe.algorithms.registry import Advantages, Algorithm, Scored, ValueTerms, register_algorithm
 
 if TYPE_CHECKING:
     import torch
@@ -46,13 +47,13 @@ def gae(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float)
     return advantages, advantages + np.asarray(values, dtype=np.float64)
 
 
-def ppo_advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec, values: list[np.ndarray]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-token (advantages, returns) of every completion: GAE on the sequence reward placed at the
+def ppo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+    """Per-token advantages and returns of every completion: GAE on the sequence reward placed at the
     last token, advantages whitened over the batch's tokens when options.whiten_advantages."""
+    if scored.values is None:
+        raise ValueError("ppo's advantages need the values step's per-token values")
     advantages, returns = [], []
-    for reward, completion_values in zip(rewards, values, strict=True):
+    for reward, completion_values in zip(scored.rewards, scored.values, strict=True):
         completion_values = np.asarray(completion_values, dtype=np.float64)
         token_rewards = np.zeros(len(completion_values))
         if len(token_rewards):
@@ -64,7 +65,7 @@ def ppo_advantages(
         every = np.concatenate(advantages) if advantages else np.zeros(0)
         mean, std = (every.mean(), every.std()) if len(every) else (0.0, 1.0)
         advantages = [(a - mean) / (std + STD_EPS) for a in advantages]
-    return advantages, returns
+    return Advantages(per_token=advantages, returns=returns)
 
 
 def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
@@ -75,7 +76,7 @@ def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
 
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> ValueTerms:
     """The clipped value loss L_V above (token mean over `mask`); clip None: the plain squared error."""
     import torch
 
@@ -91,7 +92,23 @@ def value_loss(
         per_token = torch.maximum(squared, squared_clipped)
         clipped_fraction = ((squared_clipped > squared).to(mask.dtype) * mask).sum().detach() / tokens
     loss = 0.5 * (per_token * mask).sum() / tokens
-    return loss, {"value_clip_fraction": clipped_fraction, "value_mean": ((values * mask).sum() / tokens).detach()}
+    return ValueTerms(loss, clip_fraction=clipped_fraction, value_mean=((values * mask).sum() / tokens).detach())
+
+
+@dataclass(frozen=True)
+class ClippedValueLoss:
+    """`value_loss` with algorithm.value_clip bound."""
+
+    clip: float | None
+
+    def __call__(
+        self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    ) -> ValueTerms:
+        return value_loss(values, old_values, returns, mask, self.clip)
+
+
+def clipped_value_loss(options: AlgorithmSpec) -> ClippedValueLoss:
+    return ClippedValueLoss(options.value_clip)
 
 
 PPO = register_algorithm(
@@ -99,7 +116,7 @@ PPO = register_algorithm(
         "ppo",
         frozenset({"critic"}),
         ppo_advantages,
-        surrogate_loss,
+        SURROGATE,
         {
             "clip_eps": 0.2,
             "clip_eps_high": None,
@@ -111,6 +128,6 @@ PPO = register_algorithm(
             "whiten_advantages": True,
             "critic_lr": None,  # = trainer.lr
         },
-        value_loss=value_loss,
+        value_loss=clipped_value_loss,
     )
 )

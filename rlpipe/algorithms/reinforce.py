@@ -13,62 +13,68 @@ mini-batch steps after the first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlpipe.algorithms import Algorithm, register_algorithm
-from rlpipe.algorithms.grpo import STD_EPS, group_advantages, surrogate_loss
-from rlpipe.algorithms.policy_gradient import clipped_policy_loss, kl_estimate
+from rlpipe.algorithms.grpo import STD_EPS, SURROGATE, group_advantages
+from rlpipe.algorithms.policy_gradient import Aggregation, clipped_policy_loss, kl_estimate
+from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
 
 if TYPE_CHECKING:
-    import torch
-
+    from rlpipe.algorithms.registry import PolicyInputs
     from rlpipe.spec import AlgorithmSpec
 
 
-def rloo_advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
-) -> tuple[np.ndarray, np.ndarray]:
-    centered, zero_variance = group_advantages(rewards, group_ids, "none")
-    _, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
+def rloo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+    centered = group_advantages(scored.rewards, scored.group_ids, "none")
+    _, inverse, counts = np.unique(scored.group_ids, return_inverse=True, return_counts=True)
     size = counts[inverse].astype(np.float64)
-    return centered * size / (size - 1.0), zero_variance
+    return Advantages(per_sequence=centered * size / (size - 1.0))
 
 
-def batch_whitened_advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, options: AlgorithmSpec
-) -> tuple[np.ndarray, np.ndarray]:
-    rewards = np.asarray(rewards, dtype=np.float64)
-    _, zero_variance = group_advantages(rewards, group_ids, "none")  # for the metric only
-    return (rewards - rewards.mean()) / (rewards.std(ddof=1) + STD_EPS), zero_variance
+def batch_whitened_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+    rewards = np.asarray(scored.rewards, dtype=np.float64)
+    return Advantages(per_sequence=(rewards - rewards.mean()) / (rewards.std(ddof=1) + STD_EPS))
 
 
-def reinforce_pp_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    options: AlgorithmSpec,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(logprobs)
-    if ref_logprobs is not None and options.kl_coef:
-        kl = kl_estimate(old_logprobs, ref_logprobs, options.kl_estimator) * mask.to(logprobs.dtype)
-        kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)  # sum over s >= t
-        per_token = per_token - options.kl_coef * kl_to_go.detach()
-    return clipped_policy_loss(
-        logprobs,
-        old_logprobs,
-        per_token,
-        mask,
-        clip_eps=options.clip_eps,
-        ref_logprobs=ref_logprobs,  # tracked (stats["kl"]); in the reward, not the loss
-        kl_coef=0.0,
-        aggregation=options.loss_aggregation,
-        clip_eps_high=options.clip_eps_high,
-        kl_estimator=options.kl_estimator,
-    )
+@dataclass(frozen=True)
+class KlInRewardSurrogate:
+    """REINFORCE++'s loss: the clipped surrogate on A_it = A_i - beta sum_{s >= t} kl_s (module
+    docstring), the KL tracked but not a loss term again."""
+
+    clip_eps: float
+    clip_eps_high: float | None
+    kl_coef: float
+    kl_estimator: str
+    aggregation: Aggregation
+
+    @classmethod
+    def from_options(cls, options: AlgorithmSpec) -> KlInRewardSurrogate:
+        return cls(
+            options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator, options.loss_aggregation
+        )
+
+    def __call__(self, inputs: PolicyInputs) -> LossTerms:
+        logprobs, old_logprobs, ref_logprobs = inputs.logprobs, inputs.old_logprobs, inputs.ref_logprobs
+        per_token = inputs.advantages
+        if ref_logprobs is not None and self.kl_coef:
+            kl = kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator) * inputs.mask.to(logprobs.dtype)
+            kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)  # sum over s >= t
+            per_token = per_token - self.kl_coef * kl_to_go.detach()
+        return clipped_policy_loss(
+            logprobs,
+            old_logprobs,
+            per_token,
+            inputs.mask,
+            clip_eps=self.clip_eps,
+            ref_logprobs=ref_logprobs,  # tracked (kl); in the reward, not the loss
+            kl_coef=0.0,
+            aggregation=self.aggregation,
+            clip_eps_high=self.clip_eps_high,
+            kl_estimator=self.kl_estimator,
+        )
 
 
 RLOO = register_algorithm(
@@ -76,7 +82,7 @@ RLOO = register_algorithm(
         "rloo",
         frozenset({"groups"}),
         rloo_advantages,
-        surrogate_loss,
+        SURROGATE,
         {
             "clip_eps": 0.2,
             "clip_eps_high": None,
@@ -91,7 +97,7 @@ REINFORCE_PP = register_algorithm(
         "reinforce_pp",
         frozenset(),
         batch_whitened_advantages,
-        reinforce_pp_loss,
+        KlInRewardSurrogate.from_options,
         {"clip_eps": 0.2, "clip_eps_high": None, "loss_aggregation": "token_mean", "kl_estimator": "k1"},
     )
 )

@@ -233,7 +233,9 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     from rlpipe.rollout_buffer import CHUNKS, chunk_uri
     from rlpipe.rollouts import read_table
     from rlpipe.store.run_root import filesystem
-    from rlpipe.training.trainer import micro_batches, policy_logprobs, sequence_key
+    from rlpipe.training.batching import micro_batches
+    from rlpipe.training.logprobs import sequence_key
+    from rlpipe.training.off_policy import policy_logprobs
 
     trainer = held.trainer
     if trainer is None or not trainer.spec.loop.max_staleness:

@@ -28,11 +28,15 @@ from rlpipe.modeling import configure_torch
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_ref, seal, staging_uri
+from rlpipe.training.batching import MicroBatch, micro_batches, pack
 from rlpipe.training.distributed import full_model_state, full_optimizer_state, load_optimizer_state, shard, world
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from transformers import PreTrainedModel
 
+    from rlpipe.algorithms.registry import ValueLoss, ValueTerms
     from rlpipe.spec import RunSpec
 
 
@@ -107,6 +111,18 @@ def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention: tor
     return model(input_ids=input_ids, attention_mask=attention).logits[:, :-1, 0].float()
 
 
+def value_step(
+    critic: Critic, value_loss: ValueLoss, mb: MicroBatch, scale: float, autocast: AbstractContextManager
+) -> ValueTerms:
+    """The critic's forward and backward pass on one micro-batch: its value loss (a token mean) with its
+    gradient scaled by `scale` (processes x the micro-batch's share T_j / T of the mini-batch's tokens)."""
+    with autocast:
+        values = token_values(critic.model, mb.input_ids, mb.attention)
+    terms = value_loss(values, mb.old_values, mb.returns, mb.completion_mask)
+    (scale * terms.loss).backward()
+    return terms
+
+
 def compute_values(
     spec: RunSpec,
     run_root: str,
@@ -118,8 +134,6 @@ def compute_values(
 ) -> dict[str, float]:
     """The values step: add a `values` column (V_t of each completion token, under critic v(N)) to the
     scored rollouts. `critic`: the resident trainer's; else critic v(N) is loaded here."""
-    from rlpipe.training.trainer import micro_batches, pack
-
     started = time.time()
     version = int(weights["version"])
     if critic is None:
@@ -136,7 +150,7 @@ def compute_values(
     with torch.no_grad(), autocast:
         for group in micro_batches(rows, spec.trainer.micro_batch_tokens):
             mb = pack(group, pad_id)
-            v = token_values(critic.model, mb["input_ids"].to(device), mb["attention"].to(device)).cpu()
+            v = token_values(critic.model, mb.input_ids.to(device), mb.attention.to(device)).cpu()
             for i, row in enumerate(group):
                 start = len(row["prompt_token_ids"]) - 1
                 values[row["_row"]] = v[i, start : start + len(row["completion_token_ids"])].numpy()

@@ -1,5 +1,6 @@
 """Data-parallel training over several processes with FSDP2 (`torch.distributed.fsdp.fully_shard`),
-launched by torchrun: NCCL on GPUs, gloo on CPU (where the tests run the same code).
+launched by torchrun (`update_in_processes`; each process runs rlpipe.training.trainer.main): NCCL on
+GPUs, gloo on CPU (where the tests run the same code).
 
 Each process holds 1/world of every parameter, gradient and AdamW moment. A mini-batch's micro-batches
 are the same on every process (so the collectives line up); each process takes every world-th row
@@ -96,6 +97,13 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
         model.set_reshard_after_forward(False, recurse=False)
 
 
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of `model` to a total norm of at most `max_norm`; the norm before clipping
+    (over every shard: a sharded model's norm is a DTensor, made whole here)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def all_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Each value summed over the processes (unchanged in one process)."""
     if world()[1] == 1:
@@ -180,7 +188,7 @@ def update_in_processes(
         with open(f"{tmp}/request.json", "w") as f:
             json.dump(request, f)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", str(spec.trainer.gpus), "-m", "rlpipe.training.distributed"]
+        command += ["--nproc-per-node", str(spec.trainer.gpus), "-m", "rlpipe.training.trainer"]
         done = subprocess.run([*command, f"{tmp}/request.json"], capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
@@ -193,32 +201,3 @@ def update_in_processes(
     metrics = result["metrics"] | {"policy/processes": float(spec.trainer.gpus)}
     metrics["overhead/update_launch_s"] = time.time() - started - metrics.get("time/update_s", 0.0)
     return result["staged"], metrics
-
-
-def main(argv: list[str] | None = None) -> None:
-    """One torchrun process of update_in_processes: `python -m rlpipe.training.distributed REQUEST`."""
-    import json
-    import sys
-
-    from rlpipe.spec import parse_spec
-    from rlpipe.training.trainer import update_policy
-
-    with open((argv or sys.argv[1:])[0]) as f:
-        request = json.load(f)
-    spec = parse_spec(request["spec"])
-    staged, metrics = update_policy(
-        spec,
-        request["run_root"],
-        request["weights"],
-        request["batch_path"],
-        request["iteration"],
-        request["cache_root"],
-    )
-    if world()[0] == 0:
-        with open(request["result"], "w") as f:
-            json.dump({"staged": staged, "metrics": metrics}, f)
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

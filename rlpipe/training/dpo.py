@@ -14,7 +14,8 @@ import pyarrow as pa
 
 from rlpipe.modeling import load_weights
 from rlpipe.rollouts import write_table
-from rlpipe.training.trainer import completion_logprobs, load_trainer, save_trained, train_on_batch
+from rlpipe.training.logprobs import completion_logprobs
+from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -91,7 +92,7 @@ def preference_accuracy(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> d
 
 
 def batch_rows(pairs: list[dict]) -> list[dict]:
-    """The pairs as update rows (rlpipe.training.trainer.pack): chosen (advantage +1) and rejected
+    """The pairs as update rows (rlpipe.training.batching.pack): chosen (advantage +1) and rejected
     (-1) of pair k in group k, with the reference's log-probs computed once; the sampler log-probs
     (pi_old, only in the ratio statistic) are the reference's too."""
     rows = []

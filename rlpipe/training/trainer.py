@@ -1,11 +1,12 @@
 """update: one iteration of policy-gradient training on the batch; stages weights v(N+1).
 
-Mini-batches (PPO style): the batch is shuffled and split into `trainer.mini_batches`
-optimizer steps per epoch. The sampler's log-probs are pi_old, so no extra forward pass
-is spent recomputing them; unless algorithm.off_policy_correction (on for asynchronous runs) asks
-for the decoupled loss: then one no-grad pass first computes pi_prox, the log-probs under the weights
-the update starts from, and the sampler's become the behaviour policy of the importance weights
-(rlpipe.algorithms.policy_gradient.behaviour_weights).
+`train_on_batch` is the optimizer loop: the batch's rows in mini-batches (trainer.mini_batches optimizer
+steps per epoch, PPO style), each split into micro-batches of at most trainer.micro_batch_tokens whose
+gradients accumulate (rlpipe.training.batching). Each micro-batch computes its algorithm's `Objective`:
+the registered policy loss with its options (rlpipe.algorithms), minus the entropy bonus, on advantages
+the off-policy correction may weight (rlpipe.training.off_policy), with PPO's value loss on the critic
+beside it (rlpipe.training.critic). The sampler's log-probs are pi_old, so no extra forward pass is spent
+recomputing them, unless algorithm.off_policy_correction asks for the decoupled loss.
 """
 
 from __future__ import annotations
@@ -13,36 +14,42 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.algorithms import get_algorithm, needs_critic, resolve_options
-from rlpipe.algorithms.dpo import pair_micro_batches, paired_rows
-from rlpipe.algorithms.policy_gradient import aggregate, behaviour_weights
+from rlpipe.algorithms import PolicyInputs, get_algorithm, needs_critic, resolve_options
+from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.devices import resolve_device
 from rlpipe.modeling import add_lora, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
-from rlpipe.training.critic import Critic, load_critic, save_critic, token_values
+from rlpipe.training.batching import MicroBatch, micro_batch_weight, mini_batches, pack, rank_parts, update_order
+from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
     all_max,
     all_sum,
+    clip_grad_norm,
     full_model_state,
     full_optimizer_state,
     init_from_torchrun,
     load_optimizer_state,
     shard,
+    update_in_processes,
     world,
 )
+from rlpipe.training.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rlpipe.algorithms.policy_gradient import Aggregation
+    from rlpipe.algorithms.registry import PolicyLoss, ValueLoss
 
 
 STANDARD_STATS = {"loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"}  # reported under their own names
@@ -50,62 +57,6 @@ STANDARD_STATS = {"loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient went NaN/inf; nothing was published."""
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log pi(target_t | prefix) under softmax(logits / T), for each position."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs, and the entropy H_t = -sum_v p_v log p_v of each position (with a gradient
-    only for an entropy bonus), from one log-softmax over the vocabulary."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
-
-
-PER_TOKEN = {  # row column -> packed name
-    "logprobs": "old_logprobs",
-    "ref_logprobs": "ref_logprobs",  # offline DPO: the reference's, computed once
-    "token_advantages": "advantages",  # a critic's (PPO), with:
-    "returns": "returns",
-    "values": "old_values",
-    "proximal_logprobs": "proximal_logprobs",  # the update's starting weights' (off_policy_correction)
-}
-
-
-def pack(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion; tensors aligned to next-token targets (length L-1).
-
-    completion_mask[t] = 1 where target t is a completion token; the per-token columns the rows
-    have (PER_TOKEN: sampler log-probs, stored reference log-probs, a critic's advantages, returns
-    and values) are laid out on those positions. Without token_advantages, `advantages` is one per
-    row (0 before the advantages step).
-    """
-    width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows)
-    n = len(rows)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    completion_mask = torch.zeros((n, width - 1))
-    per_token = {name: torch.zeros((n, width - 1)) for column, name in PER_TOKEN.items() if column in rows[0]}
-    for i, row in enumerate(rows):
-        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
-        sequence = prompt + completion
-        input_ids[i, : len(sequence)] = torch.tensor(sequence)
-        attention[i, : len(sequence)] = 1
-        start = len(prompt) - 1  # target index of the first completion token
-        completion_mask[i, start : start + len(completion)] = 1
-        for column, name in PER_TOKEN.items():
-            if name in per_token:
-                per_token[name][i, start : start + len(completion)] = torch.tensor(row[column])
-    if "advantages" not in per_token:
-        per_token["advantages"] = torch.tensor([row.get("advantage", 0.0) for row in rows], dtype=torch.float32)
-    return {"input_ids": input_ids, "attention": attention, "completion_mask": completion_mask} | per_token
 
 
 @dataclass
@@ -167,98 +118,73 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic)
 
 
-def micro_batches(rows: list[dict], budget: int | None) -> list[list[dict]]:
-    """A mini-batch's rows in groups whose padded size (rows x longest sequence) fits `budget`
-    tokens (trainer.micro_batch_tokens); a row longer than the budget goes alone. Rows are sorted
-    by length first, so little of each group is padding. budget None: one group."""
-    if budget is None:
-        return [rows]
-    groups: list[list[dict]] = [[]]
-    width = 0
-    for row in sorted(rows, key=lambda r: len(r["prompt_token_ids"]) + len(r["completion_token_ids"])):
-        length = len(row["prompt_token_ids"]) + len(row["completion_token_ids"])
-        if groups[-1] and max(width, length) * (len(groups[-1]) + 1) > budget:
-            groups.append([])
-            width = 0
-        groups[-1].append(row)
-        width = max(width, length)
-    return groups
+def autocast(trainer: Trainer) -> torch.autocast:
+    """bf16 compute, fp32 master weights: autocast runs the matmuls in bf16, the parameters, their
+    gradients and AdamW's moments stay fp32, and log-probs are taken in fp32 (token_logprobs)."""
+    enabled = trainer.spec.trainer.dtype == "bfloat16"
+    return torch.autocast(trainer.policy.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def micro_batch_weight(mb: dict[str, torch.Tensor], rows: int, tokens: float, aggregation: str) -> float:
-    """The share w_j of micro-batch j in its mini-batch's loss, so that sum_j w_j L_j = L:
-        sequence_mean, sequence_sum  w_j = n_j / n          (n: sequences)
-        token_mean                   w_j = T_j / T          (T: completion tokens)
-    Gradients accumulate as sum_j w_j grad L_j = grad L: the one-pass update."""
-    if aggregation in ("sequence_mean", "sequence_sum"):
-        return len(mb["advantages"]) / rows
-    return float(mb["completion_mask"].sum()) / max(tokens, 1.0)
+@dataclass(frozen=True)
+class Objective:
+    """What every micro-batch of an update computes, configured once from the spec:
+        L = loss_terms(logprobs, old_logprobs, A, mask, ref_logprobs) - entropy_coef H
+    (H aggregated as the loss is), on advantages weighted by the off-policy correction when there is one,
+    and the critic's value loss beside it (PPO)."""
+
+    loss_terms: PolicyLoss  # the algorithm's, its options bound
+    value_loss: ValueLoss | None
+    entropy_coef: float
+    aggregation: Aggregation
+    length_norm: int
+    correction: Correction | None
+    temperature: float
+    critic_lr: float | None
+    reference_each_step: bool  # the KL is in the loss, or the loss reads the reference (online DPO)
+    unit: int  # rows that stay together: 2 for preference pairs (chosen, rejected)
+
+    @classmethod
+    def for_spec(cls, spec: RunSpec) -> Objective:
+        algorithm = get_algorithm(spec.algorithm.name)
+        options = resolve_options(spec)  # the algorithm's defaults for what the spec leaves unset
+        return cls(
+            loss_terms=algorithm.loss(options),
+            value_loss=algorithm.value_loss(options) if algorithm.value_loss else None,
+            entropy_coef=options.entropy_coef,
+            aggregation=options.loss_aggregation or "sequence_mean",
+            length_norm=options.length_norm or 1,
+            correction=Correction.from_options(options),
+            temperature=spec.rollout.temperature,
+            critic_lr=options.critic_lr,
+            reference_each_step=options.kl_coef > 0 or "reference" in algorithm.needs,
+            unit=2 if "pairs" in algorithm.needs else 1,
+        )
 
 
-def rank_parts(mini: list[dict], budget: int | None, pairs: bool) -> list[tuple[list[dict], float]]:
-    """This process's micro-batches of a mini-batch, as (rows, weight 1.0 or 0.0). Every process forms
-    the same micro-batches (FSDP's collectives line up) and takes every world-th row (pair) of each;
-    one with no row of a micro-batch computes that micro-batch's first row with weight 0."""
-    rank, processes = world()
-    unit = 2 if pairs else 1  # rows that stay together
-    split = pair_micro_batches if pairs else micro_batches
-    parts = []
-    for group in split(mini, budget * processes if budget else None):
-        part = [r for k in range(rank * unit, len(group), processes * unit) for r in group[k : k + unit]]
-        parts.append((part or group[:unit], float(bool(part))))
-    return parts
+@dataclass
+class Tally:
+    """What an update's metrics sum over its optimizer steps (each step's summed over processes)."""
 
+    totals: dict[str, float]
+    off_policy: tuple[str, ...]  # the correction's statistics, () without one
+    steps: int = 0
+    kl_steps: int = 0
+    micro_steps: int = 0
+    tokens: int = 0
+    weight_max: float = 0.0  # the largest importance weight before the correction
 
-def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """What a completion's log-probs depend on: its prompt and completion token ids."""
-    return tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])
+    @classmethod
+    def start(cls, critic: bool, correction: Correction | None) -> Tally:
+        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"), 0.0)
+        if critic:
+            totals |= dict.fromkeys(("value_loss", "value_clip_fraction", "critic_grad_norm"), 0.0)
+        return cls(totals, ("is_weight_mean", correction.cut) if correction else ())
 
-
-@torch.no_grad()
-def completion_logprobs(
-    model: PreTrainedModel, rows: list[dict], pad_id: int, temperature: float, bf16: bool = False
-) -> list[list[float]]:
-    """log pi(token | prefix) of each row's completion tokens after its prompt (rows with prompt_token_ids
-    and completion_token_ids), as the update computes them: right-padded, softmax(logits / T) in fp32;
-    one no-grad forward pass over `rows`."""
-    mb = pack(rows, pad_id)
-    input_ids = mb["input_ids"].to(model.device)
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=input_ids, attention_mask=mb["attention"].to(model.device)).logits[:, :-1]
-    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature).cpu()
-    found = []
-    for i, row in enumerate(rows):
-        start = len(row["prompt_token_ids"]) - 1
-        found.append(logprobs[i, start : start + len(row["completion_token_ids"])].tolist())
-    return found
-
-
-def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
-    """completion_logprobs under the trainer's policy as it stands, with its precision."""
-    spec = trainer.spec
-    bf16 = spec.trainer.dtype == "bfloat16"
-    return completion_logprobs(trainer.policy, rows, trainer.tokenizer.pad_token_id, spec.rollout.temperature, bf16)
-
-
-def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:
-    """row["proximal_logprobs"]: log pi_prox of each completion token under the weights the update starts
-    from, for the rows this process trains on, before the first optimizer step. Rows the resident trainer
-    computed ahead at these weights (trainer.proximal, one process) are not computed again; returns the
-    fraction that were."""
-    budget = trainer.spec.trainer.micro_batch_tokens
-    cache = trainer.proximal
-    known = cache.get("logprobs", {}) if cache.get("sha256") == trainer.weights["sha256"] and world()[1] == 1 else {}
-    reused = total = 0
-    for mini in minis:
-        for part, _ in rank_parts(mini, budget, pairs=False):
-            missing = [row for row in part if sequence_key(row) not in known]
-            computed = dict(zip(map(sequence_key, missing), policy_logprobs(trainer, missing))) if missing else {}
-            for row in part:
-                key = sequence_key(row)
-                row["proximal_logprobs"] = known[key] if key in known else computed[key]
-            total += len(part)
-            reused += len(part) - len(missing)
-    return reused / max(total, 1)
+    def add(self, step: dict[str, float], kl_measured: bool) -> None:
+        for key, value in step.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+        self.kl_steps += int(kl_measured)
+        self.steps += 1
 
 
 def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
@@ -266,174 +192,176 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     in place. Each mini-batch is one optimizer step; within it, micro-batches of at most
     trainer.micro_batch_tokens accumulate their gradients. Raises NonFiniteLossError before the step
     that would apply a NaN/inf gradient."""
-    spec, policy, optimizer, reference = trainer.spec, trainer.policy, trainer.optimizer, trainer.reference
-    critic = trainer.critic
-    algorithm = get_algorithm(spec.algorithm.name)
-    options = resolve_options(spec)  # the algorithm's defaults for what the spec leaves unset
-    aggregation = options.loss_aggregation or "sequence_mean"
     started = time.time()
-    device = policy.device
-    rank, processes = world()
-    # bf16 compute, fp32 master weights: autocast runs the matmuls in bf16, the parameters, their
-    # gradients and AdamW's moments stay fp32, and log-probs are taken in fp32 (token_logprobs)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
-    rows = read_table(batch_path).to_pylist()
-    pairs = "pairs" in algorithm.needs  # DPO: [chosen, rejected] pairs, kept together (rlpipe.algorithms.dpo)
-    if pairs:
-        rows = paired_rows(rows, spec.seed * 1_000_003 + iteration)
-        if not rows:
-            return {"policy/optimizer_steps": 0.0, "policy/pairs": 0.0}
-    else:
-        random.Random(spec.seed * 1_000_003 + iteration).shuffle(rows)
-    temperature = spec.rollout.temperature
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "ratio": 0.0}
-    if critic is not None:
-        totals |= {"value_loss": 0.0, "value_clip_fraction": 0.0, "critic_grad_norm": 0.0}
-    steps = kl_steps = micro_steps = 0
-    tokens = 0
-    size = math.ceil(len(rows) / spec.trainer.mini_batches)
-    size += size % 2 if pairs else 0
-    steps_per_iteration = spec.trainer.epochs * math.ceil(len(rows) / size)
-    correction = options.off_policy_correction
-    cut = {"truncate": "truncated_fraction", "mask": "masked_fraction"}.get(correction)
-    off_policy = {"is_weight_mean": 0.0, cut: 0.0} if cut else {}
-    weight_max = 0.0
-    if off_policy:
-        prefetched = attach_proximal_logprobs(
-            trainer, [rows[start : start + size] for start in range(0, len(rows), size)]
-        )
+    spec = trainer.spec
+    objective = Objective.for_spec(spec)
+    pairs = objective.unit == 2  # DPO: [chosen, rejected] pairs, kept together (rlpipe.algorithms.dpo)
+    rows = update_order(read_table(batch_path).to_pylist(), pairs, spec.seed * 1_000_003 + iteration)
+    if pairs and not rows:
+        return {"policy/optimizer_steps": 0.0, "policy/pairs": 0.0}
+    minis = mini_batches(rows, spec.trainer.mini_batches, objective.unit)
+    tally = Tally.start(trainer.critic is not None, objective.correction)
+    prefetched = attach_proximal_logprobs(trainer, minis) if objective.correction else 0.0
     proximal_s = time.time() - started
     for _ in range(spec.trainer.epochs):
-        for start in range(0, len(rows), size):
-            # linear warmup: lr_s = lr * min(1, (s + 1) / warmup), s = optimizer steps so far in the run
-            global_step = (iteration - 1) * steps_per_iteration + steps
-            warmup = min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
-            for group in optimizer.param_groups:
-                group["lr"] = spec.trainer.lr * warmup
-            if critic is not None:
-                for group in critic.optimizer.param_groups:
-                    group["lr"] = options.critic_lr * warmup
-                critic.optimizer.zero_grad(set_to_none=True)
-            mini = rows[start : start + size]
-            completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
-            budget = spec.trainer.micro_batch_tokens
-            # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
-            # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-            use_reference = reference is not None and (
-                options.kl_coef > 0 or steps == 0 or "reference" in algorithm.needs
-            )
-            kl_measured = use_reference
-            optimizer.zero_grad(set_to_none=True)
-            step = {key: 0.0 for key in totals | off_policy}
-            # gradients scale by `processes`: FSDP averages them over the processes
-            for part, present in rank_parts(mini, budget, pairs):
-                mb = {k: v.to(device) for k, v in pack(part, trainer.tokenizer.pad_token_id).items()}
-                weight = present * micro_batch_weight(mb, len(mini), completion_tokens, aggregation)
-                share = present * float(mb["completion_mask"].sum()) / max(completion_tokens, 1.0)  # of token means
-                targets = mb["input_ids"][:, 1:]
-                with autocast:
-                    logits = policy(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits[:, :-1]
-                logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature, options.entropy_coef > 0)
-                ref_logprobs = mb.get("ref_logprobs")  # computed once (offline DPO), else the reference's
-                kl_measured |= ref_logprobs is not None
-                if use_reference and ref_logprobs is None:
-                    adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
-                    with torch.no_grad(), autocast, adapters_off:
-                        ref_logits = reference(input_ids=mb["input_ids"], attention_mask=mb["attention"]).logits
-                    ref_logprobs = token_logprobs(ref_logits[:, :-1], targets, temperature)
-                old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
-                if off_policy:  # decoupled: the ratio to pi_prox, the advantage weighted by pi_prox / pi_behaviour
-                    weights, is_stats = behaviour_weights(
-                        mb["proximal_logprobs"], old_logprobs, mb["completion_mask"], correction,
-                        options.is_threshold, options.is_level,
-                    )  # fmt: skip
-                    advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weights
-                    old_logprobs = mb["proximal_logprobs"]
-                    weight_max = max(weight_max, is_stats.pop("is_weight_max"))
-                    for key, value in is_stats.items():
-                        step[key] += share * value
-                loss, stats = algorithm.loss(
-                    logprobs, old_logprobs, advantages, mb["completion_mask"], ref_logprobs, options
-                )
-                if options.entropy_coef:  # L - c H, H aggregated as the loss is
-                    mask_f = mb["completion_mask"].to(entropy.dtype)
-                    loss = loss - options.entropy_coef * aggregate(
-                        entropy, mask_f, aggregation, options.length_norm or 1
-                    )
-                    entropy = entropy.detach()
-                (processes * weight * loss).backward()
-                if critic is not None:  # the value loss is a token mean: micro-batch j weighs T_j / T
-                    with autocast:
-                        values = token_values(critic.model, mb["input_ids"], mb["attention"])
-                    value_loss, value_stats = algorithm.value_loss(
-                        values, mb["old_values"], mb["returns"], mb["completion_mask"], options.value_clip
-                    )
-                    (processes * share * value_loss).backward()
-                    step["value_loss"] += share * value_loss.item()
-                    step["value_clip_fraction"] += share * float(value_stats["value_clip_fraction"])
-                mask = mb["completion_mask"]  # entropy: averaged over completion tokens
-                step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
-                step["loss"] += weight * loss.item()
-                for key in ("clip_fraction", "ratio") + (("kl",) if kl_measured else ()):
-                    step[key] += share * float(stats[key])
-                for key in stats.keys() - STANDARD_STATS:  # the algorithm's own (DPO: preference_accuracy, ...)
-                    step[key] = step.get(key, 0.0) + weight * float(stats[key])
-                tokens += int(present * mb["attention"].sum())
-                micro_steps += 1
-            step = all_sum(step, device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), spec.trainer.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if critic is not None:
-                critic_norm = torch.nn.utils.clip_grad_norm_(critic.model.parameters(), spec.trainer.max_grad_norm)
-                critic_norm = critic_norm.full_tensor() if hasattr(critic_norm, "full_tensor") else critic_norm
-                step["critic_grad_norm"] = float(critic_norm)
-            finite = [step["loss"], step.get("value_loss", 0.0), float(grad_norm), step.get("critic_grad_norm", 0.0)]
-            if not all(math.isfinite(value) for value in finite):
-                raise NonFiniteLossError(
-                    f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
-                    "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
-                    "functions for extreme values; then run again: the loop resumes from the last version."
-                )
-            optimizer.step()
-            if critic is not None:
-                critic.optimizer.step()
-            step["grad_norm"] = float(grad_norm)
-            for key, value in step.items():
-                totals[key] = totals.get(key, 0.0) + value
-            kl_steps += int(kl_measured)
-            steps += 1
+        for mini in minis:
+            set_learning_rates(trainer, objective, (iteration - 1) * spec.trainer.epochs * len(minis) + tally.steps)
+            step, kl_measured = accumulate_gradients(trainer, objective, mini, tally)
+            optimizer_step(trainer, step, iteration)
+            tally.add(step, kl_measured)
+    metrics = update_metrics(trainer, tally, started, proximal_s, prefetched)
+    return metrics | ({"policy/pairs": len(rows) / 2} if pairs else {})
+
+
+def set_learning_rates(trainer: Trainer, objective: Objective, global_step: int) -> None:
+    """Linear warmup: lr_s = lr * min(1, (s + 1) / warmup), s = optimizer steps so far in the run."""
+    spec = trainer.spec
+    warmup = min(1.0, (global_step + 1) / max(spec.trainer.warmup_steps, 1))
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = spec.trainer.lr * warmup
+    if trainer.critic is not None:
+        for group in trainer.critic.optimizer.param_groups:
+            group["lr"] = objective.critic_lr * warmup
+
+
+def accumulate_gradients(
+    trainer: Trainer, objective: Objective, mini: list[dict], tally: Tally
+) -> tuple[dict[str, float], bool]:
+    """Forward and backward passes over this process's micro-batches of a mini-batch, their gradients
+    accumulating (weights: micro_batch_weight); gradients scale by the number of processes, which FSDP
+    averages over. Returns the step's metrics summed over processes, and whether it measured the KL."""
+    completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
+    # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
+    # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
+    use_reference = trainer.reference is not None and (objective.reference_each_step or tally.steps == 0)
+    kl_measured = use_reference
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if trainer.critic is not None:
+        trainer.critic.optimizer.zero_grad(set_to_none=True)
+    step = dict.fromkeys([*tally.totals, *tally.off_policy], 0.0)
+    for part, present in rank_parts(mini, trainer.spec.trainer.micro_batch_tokens, objective.unit):
+        mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device)
+        weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
+        share = present * float(mb.completion_mask.sum()) / max(completion_tokens, 1.0)  # of token means
+        added = micro_step(trainer, objective, mb, weight, share, use_reference)
+        tally.weight_max = max(tally.weight_max, added.pop("is_weight_max", 0.0))
+        kl_measured |= "kl" in added
+        for key, value in added.items():
+            step[key] = step.get(key, 0.0) + value
+        tally.tokens += int(present * mb.attention.sum())
+        tally.micro_steps += 1
+    return all_sum(step, trainer.policy.device), kl_measured
+
+
+def micro_step(
+    trainer: Trainer, objective: Objective, mb: MicroBatch, weight: float, share: float, use_reference: bool
+) -> dict[str, float]:
+    """One micro-batch's forward and backward passes: the policy's loss back-propagated with weight
+    `weight`, the critic's (a token mean) with `share` = T_j / T, both times the number of processes.
+    Returns what it adds to the step's metrics: token means by `share`, the loss and the algorithm's
+    own statistics by `weight`, is_weight_max as it is."""
+    processes = world()[1]
+    with autocast(trainer):
+        logits = trainer.policy(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, mb.targets, objective.temperature, objective.entropy_coef > 0
+    )
+    ref_logprobs = mb.ref_logprobs  # computed once (offline DPO), else the reference's
+    if use_reference and ref_logprobs is None:
+        ref_logprobs = reference_logprobs(trainer, mb, objective.temperature)
+    added: dict[str, float] = {}
+    advantages, old_logprobs = mb.advantages, mb.old_logprobs
+    if objective.correction is not None:
+        advantages, old_logprobs, is_stats = decoupled(mb, objective.correction)
+        added["is_weight_max"] = is_stats.pop("is_weight_max")
+        added |= {key: share * value for key, value in is_stats.items()}
+    terms = objective.loss_terms(PolicyInputs(logprobs, old_logprobs, advantages, mb.completion_mask, ref_logprobs))
+    loss = terms.loss
+    if objective.entropy_coef:  # L - c H, H aggregated as the loss is
+        mask_f = mb.completion_mask.to(entropy.dtype)
+        loss = loss - objective.entropy_coef * aggregate(entropy, mask_f, objective.aggregation, objective.length_norm)
+        entropy = entropy.detach()
+    (processes * weight * loss).backward()
+    if trainer.critic is not None:
+        value = value_step(trainer.critic, objective.value_loss, mb, processes * share, autocast(trainer))
+        added["value_loss"] = share * value.loss.item()
+        added["value_clip_fraction"] = share * float(value.clip_fraction)
+    mask = mb.completion_mask  # entropy: averaged over completion tokens
+    added["entropy"] = share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    added["loss"] = weight * loss.item()
+    added["clip_fraction"] = share * float(terms.clip_fraction)
+    added["ratio"] = share * float(terms.ratio)
+    if ref_logprobs is not None:
+        added["kl"] = share * float(terms.kl)
+    return added | {key: weight * float(value) for key, value in terms.extra.items()}  # DPO's preference_accuracy, ...
+
+
+def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """log pi_ref of each target under the frozen reference (with LoRA: the policy, adapters off)."""
+    policy, reference = trainer.policy, trainer.reference
+    adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
+    with torch.no_grad(), autocast(trainer), adapters_off:
+        logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention).logits
+    return token_logprobs(logits[:, :-1], mb.targets, temperature)
+
+
+def optimizer_step(trainer: Trainer, step: dict[str, float], iteration: int) -> None:
+    """Clip the policy's gradients (and the critic's) to trainer.max_grad_norm and step, recording the norms
+    in `step`; a non-finite loss or norm raises NonFiniteLossError before anything moves."""
+    max_norm = trainer.spec.trainer.max_grad_norm
+    grad_norm = clip_grad_norm(trainer.policy, max_norm)
+    if trainer.critic is not None:
+        step["critic_grad_norm"] = float(clip_grad_norm(trainer.critic.model, max_norm))
+    finite = [step["loss"], step.get("value_loss", 0.0), float(grad_norm), step.get("critic_grad_norm", 0.0)]
+    if not all(math.isfinite(value) for value in finite):
+        raise NonFiniteLossError(
+            f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
+            "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
+            "functions for extreme values; then run again: the loop resumes from the last version."
+        )
+    trainer.optimizer.step()
+    if trainer.critic is not None:
+        trainer.critic.optimizer.step()
+    step["grad_norm"] = float(grad_norm)
+
+
+def update_metrics(
+    trainer: Trainer, tally: Tally, started: float, proximal_s: float, prefetched: float
+) -> dict[str, float]:
+    """The update's metrics: means over its optimizer steps (kl/mean over those that measured it)."""
     trained = time.time()
-    tokens = int(all_sum({"tokens": tokens}, device)["tokens"])
-    critic_metrics = {}
-    if critic is not None:
-        critic_metrics = {
+    device = trainer.policy.device
+    tokens = int(all_sum({"tokens": tally.tokens}, device)["tokens"])
+    totals, steps = tally.totals, tally.steps
+    metrics = {}
+    if trainer.critic is not None:
+        metrics = {
             "critic/value_loss": totals["value_loss"] / steps,
             "critic/value_clip_fraction": totals["value_clip_fraction"] / steps,
             "critic/grad_norm": totals["critic_grad_norm"] / steps,
         }
-    if off_policy:
-        critic_metrics |= {f"off_policy/{key}": totals[key] / steps for key in off_policy}
-        critic_metrics |= {
-            "off_policy/is_weight_max": all_max(weight_max, device),
+    if tally.off_policy:
+        metrics |= {f"off_policy/{key}": totals[key] / steps for key in tally.off_policy}
+        metrics |= {
+            "off_policy/is_weight_max": all_max(tally.weight_max, device),
             "off_policy/proximal_pass_s": proximal_s,
             "off_policy/proximal_prefetched_fraction": prefetched,
         }
     return (
-        critic_metrics
+        metrics
         | {
             "policy/loss": totals["loss"] / steps,
             "policy/clip_fraction": totals["clip_fraction"] / steps,
             "policy/entropy": totals["entropy"] / steps,
             "policy/grad_norm": totals["grad_norm"] / steps,
             "policy/ratio_mean": totals["ratio"] / steps,
-            "kl/mean": totals["kl"] / max(kl_steps, 1),
+            "kl/mean": totals["kl"] / max(tally.kl_steps, 1),
             "policy/optimizer_steps": float(steps),
-            "policy/micro_batches": float(micro_steps),
-            "policy/lr": optimizer.param_groups[0]["lr"],
+            "policy/micro_batches": float(tally.micro_steps),
+            "policy/lr": trainer.optimizer.param_groups[0]["lr"],
             "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
         }
-        | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - off_policy.keys()}
-        | ({"policy/pairs": len(rows) / 2} if pairs else {})
+        | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - set(tally.off_policy)}
     )
 
 
@@ -477,8 +405,6 @@ def update_policy(
     """Train on the batch from weights v(N) in this process (or, with trainer.gpus > 1, in that many
     torchrun processes); stage v(N+1) and its optimizer state."""
     if spec.trainer.gpus > 1 and "RANK" not in os.environ:
-        from rlpipe.training.distributed import update_in_processes
-
         return update_in_processes(spec, run_root, weights, batch_path, iteration, cache_root)
     t0 = time.time()
     trainer = load_trainer(spec, run_root, weights, cache_root)
@@ -492,3 +418,31 @@ def update_policy(
         "time/update_s": done - loaded,
         "weights/stage_s": done - trained,  # within time/update_s
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One torchrun process of update_in_processes: `python -m rlpipe.training.trainer REQUEST`."""
+    import json
+    import sys
+
+    from rlpipe.spec import parse_spec
+
+    with open((argv or sys.argv[1:])[0]) as f:
+        request = json.load(f)
+    spec = parse_spec(request["spec"])
+    staged, metrics = update_policy(
+        spec,
+        request["run_root"],
+        request["weights"],
+        request["batch_path"],
+        request["iteration"],
+        request["cache_root"],
+    )
+    if world()[0] == 0:
+        with open(request["result"], "w") as f:
+            json.dump({"staged": staged, "metrics": metrics}, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

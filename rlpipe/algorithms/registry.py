@@ -1,0 +1,191 @@
+"""The algorithm record, the typed values its parts take and give, the registry, and the options.
+
+An algorithm is a record of typed parts, registered by name (as verl's `register_adv_est` /
+`register_policy_loss`), each loss configured from the options it reads where it is built (as
+torchtune's loss components):
+
+    advantages(scored: Scored, options) -> Advantages     numpy only: the advantages step never imports torch
+    loss(options) -> PolicyLoss                           the policy loss with its options bound
+        PolicyLoss(PolicyInputs) -> LossTerms             torch, called by the update for each micro-batch
+    value_loss(options) -> ValueLoss                      algorithms that need a "critic" (PPO)
+        ValueLoss(values, old_values, returns, mask) -> ValueTerms
+    defaults                                              its values of the tuned options it reads
+
+where `options` is the spec's `algorithm` section with the defaults filled in (`resolve_options`).
+Nothing here imports torch: tensor types are annotations only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from rlpipe.plugins import look_up
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlpipe.spec import AlgorithmSpec, RunSpec
+
+
+# Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
+TUNED_OPTIONS = (
+    "beta",  # DPO
+    "label_smoothing",
+    "dpo_loss",
+    "rpo_alpha",
+    "scale_rewards",
+    "clip_eps",
+    "clip_eps_high",
+    "loss_aggregation",
+    "length_norm",
+    "kl_estimator",
+    "dynamic_sampling",
+    "gamma",
+    "lam",
+    "value_clip",
+    "whiten_advantages",
+    "critic_lr",
+)
+GRPO_DEFAULTS: Mapping[str, Any] = {
+    "scale_rewards": "group",
+    "dynamic_sampling": False,
+    "clip_eps": 0.2,
+    "clip_eps_high": None,  # = clip_eps
+    "loss_aggregation": "sequence_mean",
+    "kl_estimator": "k3",
+}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What an advantage estimator reads of the scored rollouts, one entry per completion (N of them)."""
+
+    rewards: np.ndarray  # [N] float64
+    group_ids: np.ndarray  # [N]: completions of one prompt share an id
+    values: list[np.ndarray] | None = None  # the values step's V_t, one array per completion ("critic" only)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """An estimator's result, exactly one of:
+
+    - per_sequence: [N] A_i, one per completion (the batch's `advantage` column);
+    - per_token: N arrays [T_i] A_it, per completion token (the `token_advantages` column), with
+      returns: N arrays [T_i] G_it, the critic's regression targets (the `returns` column).
+    """
+
+    per_sequence: np.ndarray | None = None
+    per_token: list[np.ndarray] | None = None
+    returns: list[np.ndarray] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.per_sequence is None) == (self.per_token is None):
+            raise ValueError("an advantage estimate is per_sequence or per_token, exactly one of them")
+        if self.returns is not None and self.per_token is None:
+            raise ValueError("returns (a critic's targets) come with per_token advantages")
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """One micro-batch as a policy loss reads it. Every tensor is [B, T]: B completions, T target
+    positions (rlpipe.training.batching.MicroBatch)."""
+
+    logprobs: torch.Tensor  # log pi_theta of each target token, with the gradient
+    old_logprobs: torch.Tensor  # the ratio's denominator: the sampler's log pi_old, or pi_prox (decoupled)
+    advantages: torch.Tensor  # A_it: a per-sequence A_i along its row, or a critic's per token
+    mask: torch.Tensor  # 1 where the target is a completion token
+    ref_logprobs: torch.Tensor | None = None  # the frozen reference's, when the update has them
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """A policy loss: the scalar to descend and its statistics (no gradient), token means over the mask.
+    `extra`: the algorithm's own (DPO: preference_accuracy, ...), reported as policy/<name>."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    kl: torch.Tensor
+    ratio: torch.Tensor
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ValueTerms:
+    """A value loss: the scalar to descend, and the fraction of tokens whose clipped term was the larger."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    value_mean: torch.Tensor
+
+
+class PolicyLoss(Protocol):
+    def __call__(self, inputs: PolicyInputs) -> LossTerms: ...
+
+
+class ValueLoss(Protocol):
+    def __call__(
+        self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    ) -> ValueTerms: ...
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    needs: frozenset[str]  # "groups" (G samples per prompt), "critic" (a value model), "pairs", "reference"
+    advantages: Callable[[Scored, AlgorithmSpec], Advantages]
+    loss: Callable[[AlgorithmSpec], PolicyLoss]
+    defaults: Mapping[str, Any] = field(default_factory=lambda: dict(GRPO_DEFAULTS))
+    value_loss: Callable[[AlgorithmSpec], ValueLoss] | None = None  # with "critic"
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(algorithm: Algorithm) -> Algorithm:
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm `name` ('grpo', or 'package.module:name') names; a clear error otherwise."""
+    return look_up(name, ALGORITHMS, "algorithm.name", "algorithm", "rlpipe.algorithms.register_algorithm")[1]
+
+
+def needs_critic(spec: RunSpec) -> bool:
+    """Whether the spec's algorithm trains a value model (PPO): the iteration then has a values step."""
+    return "critic" in get_algorithm(spec.algorithm.name).needs
+
+
+def resolve_options(spec: RunSpec) -> AlgorithmSpec:
+    """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
+    options; length_norm defaults to rollout.max_new_tokens, critic_lr to trainer.lr, off_policy_correction
+    to truncate in asynchronous runs (loop.max_staleness >= 1) and none otherwise. A tuned option
+    the algorithm does not read is an error naming the ones it does."""
+    options = spec.algorithm
+    algorithm = get_algorithm(options.name)
+    unread = [key for key in TUNED_OPTIONS if getattr(options, key) is not None and key not in algorithm.defaults]
+    if unread:
+        reads = ", ".join(k for k in TUNED_OPTIONS if k in algorithm.defaults) or "none of them"
+        raise ValueError(
+            f"algorithm.{unread[0]} is not an option of algorithm {algorithm.name} (its tuned options: {reads}); "
+            f"remove it, or pick an algorithm that uses it"
+        )
+    filled = {key: value for key, value in algorithm.defaults.items() if getattr(options, key) is None}
+    if "length_norm" in filled and filled["length_norm"] is None:
+        filled["length_norm"] = spec.rollout.max_new_tokens
+    if "critic_lr" in filled and filled["critic_lr"] is None:
+        filled["critic_lr"] = spec.trainer.lr
+    pairs = "pairs" in algorithm.needs
+    if options.off_policy_correction is None:
+        filled["off_policy_correction"] = "truncate" if spec.loop.max_staleness and not pairs else "none"
+    elif pairs and options.off_policy_correction != "none":
+        raise ValueError(
+            f"algorithm.off_policy_correction: {algorithm.name} trains on preference pairs against its reference, "
+            "with no importance ratio to correct; remove the setting (or set it to none)"
+        )
+    return dataclasses.replace(options, **filled)

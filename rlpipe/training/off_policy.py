@@ -1,0 +1,78 @@
+"""The decoupled loss for rollouts the update's starting weights did not sample (algorithm.off_policy_correction;
+asynchronous runs): one no-grad pass first computes pi_prox, the log-probs under the weights the update starts
+from; the clipped ratio is then taken to pi_prox, and the advantages are weighted by pi_prox / pi_behaviour
+(the sampler's log-probs; rlpipe.algorithms.policy_gradient.behaviour_weights)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from rlpipe.algorithms.policy_gradient import behaviour_weights
+from rlpipe.training.batching import MicroBatch, rank_parts
+from rlpipe.training.distributed import world
+from rlpipe.training.logprobs import completion_logprobs, sequence_key
+
+if TYPE_CHECKING:
+    from rlpipe.spec import AlgorithmSpec
+    from rlpipe.training.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Correction:
+    """How behaviour_weights corrects: truncate (TIS) or mask (MIS) at `threshold`, per token or sequence."""
+
+    kind: Literal["truncate", "mask"]
+    threshold: float
+    level: Literal["token", "sequence", "geometric"]
+
+    @classmethod
+    def from_options(cls, options: AlgorithmSpec) -> Correction | None:
+        if options.off_policy_correction in (None, "none"):
+            return None
+        return cls(options.off_policy_correction, options.is_threshold, options.is_level)
+
+    @property
+    def cut(self) -> str:
+        """The statistic of the weights cut: truncated_fraction or masked_fraction."""
+        return {"truncate": "truncated_fraction", "mask": "masked_fraction"}[self.kind]
+
+
+def decoupled(mb: MicroBatch, correction: Correction) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(advantages weighted by pi_prox / pi_behaviour, pi_prox as the ratio's old log-probs, the weights'
+    statistics: is_weight_mean, is_weight_max, and the cut fraction)."""
+    weights, stats = behaviour_weights(
+        mb.proximal_logprobs, mb.old_logprobs, mb.completion_mask, correction.kind, correction.threshold,
+        correction.level,
+    )  # fmt: skip
+    return mb.advantages * weights, mb.proximal_logprobs, stats
+
+
+def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
+    """completion_logprobs under the trainer's policy as it stands, with its precision."""
+    spec = trainer.spec
+    bf16 = spec.trainer.dtype == "bfloat16"
+    return completion_logprobs(trainer.policy, rows, trainer.tokenizer.pad_token_id, spec.rollout.temperature, bf16)
+
+
+def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:
+    """row["proximal_logprobs"]: log pi_prox of each completion token under the weights the update starts
+    from, for the rows this process trains on, before the first optimizer step. Rows the resident trainer
+    computed ahead at these weights (trainer.proximal, one process) are not computed again; returns the
+    fraction that were."""
+    budget = trainer.spec.trainer.micro_batch_tokens
+    cache = trainer.proximal
+    known = cache.get("logprobs", {}) if cache.get("sha256") == trainer.weights["sha256"] and world()[1] == 1 else {}
+    reused = total = 0
+    for mini in minis:
+        for part, _ in rank_parts(mini, budget):
+            missing = [row for row in part if sequence_key(row) not in known]
+            computed = dict(zip(map(sequence_key, missing), policy_logprobs(trainer, missing))) if missing else {}
+            for row in part:
+                key = sequence_key(row)
+                row["proximal_logprobs"] = known[key] if key in known else computed[key]
+            total += len(part)
+            reused += len(part) - len(missing)
+    return reused / max(total, 1)
