@@ -82,6 +82,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     import torch
 
     from rlpipe.clients.sampler_client import generate_groups
+    from rlpipe.engines import Sampling
     from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.engines.vllm_engine import sample_groups
     from rlpipe.modeling import load_policy
@@ -103,7 +104,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     result["torch"] = sum(map(len, out.token_ids)) / (time.time() - t)
 
     t = time.time()
-    out = sample_groups(llm, ids, samples, new_tokens, 1.0, 0, ignore_eos=True)
+    out = sample_groups(llm, ids, Sampling(samples, new_tokens, ignore_eos=True), seed=0)
     result["vllm_in_step"] = sum(map(len, out.token_ids)) / (time.time() - t)
 
     for name, urls in fleets.items():

@@ -139,7 +139,7 @@ def build_preferences(spec: RunSpec, run_root: str, cache_root: str) -> dict[str
     started = time.time()
     from rlpipe.rewards import call_reward
     from rlpipe.store.weights import read_ref
-    from rlpipe.training.dpo import load_reference, sample_groups
+    from rlpipe.training.dpo import load_reference, sample_and_decode
 
     model, tokenizer = load_reference(spec, read_ref(run_root, 0), cache_root)
     metrics: dict[str, float] = {}
@@ -150,7 +150,7 @@ def build_preferences(spec: RunSpec, run_root: str, cache_root: str) -> dict[str
             pairs = pairs_from_columns(spec, rows, tokenizer)
         else:
             group = spec.rollout.samples_per_prompt
-            token_ids, texts = sample_groups(spec, model, tokenizer, [r["prompt_token_ids"] for r in rows], index)
+            token_ids, texts = sample_and_decode(spec, model, tokenizer, [r["prompt_token_ids"] for r in rows], index)
             extra = [k for k in table.column_names if k != "prompt"]
             columns = {k: [r[k] for r in rows for _ in range(group)] for k in extra}
             prompts = [r["prompt"] for r in rows for _ in range(group)]

@@ -233,8 +233,10 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
                 dropped += table.num_rows  # too stale for this run's s: the producer samples it again
                 fs.rm(path)
             elif why := failed_services(run_root, "producer"):
-                raise RuntimeError(f"iteration {iteration} waits for rollouts, but the rollout producer stopped: "
-                                   + "; ".join(why.values()))
+                raise RuntimeError(
+                    f"iteration {iteration} waits for rollouts, but the rollout producer stopped: "
+                    + "; ".join(why.values())
+                )
             elif not producer_alive(run_root) and time.time() - waited_since > HEARTBEAT_TIMEOUT_S:
                 raise RuntimeError(
                     f"iteration {iteration} waits for rollout chunk {chunk} ({uri}), but no rollout producer has "

@@ -42,6 +42,29 @@ class Policy:
     tokenizer: Any
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every engine samples a group: `samples` completions per prompt, each up to `max_new_tokens`
+    (the torch engine `batch_size` sequences per forward; vLLM batches itself and ignores top_k/top_p,
+    as its rollouts always have)."""
+
+    samples: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 64
+    ignore_eos: bool = False  # benchmarks: every completion max_new_tokens long
+    bf16: bool = False  # the torch engine's forward passes autocast to bfloat16 (trainer.dtype)
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> Sampling:
+        """spec.rollout's settings (and the trainer's dtype, which the torch engine samples in)."""
+        r = spec.rollout
+        bf16 = spec.trainer.dtype == "bfloat16"
+        return cls(r.samples_per_prompt, r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.batch_size, bf16=bf16)
+
+
 @dataclass
 class Sampled:
     """What an engine returns for the iteration's prompts."""

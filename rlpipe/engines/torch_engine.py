@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.engines import Policy, Sampled
+from rlpipe.engines import Policy, Sampled, Sampling
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
@@ -118,23 +118,22 @@ def sample_in_batches(model: PreTrainedModel, prompts: list[list[int]], batch_si
     return result
 
 
-def sample_groups(
-    spec: RunSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]], seed: int
-) -> Completions:
-    """rollout.samples_per_prompt completions per prompt (prompt-major) with spec.rollout's sampling
-    settings, seeded `seed` (the generate step's, and offline DPO's preference sampling)."""
+def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
+    """`sampling.samples` completions per prompt (prompt-major), drawn from a generator seeded `seed`
+    (the generate step's, and offline DPO's preference sampling)."""
+    model, tokenizer = policy.model, policy.tokenizer
     return sample_in_batches(
         model,
-        [ids for ids in prompt_ids for _ in range(spec.rollout.samples_per_prompt)],
-        batch_size=spec.rollout.batch_size,
-        max_new_tokens=spec.rollout.max_new_tokens,
+        [ids for ids in prompt_ids for _ in range(sampling.samples)],
+        batch_size=sampling.batch_size,
+        max_new_tokens=sampling.max_new_tokens,
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
-        temperature=spec.rollout.temperature,
-        top_k=spec.rollout.top_k,
-        top_p=spec.rollout.top_p,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
         generator=torch.Generator(device=model.device).manual_seed(seed),
-        bf16=spec.trainer.dtype == "bfloat16",
+        bf16=sampling.bf16,
     )
 
 
@@ -157,7 +156,7 @@ def sample_prompts(
     was_training = model.training
     model.eval()
     loaded = time.time()
-    completions = sample_groups(spec, model, tokenizer, prompt_ids, spec.seed * 1_000_003 + iteration)
+    completions = sample_groups(policy, prompt_ids, Sampling.of(spec), spec.seed * 1_000_003 + iteration)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.engines import Policy, Sampled
+from rlpipe.engines import Policy, Sampled, Sampling
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:
@@ -50,17 +50,8 @@ def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = No
     )
 
 
-def sample_groups(
-    llm,
-    prompts: list[list[int]],
-    samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    ignore_eos: bool = False,
-    lora_request=None,
-) -> Completions:
-    """`samples` completions per prompt, flattened prompt-major.
+def sample_groups(llm, prompt_ids: list[list[int]], sampling: Sampling, seed: int, lora_request=None) -> Completions:
+    """`sampling.samples` completions per prompt, flattened prompt-major (`lora_request`: with that adapter).
 
     vLLM seeds sample j of a request with seed + j, so prompt i gets seed + i * samples: every
     sample of the batch has its own seed (seed + i would give prompt i+1's sample j-1 the same
@@ -70,16 +61,16 @@ def sample_groups(
 
     params = [
         SamplingParams(
-            n=samples,
-            max_tokens=max_new_tokens,
-            temperature=temperature,
+            n=sampling.samples,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
             logprobs=0,
-            seed=seed + i * samples,
-            ignore_eos=ignore_eos,
+            seed=seed + i * sampling.samples,
+            ignore_eos=sampling.ignore_eos,
         )
-        for i in range(len(prompts))
+        for i in range(len(prompt_ids))
     ]
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests = [{"prompt_token_ids": p} for p in prompt_ids]
     outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
     result = Completions([], [], [])
     for output in outputs:
@@ -117,10 +108,7 @@ def sample_prompts(
         lora_request = LoRARequest(f"v{weights['version']}", 1, weights_dir)
     tokenizer = llm.get_tokenizer()
     loaded = time.time()
-    r = spec.rollout
     seed = sample_seed(spec.seed, iteration)
-    completions = sample_groups(
-        llm, prompt_ids, r.samples_per_prompt, r.max_new_tokens, r.temperature, seed, lora_request=lora_request
-    )
+    completions = sample_groups(llm, prompt_ids, Sampling.of(spec), seed, lora_request=lora_request)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

@@ -24,12 +24,13 @@ if TYPE_CHECKING:
     from rlpipe.store.weights import WeightRef
 
 
-def sample_groups(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
+def sample_and_decode(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
     """rollout.samples_per_prompt completions per prompt (prompt-major): (token ids, decoded texts)."""
-    from rlpipe.engines.torch_engine import sample_groups as sample_with_rollout_settings
+    from rlpipe.engines import Policy, Sampling
+    from rlpipe.engines.torch_engine import sample_groups as sample_completions
 
     model.eval()
-    completions = sample_with_rollout_settings(spec, model, tokenizer, prompt_ids, seed)
+    completions = sample_completions(Policy(model, tokenizer), prompt_ids, Sampling.of(spec), seed)
     return completions.token_ids, tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
 
 
