@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
-    from rlpipe.evaluation import stopped_by_gate
+    from rlpipe.schedule import stopped_by_gate
 
     return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
 

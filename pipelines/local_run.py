@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlpipe.evaluation import stopped_by_gate
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.preflight import preflight
+from rlpipe.schedule import stopped_by_gate
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.store.run_root import (

@@ -1,12 +1,10 @@
 """evaluate: greedy accuracy (reward.verifier) of a weights version on the fixed held-out set.
-
-`evaluation_pending` is torch-free so the component can skip cheaply; the rest imports torch.
+When an iteration is evaluated and when the eval gate stops the loop: rlpipe.schedule (torch-free,
+so the evaluate step skips cheaply); what this module computes imports torch.
 """
 
 from __future__ import annotations
 
-import operator
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -16,8 +14,6 @@ from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import (
     data_uri,
     eval_metrics_uri,
-    filesystem,
-    read_state,
     write_eval_samples,
     write_json,
 )
@@ -25,48 +21,6 @@ from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
     from rlpipe.engines import Policy
-
-
-def eval_due(spec: RunSpec, iteration: int) -> bool:
-    return iteration == 0 or iteration % spec.loop.eval_every == 0 or iteration == spec.loop.iterations
-
-
-STOP_OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
-
-
-def stop_reason(spec: RunSpec, metrics: dict[str, float]) -> str | None:
-    """Why the loop stops after an eval with `metrics` (loop.stop_when holds), or None."""
-    if not spec.loop.stop_when:
-        return None
-    name, op, threshold = re.fullmatch(r"\s*(\S+?)\s*(>=|<=|>|<)\s*(\S+)\s*", spec.loop.stop_when).groups()
-    if name not in metrics:
-        return None
-    value = metrics[name]
-    return f"{name} {value:.4g} {op} {float(threshold):g}" if STOP_OPERATORS[op](value, float(threshold)) else None
-
-
-def stopped_by_gate(spec: RunSpec, state: dict) -> dict | None:
-    """state.json's record of the eval gate that stopped the loop, while the spec still has that gate
-    (changing or removing loop.stop_when lets a stopped run go on)."""
-    stopped = state.get("stopped")
-    return stopped if stopped and spec.loop.stop_when and stopped.get("when") == spec.loop.stop_when else None
-
-
-def iterations_to_next_eval(spec: RunSpec, iteration: int) -> int:
-    """From committed `iteration`, how many iterations until the next one due an eval (eval_due)."""
-    k = 1
-    while not eval_due(spec, iteration + k) and iteration + k < spec.loop.iterations:
-        k += 1
-    return k
-
-
-def evaluation_pending(spec: RunSpec, run_root: str, iteration: int) -> bool:
-    """Due for `iteration`, committed, and not yet recorded (so a rerun after a kill evaluates once)."""
-    state = read_state(run_root) or {}
-    if not eval_due(spec, iteration) or state.get("iteration", -1) < iteration:
-        return False
-    fs, path = filesystem(eval_metrics_uri(run_root, iteration))
-    return not fs.exists(path)
 
 
 def greedy_samples(

@@ -55,9 +55,9 @@ class Start:
 
 def plan(spec: RunSpec, run_root: str) -> Start:
     """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
-    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.eval_due). Nothing is
+    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.schedule.eval_due). Nothing is
     left once loop.stop_when has stopped the loop; with a gate, a pipeline run ends at the next eval."""
-    from rlpipe.evaluation import iterations_to_next_eval, stopped_by_gate
+    from rlpipe.schedule import iterations_to_next_eval, stopped_by_gate
     from rlpipe.store.run_root import read_state
     from rlpipe.store.weights import read_ref
 
@@ -229,7 +229,7 @@ def evaluate(
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
     iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch).
     When the metrics pass loop.stop_when, state.json records the loop as stopped there."""
-    from rlpipe.evaluation import evaluation_pending
+    from rlpipe.schedule import evaluation_pending
 
     if not evaluation_pending(spec, run_root, iteration):
         return None
@@ -241,7 +241,7 @@ def evaluate(
         from rlpipe.evaluation import evaluate_policy
 
         metrics = evaluate_policy(spec, run_root, weights, iteration, cache_root)
-    from rlpipe.evaluation import stop_reason
+    from rlpipe.schedule import stop_reason
 
     if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
         from rlpipe.store.commit import record_stopped

@@ -16,7 +16,7 @@ from .test_local_run import _check_consistent, _rlpipe
 
 
 def test_stop_when_reads_a_metric_comparison():
-    from rlpipe.evaluation import stop_reason
+    from rlpipe.schedule import stop_reason
 
     spec = parse_spec({"name": "g", "loop": {"stop_when": "eval/accuracy_greedy >= 0.7"}})
     assert stop_reason(spec, {"eval/accuracy_greedy": 0.69}) is None
