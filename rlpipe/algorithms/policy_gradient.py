@@ -78,7 +78,7 @@ def clipped_policy_loss(
     """PPO's clipped surrogate with an optional KL penalty, per token t of completion i:
         r_it  = exp(logp_it - logp_old_it)        (importance ratio to the sampler; `ratio` overrides it)
         pg_it = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it)
-        l_it  = pg_it + beta kl_it                (kl_estimate; beta = kl_coef)
+        l_it  = pg_it + kl_coef kl_it             (kl_estimate)
     then aggregated (`aggregate`). Every tensor is [B, T], `advantages` too (a per-sequence A_i along
     its row). eps_high = eps_low unless given (DAPO's clip-higher: eps_high > eps_low lets unlikely
     tokens rise).

@@ -5,7 +5,7 @@ mini-batch steps after the first.
                   (Ahmadian et al., "Back to basics"; the leave-one-out mean is an unbiased baseline)
     reinforce_pp  A_i = (r_i - mean_batch r) / (std_batch r + eps): one baseline and scale for the
                   whole batch, no group needed; with kl_coef, the KL to v0 is a per-token reward,
-                      A_it = A_i - beta sum_{s >= t} kl_s,   kl_s = kl_estimate(logp_old_s, logp_ref_s)
+                      A_it = A_i - kl_coef sum_{s >= t} kl_s,   kl_s = kl_estimate(logp_old_s, logp_ref_s)
                   (Hu, "REINFORCE++"; its default estimator is k1). The outcome part is whitened in
                   the advantages step (numpy only); the KL-to-go is added in the update, the one step
                   that has the reference's log-probs, and is not a loss term again.
@@ -41,7 +41,7 @@ def batch_whitened_advantages(scored: Scored, options: AlgorithmSpec) -> Advanta
 
 @dataclass(frozen=True)
 class KlInRewardSurrogate:
-    """REINFORCE++'s loss: the clipped surrogate on A_it = A_i - beta sum_{s >= t} kl_s (module
+    """REINFORCE++'s loss: the clipped surrogate on A_it = A_i - kl_coef sum_{s >= t} kl_s (module
     docstring), the KL tracked but not a loss term again."""
 
     clip_eps: float
