@@ -1,4 +1,5 @@
-"""evaluate: greedy accuracy (reward.verifier) of a weights version on the fixed held-out set.
+"""evaluate: greedy accuracy (reward.verifier) of a weights version on the fixed held-out set, and
+its strict companion (rlpipe.rewards.verifiers.strict_match), which a gamed verifier cannot move.
 When an iteration is evaluated and when the eval gate stops the loop: rlpipe.schedule (torch-free,
 so the evaluate step skips cheaply); what this module computes imports torch.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from rlpipe.metric_keys import EVAL_ACCURACY
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import (
@@ -78,9 +79,20 @@ def answer_column(verifier: str | dict) -> str:
     return verifier.get("answer_column", "reference") if isinstance(verifier, dict) else "reference"
 
 
-def eval_samples(rows: list[dict], completions: list[str], scores: list[float], answer: str) -> list[dict]:
+def strict_scores(rows: list[dict], completions: list[str], answer: str) -> list[bool] | None:
+    """Each completion's strict_match against the rows' `answer` column; None when the rows lack it."""
+    from rlpipe.rewards.verifiers import strict_match
+
+    if any(row.get(answer) is None for row in rows):
+        return None
+    return [strict_match(completion, row[answer]) for row, completion in zip(rows, completions, strict=True)]
+
+
+def eval_samples(
+    rows: list[dict], completions: list[str], scores: list[float], answer: str, strict: list[bool] | None
+) -> list[dict]:
     """The held-out rows as metrics/eval_N_samples.jsonl records them (rlpipe.store.run_root.read_eval_samples);
-    correct: the verifier's full score (1.0)."""
+    correct: the verifier's full score (1.0); strict: strict_match (None without an answer column)."""
     return [
         {
             "index": i,
@@ -89,6 +101,7 @@ def eval_samples(rows: list[dict], completions: list[str], scores: list[float], 
             "answer": None if row.get(answer) is None else str(row[answer]),
             "reward": float(score),
             "correct": bool(score >= 1.0),
+            "strict": None if strict is None else strict[i],
         }
         for i, (row, completion, score) in enumerate(zip(rows, completions, scores, strict=True))
     ]
@@ -103,9 +116,10 @@ def evaluate_policy(
     policy: Policy | None = None,
     record: bool = True,
 ) -> dict[str, float]:
-    """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, and each
-    row's completion and score in metrics/eval_N_samples.jsonl, unless `record` is False (the resident
-    trainer's other processes). `policy`: a model already in memory at `weights` (the resident trainer's)."""
+    """Greedy held-out accuracy (reward.verifier) of `weights` and its strict companion, recorded in
+    metrics/eval_N.json, and each row's completion and scores in metrics/eval_N_samples.jsonl, unless
+    `record` is False (the resident trainer's other processes). `policy`: a model already in memory
+    at `weights` (the resident trainer's)."""
     t0 = time.time()
     weights = as_ref(weights)
     from rlpipe.modeling import load_weights
@@ -126,14 +140,17 @@ def evaluate_policy(
         spec.reward.timeout_s,
         spec.trainer.dtype == "bfloat16",
     )
+    answer = answer_column(spec.reward.verifier)
+    strict = strict_scores(rows, completions, answer)
     metrics = {
         EVAL_ACCURACY: sum(scores) / len(scores),
+        **({} if strict is None else {EVAL_STRICT: sum(strict) / len(strict)}),
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
     if record:  # the samples first: an eval whose metrics file exists has its samples
-        samples = eval_samples(rows, completions, scores, answer_column(spec.reward.verifier))
+        samples = eval_samples(rows, completions, scores, answer, strict)
         write_eval_samples(run_root, iteration, samples)
         write_json(eval_metrics_uri(run_root, iteration), metrics)
     return metrics

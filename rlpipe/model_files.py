@@ -23,6 +23,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def resolve_model_source(source: str, cache_dir: str | Path) -> str:
     """Turn a model reference into something `from_pretrained` accepts.
 
+    - a GGUF file, a directory holding one or an installed package holding one: converted once into
+      `cache_dir` (rlpipe.gguf_model);
     - an existing local directory: used as is;
     - `scheme://...` (gs://, s3://, file://, ...): copied once into `cache_dir` with fsspec;
     - a path-looking string that does not exist: a clear error;
@@ -39,6 +41,11 @@ def resolve_model_source(source: str, cache_dir: str | Path) -> str:
             local.mkdir(parents=True, exist_ok=True)
             fs.get(remote.rstrip("/") + "/", str(local), recursive=True)
         return str(local)
+    from rlpipe.gguf_model import converted_dir, find_gguf
+
+    gguf = find_gguf(source)
+    if gguf is not None:
+        return str(converted_dir(gguf, cache_dir))
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -118,8 +118,17 @@ def check_data(spec: RunSpec) -> str:
 
 
 def _tokenizer_is_local(spec: RunSpec) -> bool:
-    """The model's tokenizer can be read without network: the tiny model's, or a directory or URI."""
-    return spec.model.path is None or "://" in spec.model.path or Path(spec.model.path).expanduser().is_dir()
+    """The model's tokenizer can be read without network: the tiny model's, a directory, a URI or a
+    GGUF file (converted into the cache here, once, if no step has yet)."""
+    from rlpipe.gguf_model import find_gguf
+
+    path = spec.model.path
+    if path is None or "://" in path or Path(path).expanduser().is_dir():
+        return True
+    try:
+        return find_gguf(path) is not None
+    except (ValueError, FileNotFoundError):
+        return False  # check_model says why
 
 
 def check_algorithm(spec: RunSpec) -> str:
@@ -151,6 +160,18 @@ def check_model(spec: RunSpec) -> str:
         if not found:
             raise CheckFailed(f"model.path {source} has no config.json; point it at a save_pretrained directory")
         return f"model: {source}"
+    from rlpipe.gguf_model import find_gguf
+
+    try:
+        gguf = find_gguf(source)
+    except (ValueError, FileNotFoundError) as err:
+        raise CheckFailed(str(err)) from None
+    if gguf is not None:
+        if importlib.util.find_spec("gguf") is None:
+            raise CheckFailed(
+                f"model.path {source} is a GGUF file ({gguf}); converting it needs pip install 'rlpipe[gguf]'"
+            )
+        return f"model: GGUF file {gguf}, dequantized once into {spec.cache_root}/models/"
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

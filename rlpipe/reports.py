@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
 
 PROMPT_CHARS = 200  # a prompt's last characters: a template's question comes last
 COMPLETION_CHARS = 300
@@ -180,8 +180,15 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
         f"Greedy accuracy (`{EVAL_ACCURACY}`): **{metrics[EVAL_ACCURACY]:.4f}**"
         + (f" ({correct} of {len(samples)} rows fully correct)" if samples else ""),
     ]
+    if EVAL_STRICT in metrics:
+        lines += [
+            "",
+            f"Strict accuracy (`{EVAL_STRICT}`, the final answer is the expected one character for character): "
+            f"**{metrics[EVAL_STRICT]:.4f}**",
+        ]
+    strict_column = any(s.get("strict") is not None for s in samples)
     for key in sorted(metrics):
-        if key.startswith("eval/") and key not in (EVAL_ACCURACY, "eval/weights_version"):
+        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, "eval/weights_version"):
             lines.append(f"\n`{key}`: {metrics[key]:.4g}")
     if not samples:
         return "\n".join(lines + ["", "No held-out samples were recorded with this eval."]) + "\n"
@@ -192,10 +199,12 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
             cell(s["completion"]),
             cell(s["answer"]),
             ("✓" if s["correct"] else "✗") + ("" if s["reward"] in (0.0, 1.0) else f" {s['reward']:.3g}"),
+            *([("✓" if s.get("strict") else "✗")] if strict_column else []),
         ]
         for s in samples[:max_rows]
     ]
-    lines += ["", table(["#", "prompt", "greedy completion", "expected", "correct"], rows, "rlllr")]
+    headers = ["#", "prompt", "greedy completion", "expected", "correct", *(["strict"] if strict_column else [])]
+    lines += ["", table(headers, rows, "rlllr" + "r" * strict_column)]
     if len(samples) > max_rows:
         lines += [
             "",

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, REWARD_MEAN
 from rlpipe.store.run_root import filesystem, join, list_metrics, read_json, read_state
 
 SERVICES = ("trainer", "sampler", "producer")  # long-lived processes `rlpipe run` records in <kind>s/fleet.json
@@ -41,6 +41,7 @@ def run_status(run_root: str) -> dict[str, Any]:
         pids = [r.get("pid") for r in fleet.get("replicas", [])]
         running[kind] = sum(alive(pid, kind) for pid in pids)
     log = Path(run_root) / "logs" / "kfp-local.log"
+    evals = list_metrics(run_root, "eval")
     return {
         "run_root": run_root,
         "initialized": True,
@@ -51,7 +52,8 @@ def run_status(run_root: str) -> dict[str, Any]:
         "weights_sha256": state["weights_sha256"],
         "versions_kept": versions,
         "reward_mean": last.get(REWARD_MEAN),
-        "evals": {n: m[EVAL_ACCURACY] for n, m in sorted(list_metrics(run_root, "eval").items())},
+        "evals": {n: m[EVAL_ACCURACY] for n, m in sorted(evals.items())},
+        "evals_strict": {n: m[EVAL_STRICT] for n, m in sorted(evals.items()) if EVAL_STRICT in m},
         "stopped": state.get("stopped"),
         "forked_from": state.get("forked_from"),
         "mlflow_run_id": state.get("mlflow_run_id"),
@@ -76,6 +78,9 @@ def describe(status: dict[str, Any]) -> str:
     if status["evals"]:
         shown = ", ".join(f"{n}: {a:.3f}" for n, a in status["evals"].items())
         lines.append(f"  held-out    greedy accuracy by iteration  {shown}")
+    if status["evals_strict"]:
+        shown = ", ".join(f"{n}: {a:.3f}" for n, a in status["evals_strict"].items())
+        lines.append(f"              strict accuracy by iteration  {shown}")
     if status["stopped"]:
         lines.append(f"  stopped     at iteration {status['stopped']['iteration']}: {status['stopped']['reason']}")
     if status["forked_from"]:

@@ -135,7 +135,7 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
 
 def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
     """The spec (spec.yaml), and each committed eval's held-out samples as an MLflow table
-    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct), unless the run has them."""
+    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct, strict), unless the run has them."""
     from rlpipe.store.run_root import read_eval_samples
 
     have = {a.path for a in client.list_artifacts(run_id)}
@@ -150,7 +150,7 @@ def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClien
         path = f"eval_samples/eval_{iteration:06d}.json"
         if iteration > committed or path in have or not (samples := read_eval_samples(run_root, iteration)):
             continue
-        columns = ["index", "prompt", "completion", "answer", "reward", "correct"]
+        columns = ["index", "prompt", "completion", "answer", "reward", "correct", "strict"]
         log_table(client, run_id, columns, [[row.get(c) for c in columns] for row in samples], path)
         logged.append(path)
     return logged

@@ -14,7 +14,7 @@ from rlpipe.algorithms import ALGORITHMS, PolicyInputs, Scored, get_algorithm, r
 from rlpipe.algorithms.policy_gradient import aggregate, kl_estimate
 from rlpipe.spec import parse_spec
 from rlpipe.training.batching import pack
-from rlpipe.training.logprobs import token_logprobs_and_entropy
+from rlpipe.training.logprobs import completion_logits, token_logprobs_and_entropy
 from rlpipe.training.trainer import train_on_batch
 
 from .conftest import tiny_spec_dict
@@ -132,7 +132,7 @@ def test_the_entropy_bonus_raises_entropy(tmp_path: Path):
     def mean_entropy(trainer) -> float:
         mb = pack(table.to_pylist(), pad_id=0)
         with torch.no_grad():
-            logits = trainer.policy(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+            logits = completion_logits(trainer.policy, mb)
         _, entropy = token_logprobs_and_entropy(logits, mb.targets, 1.0)
         mask = mb.completion_mask
         return float((entropy * mask).sum() / mask.sum())

@@ -55,7 +55,7 @@ def test_gradient_accumulation_on_the_gpu_equals_the_one_pass_update(tmp_path: P
 def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_path: Path):
     from rlpipe.engines.torch_engine import sample
     from rlpipe.training.batching import pack
-    from rlpipe.training.logprobs import token_logprobs
+    from rlpipe.training.logprobs import completion_logits, token_logprobs
 
     batch = _batch(tmp_path)
     fp32 = _trainer(tmp_path, sgd=False, lr=1e-3, device="cuda")
@@ -74,7 +74,7 @@ def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_pa
     ]
     mb = pack(rows, pad_id=0).to(torch.device("cuda"))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+        logits = completion_logits(model, mb)
     recomputed = token_logprobs(logits, mb.targets, 1.0)
     mask = mb.completion_mask.bool()
     assert (recomputed[mask] - mb.old_logprobs[mask]).abs().max() < 0.05

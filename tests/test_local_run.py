@@ -122,6 +122,7 @@ def _check_reports(run_dir: Path) -> None:
         rows = read_eval_samples(str(run_dir), iteration)
         assert len(rows) == 20 and f"of {len(rows)} rows fully correct" in text
         assert sum(r["reward"] for r in rows) / len(rows) == metrics["eval"][iteration]["eval/accuracy_greedy"]
+        assert sum(r["strict"] for r in rows) / len(rows) == metrics["eval"][iteration]["eval/accuracy_strict"]
     assert evaluated == set(metrics["eval"]) == {0, 2, 3, 4}
 
 

@@ -363,7 +363,7 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
 def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     from rlpipe.engines.torch_engine import sample
     from rlpipe.training.batching import pack
-    from rlpipe.training.logprobs import token_logprobs
+    from rlpipe.training.logprobs import completion_logits, token_logprobs
 
     trainer = _trainer(tmp_path, dtype="bfloat16")
     model = trainer.policy.eval()
@@ -376,7 +376,7 @@ def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     ]
     mb = pack(rows, pad_id=0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+        logits = completion_logits(model, mb)
     recomputed = token_logprobs(logits, mb.targets, 1.0)
     mask = mb.completion_mask.bool()
     gap = (recomputed[mask] - mb.old_logprobs[mask]).abs().max()

@@ -105,7 +105,15 @@ def test_eval_report_shows_the_accuracy_and_the_held_out_rows(tmp_path: Path):
     assert "**0.6667** (2 of 3 rows fully correct)" in text
     rows = _table_rows(text)
     assert rows == [["0", "1+1=", "2", "2", "✓"], ["1", r"a\|b", "c<br>d", "e", "✗"]]
-    assert "The first 2 of 3 rows" in text
+    assert "The first 2 of 3 rows" in text and "Strict accuracy" not in text  # a run recorded before it
+
+    samples = [s | {"strict": s["correct"] and s["index"] == 0} for s in samples]
+    write_eval_samples(run_root, 5, samples)
+    write_json(eval_metrics_uri(run_root, 5), {"eval/accuracy_greedy": 2 / 3, "eval/accuracy_strict": 1 / 3})
+    text = eval_report(run_root, 5)
+    assert "Strict accuracy (`eval/accuracy_strict`, the final answer is the expected one character for " in text
+    assert "**0.3333**" in text and "| correct | strict |" in text
+    assert [row[-2:] for row in _table_rows(text)] == [["✓", "✓"], ["✗", "✗"], ["✓", "✗"]]
 
 
 def test_time_report_shares_add_up_to_the_wall_time():

@@ -74,6 +74,8 @@ def test_math_equivalence_gives_nothing_for_games(completion: str):
         ("\\boxed{539}", "539"),
         ("so 77*7 is $539$", "539"),
         ("7 * 7 = 49, so 77 * 7 = 539", "539"),
+        ("Lena gets 7 more, so Lena has 11 + 7 = 18 pencils.", "18"),  # a value and its unit
+        ("So, 4 x 3 = 12 stickers are in", "12"),
         ("The answer is \\frac{1}{2}", "0.5"),
         ("x = 1/2.", "0.5"),
         ("The result is 1,234", "1234"),

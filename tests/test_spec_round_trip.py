@@ -6,7 +6,6 @@ it), then sent through each boundary the spec crosses: the JSON string parameter
 Value, as the compiled pipeline's default, and through a real kfp.local run), spec.json, and the
 JSON body of the resident trainer's requests."""
 
-
 import dataclasses
 import json
 import types
@@ -29,8 +28,11 @@ CHOSEN = {
     ],
     "data.options": {"digits": 3, "scale": 2.0, "none": None, "nested": [1, 2.0, {"deep": None}]},
     "algorithm.name": "dapo",
-    **{f"cluster.{pod}.{key}": value for pod in ("trainer", "step") for key, value in
-       {"cpu": "500m", "memory": "3Gi", "cpu_limit": "2", "memory_limit": "4Gi"}.items()},
+    **{
+        f"cluster.{pod}.{key}": value
+        for pod in ("trainer", "step")
+        for key, value in {"cpu": "500m", "memory": "3Gi", "cpu_limit": "2", "memory_limit": "4Gi"}.items()
+    },
     "reward.weights": [1.5, 0.25],
     "model.tiny.hidden_size": 192,  # divisible by num_heads, head size >= 32
     "model.tiny.num_heads": 3,

@@ -19,7 +19,7 @@ from rlpipe.spec import parse_spec, spec_to_dict
 from rlpipe.store.run_root import read_state
 from rlpipe.store.weights import latest_version, local_path, read_ref
 from rlpipe.training.batching import pack
-from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.logprobs import completion_logits, token_logprobs
 from rlpipe.training.trainer import NonFiniteLossError, update_policy
 
 
@@ -63,7 +63,7 @@ def test_one_iteration_end_to_end(initialized_run, tmp_path: Path):
     rows = [{**r, "advantage": 0.0} for r in rollouts.to_pylist()]
     mb = pack(rows, tokenizer.pad_token_id)
     with torch.no_grad():
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+        logits = completion_logits(model, mb)
     recomputed = token_logprobs(logits, mb.targets, spec.rollout.temperature)
     assert torch.allclose(recomputed * mb.completion_mask, mb.old_logprobs, atol=1e-4)
 

@@ -10,7 +10,8 @@ It may return `Rewards(values, reasons)`, a list that also says why each value i
 
 A `reward.functions` entry is 'module:function', or a mapping {type: <reward type>, ...options}
 that a registered reward type builds into a reward function (`register_reward_type`; a type
-'package.module:name' is registered by that module, imported first). Built in:
+'package.module:name' is registered by that module, imported first); `guard: true` in any mapping
+scores 0 the completions that game a verifier (rlpipe.rewards.answer_guard). Built in:
   function       {type: function, function: 'module:function'}
   regex          rlpipe.rewards.shaping: 1.0 when the completion matches a pattern (format rewards)
   length_penalty rlpipe.rewards.shaping: DAPO's soft overlong punishment
@@ -88,8 +89,15 @@ def load_reward(entry: str | dict[str, Any], key: str = "reward.functions") -> t
         )
     except ValueError as err:
         raise RewardError(str(err)) from None
-    options = {k: v for k, v in entry.items() if k not in ("type", "name")}
-    return str(entry.get("name", short)), build(options, key)
+    guard = entry.get("guard", False)
+    if not isinstance(guard, bool):
+        raise RewardError(f"{key}: guard must be true or false (rlpipe.rewards.answer_guard), not {guard!r}")
+    fn = build({k: v for k, v in entry.items() if k not in ("type", "name", "guard")}, key)
+    if guard:
+        from rlpipe.rewards.answer_guard import with_guard
+
+        fn = with_guard(fn)
+    return str(entry.get("name", short)), fn
 
 
 def call_reward(

@@ -25,7 +25,8 @@ def math_equivalence(prompts: list[str], completions: list[str], reference: list
       1. the last `\\boxed{...}`;
       2. else the rest of the sentence after the last "answer is", "answer:" or "=";
       3. else the last `$...$` math span;
-      4. else the last number, unless the last sentence lists several numbers.
+      4. else the last number, unless the last sentence lists several numbers;
+    a value followed by words keeps the value ("= 18 pencils" gives 18).
     It must be one value: a list ("538, 539 or 540") or unevaluated arithmetic of numbers ("77 * 7",
     "$77 \\times 7$") is no answer and scores 0. So restating the question ("To calculate 77 * 7, we
     need to ...") earns nothing, while "77 * 7 = 539", "The answer is 539." and "so it is $539$" do.
@@ -50,11 +51,26 @@ NUMBER = r"-?\d+(?:\.\d+)?"
 ANCHOR = re.compile(r"answer\s+is\s*:?|answer\s*:|=", re.IGNORECASE)
 SENTENCE_END = re.compile(r"\n|[.!?](?!\d)|;")
 LIST_OF_NUMBERS = re.compile(rf"{NUMBER}\s*(?:,|\bor\b|\band\b|\s)\s*{NUMBER}")  # "538, 539 or 540"
+VALUE_THEN_WORDS = re.compile(rf"^({NUMBER})(?:\s+[A-Za-z][A-Za-z ]*)\.?$")  # "18 pencils now"
 ARITHMETIC = re.compile(r"\d\s*(?:[-+*^×÷]|\\times|\\cdot|\\div)\s*[-\d({\\]")  # "77*7", "77 \\times 7"
 
 
 def final_answer(completion: str) -> str | None:
-    """The completion's final answer as math text (math_equivalence's rule), or None when it gives none."""
+    """The completion's final answer as math text (math_equivalence's rule), or None when it gives
+    none: `answer_text` without the words after a leading value ("18 pencils now" -> "18"; math-verify
+    would read the words as variables), unless it is arithmetic left for the reader to evaluate."""
+    candidate = answer_text(completion)
+    if candidate is None:
+        return None
+    candidate = VALUE_THEN_WORDS.sub(r"\1", candidate)
+    is_numeric = not re.search(r"[A-Za-z]", re.sub(r"\\(d?frac|tfrac|sqrt|left|right|times|cdot|div)", "", candidate))
+    if is_numeric and ARITHMETIC.search(candidate):
+        return None  # an expression left for the reader to evaluate is not an answer
+    return candidate
+
+
+def answer_text(completion: str) -> str | None:
+    """What the completion gives as its answer (rules 1-4 of math_equivalence), or None."""
     text = re.sub(r"(\d),(\d{3})\b", r"\1\2", completion)  # 1,234 -> 1234
     boxed = text.rfind("\\boxed{")
     if boxed >= 0:
@@ -78,10 +94,15 @@ def final_answer(completion: str) -> str | None:
         candidate = numbers[-1]
     if not candidate or LIST_OF_NUMBERS.search(candidate) or "," in candidate and "\\{" not in candidate:
         return None
-    is_numeric = not re.search(r"[A-Za-z]", re.sub(r"\\(d?frac|tfrac|sqrt|left|right|times|cdot|div)", "", candidate))
-    if is_numeric and ARITHMETIC.search(candidate):
-        return None  # an expression left for the reader to evaluate is not an answer
     return candidate
+
+
+def strict_match(completion: str, reference: object) -> bool:
+    """The strict companion of a verifier: the completion's final answer (`final_answer`) is the
+    reference character for character. No evaluation, no equivalence: a metric a policy cannot
+    satisfy by restating the question."""
+    answer = final_answer(completion)
+    return answer is not None and answer.strip() == str(reference).strip()
 
 
 def _verifier_type(verify: RewardFunction, kind: str) -> Callable[[dict[str, Any], str], RewardFunction]:

@@ -157,7 +157,8 @@ def write_eval_samples(run_root: str, iteration: int, samples: list[dict[str, An
 
 def read_eval_samples(run_root: str, iteration: int) -> list[dict[str, Any]]:
     """The held-out rows of iteration N's eval (rlpipe.evaluation.evaluate_policy): dicts with index,
-    prompt, completion, answer, reward (the verifier's score) and correct; [] when none were recorded."""
+    prompt, completion, answer, reward (the verifier's score), correct and strict (absent in runs recorded
+    before it); [] when none were recorded."""
     fs, path = filesystem(eval_samples_uri(run_root, iteration))
     if not fs.exists(path):
         return []

@@ -28,7 +28,7 @@ from rlpipe.modeling import configure_torch
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_ref, seal, staging_uri
-from rlpipe.training.batching import MicroBatch, micro_batches, pack
+from rlpipe.training.batching import MicroBatch, micro_batches, pack, window_column
 from rlpipe.training.distributed import full_model_state, full_optimizer_state, load_optimizer_state, shard, world
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ def load_critic(
     return Critic(model, optimizer, version)
 
 
-def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """V at every position that predicts a next token: [B, L-1], aligned with the policy's log-probs
-    (position p holds the value of the prefix up to p, before token p + 1 is chosen)."""
-    return model(input_ids=input_ids, attention_mask=attention).logits[:, :-1, 0].float()
+def token_values(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """V at each position of `mb`'s window: [B, T], aligned with the policy's log-probs (position p
+    holds the value of the prefix up to p, before token p + 1 is chosen)."""
+    return model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, mb.start : -1, 0].float()
 
 
 def value_step(
@@ -117,7 +117,7 @@ def value_step(
     """The critic's forward and backward pass on one micro-batch: its value loss (a token mean) with its
     gradient scaled by `scale` (processes x the micro-batch's share T_j / T of the mini-batch's tokens)."""
     with autocast:
-        values = token_values(critic.model, mb.input_ids, mb.attention)
+        values = token_values(critic.model, mb)
     terms = value_loss(values, mb.old_values, mb.returns, mb.completion_mask)
     (scale * terms.loss).backward()
     return terms
@@ -149,10 +149,10 @@ def compute_values(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
     with torch.no_grad(), autocast:
         for group in micro_batches(rows, spec.trainer.micro_batch_tokens):
-            mb = pack(group, pad_id)
-            v = token_values(critic.model, mb.input_ids.to(device), mb.attention.to(device)).cpu()
+            mb = pack(group, pad_id).to(device)
+            v = token_values(critic.model, mb).cpu()
             for i, row in enumerate(group):
-                start = len(row["prompt_token_ids"]) - 1
+                start = window_column(row, mb)
                 values[row["_row"]] = v[i, start : start + len(row["completion_token_ids"])].numpy()
     critic.model.train(was_training)
     import pyarrow as pa

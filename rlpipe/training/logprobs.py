@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.training.batching import pack
+from rlpipe.training.batching import MicroBatch, pack, window_column
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel
@@ -30,6 +30,13 @@ def token_logprobs_and_entropy(
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
+def completion_logits(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """[B, T, V]: the logits of `mb`'s window (positions start .. L - 2). transformers'
+    logits_to_keep applies the LM head (hidden x vocabulary) to the last L - start positions only."""
+    keep = mb.input_ids.shape[1] - mb.start
+    return model(input_ids=mb.input_ids, attention_mask=mb.attention, logits_to_keep=keep).logits[:, :-1]
+
+
 def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What a completion's log-probs depend on: its prompt and completion token ids."""
     return tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])
@@ -41,13 +48,12 @@ def completion_logprobs(
 ) -> list[list[float]]:
     """log pi(token | prefix) of each row's completion tokens after its prompt (rows with prompt_token_ids
     and completion_token_ids); one no-grad forward pass over `rows`."""
-    mb = pack(rows, pad_id)
-    input_ids = mb.input_ids.to(model.device)
+    mb = pack(rows, pad_id).to(model.device)
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=input_ids, attention_mask=mb.attention.to(model.device)).logits[:, :-1]
-    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature).cpu()
+        logits = completion_logits(model, mb)
+    logprobs = token_logprobs(logits, mb.targets, temperature).cpu()
     found = []
     for i, row in enumerate(rows):
-        start = len(row["prompt_token_ids"]) - 1
+        start = window_column(row, mb)
         found.append(logprobs[i, start : start + len(row["completion_token_ids"])].tolist())
     return found

@@ -42,7 +42,7 @@ from rlpipe.training.distributed import (
     update_in_processes,
     world,
 )
-from rlpipe.training.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlpipe.training.logprobs import completion_logits, token_logprobs, token_logprobs_and_entropy
 from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
@@ -262,7 +262,7 @@ def micro_step(
     own statistics by `weight`, is_weight_max as it is."""
     processes = world()[1]
     with autocast(trainer):
-        logits = trainer.policy(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, :-1]
+        logits = completion_logits(trainer.policy, mb)
     logprobs, entropy = token_logprobs_and_entropy(
         logits, mb.targets, objective.temperature, objective.entropy_coef > 0
     )
@@ -301,8 +301,8 @@ def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> 
     policy, reference = trainer.policy, trainer.reference
     adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
     with torch.no_grad(), autocast(trainer), adapters_off:
-        logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention).logits
-    return token_logprobs(logits[:, :-1], mb.targets, temperature)
+        logits = completion_logits(reference, mb)
+    return token_logprobs(logits, mb.targets, temperature)
 
 
 def optimizer_step(trainer: Trainer, step: dict[str, float], iteration: int) -> None:
