@@ -116,9 +116,11 @@ def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run)
     assert done["artifacts"] == ["spec.yaml", "eval_samples/eval_000000.json"]
     client = MlflowClient(tracking_uri(spec, run_root))
     table = json.loads(Path(client.download_artifacts(done["run_id"], "eval_samples/eval_000000.json")).read_text())
-    assert table["columns"] == ["index", "prompt", "completion", "answer", "reward", "correct"]
+    assert table["columns"] == ["index", "prompt", "completion", "answer", "reward", "correct", "strict"]
     assert len(table["data"]) == spec.data.eval_size
     assert sum(row[4] for row in table["data"]) / len(table["data"]) == pytest.approx(accuracy)
+    strict = json.loads((Path(run_root) / "metrics" / "eval_000000.json").read_text())["eval/accuracy_strict"]
+    assert sum(row[6] for row in table["data"]) / len(table["data"]) == pytest.approx(strict)
     tag = json.loads(client.get_run(done["run_id"]).data.tags["mlflow.loggedArtifacts"])
     assert tag == [{"path": "eval_samples/eval_000000.json", "type": "table"}]
     spec_logged = client.download_artifacts(done["run_id"], "spec.yaml")
