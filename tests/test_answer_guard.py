@@ -21,6 +21,7 @@ GAMES = [
     ("What is 77 * 7? It is 539.", "echoes"),
     ("The answer is 77 \\times 7", "expression"),  # an expression instead of a value
     ("The answer is 77 * 7.", "expression"),
+    ("77 * 7 = 539. The answer is 539 +", "expression"),  # cut off mid-expression: math-verify read 539
     ("77*7", "restates"),
 ]
 HONEST = ["539", "77 * 7 = 539", "The answer is 539.", "so it is $539$", "7 * 7 = 49, so 77 * 7 = 539"]
@@ -80,6 +81,7 @@ async def async_contains_a_prompt_number(prompts: list[str], completions: list[s
         ("The answer is 539.", "539", True),
         ("To calculate 77 * 7, we need to perform the multiplication operation", "539", False),
         ("The answer is 77 * 7", "539", False),
+        ("The answer is 539 +", "539", False),
         ("539.0", "539", False),  # equal in value, not in text: math_equivalence's business
         ("\\frac{1}{2}", "0.5", False),
         ("", "539", False),

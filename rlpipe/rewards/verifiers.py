@@ -27,9 +27,10 @@ def math_equivalence(prompts: list[str], completions: list[str], reference: list
       3. else the last `$...$` math span;
       4. else the last number, unless the last sentence lists several numbers;
     a value followed by words keeps the value ("= 18 pencils" gives 18).
-    It must be one value: a list ("538, 539 or 540") or unevaluated arithmetic of numbers ("77 * 7",
-    "$77 \\times 7$") is no answer and scores 0. So restating the question ("To calculate 77 * 7, we
-    need to ...") earns nothing, while "77 * 7 = 539", "The answer is 539." and "so it is $539$" do.
+    It must be one value: a list ("538, 539 or 540"), unevaluated arithmetic of numbers ("77 * 7",
+    "$77 \\times 7$") or arithmetic cut off by the token budget ("The answer is 539 +") is no answer
+    and scores 0. So restating the question ("To calculate 77 * 7, we need to ...") earns nothing,
+    while "77 * 7 = 539", "The answer is 539." and "so it is $539$" do.
     math-verify (HF's Math-Verify) then compares it with the reference (read as LaTeX math) using
     sympy: 1/2 = 0.5 = \\frac{1}{2}, 2\\sqrt{2} = \\sqrt{8}, x^2+2x+1 = (x+1)^2. Its signal timeouts are
     off (they need the main thread); reward.timeout_s bounds the call.
@@ -53,6 +54,7 @@ SENTENCE_END = re.compile(r"\n|[.!?](?!\d)|;")
 LIST_OF_NUMBERS = re.compile(rf"{NUMBER}\s*(?:,|\bor\b|\band\b|\s)\s*{NUMBER}")  # "538, 539 or 540"
 VALUE_THEN_WORDS = re.compile(rf"^({NUMBER})(?:\s+[A-Za-z][A-Za-z ]*)\.?$")  # "18 pencils now"
 ARITHMETIC = re.compile(r"\d\s*(?:[-+*^×÷]|\\times|\\cdot|\\div)\s*[-\d({\\]")  # "77*7", "77 \\times 7"
+DANGLING_OPERATOR = re.compile(r"(?:[-+*/^×÷]|\\times|\\cdot|\\div)\s*$")  # "20 +": cut off by the token budget
 
 
 def final_answer(completion: str) -> str | None:
@@ -64,8 +66,8 @@ def final_answer(completion: str) -> str | None:
         return None
     candidate = VALUE_THEN_WORDS.sub(r"\1", candidate)
     is_numeric = not re.search(r"[A-Za-z]", re.sub(r"\\(d?frac|tfrac|sqrt|left|right|times|cdot|div)", "", candidate))
-    if is_numeric and ARITHMETIC.search(candidate):
-        return None  # an expression left for the reader to evaluate is not an answer
+    if is_numeric and (ARITHMETIC.search(candidate) or DANGLING_OPERATOR.search(candidate)):
+        return None  # an expression left for the reader to evaluate, or cut off mid-way, is not an answer
     return candidate
 
 
