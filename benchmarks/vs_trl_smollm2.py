@@ -5,14 +5,15 @@
 
 Equal hyperparameters, printed for both: the example's spec (16 prompts x 4 samples per
 generation, 2 optimizer steps of 32 completions each, LoRA rank 16 / alpha 32 on every
-projection, lr 2e-4 constant, clip 0.2, no KL, temperature 1, top_k 0, 32 new tokens, the guarded
-math_equivalence reward), the same converted model, the same rendered chat prompts (rlpipe's
-prepare step), 1 torch thread. rlpipe runs `rlpipe run` (kfp.local, resident trainer); TRL runs
-GRPOTrainer with peft, `per_device_train_batch_size=32, steps_per_generation=2`. Each system's
-held-out greedy accuracy (200 problems, the same evaluator) is measured before and after training,
-off the clock. Samples/s = completions / training wall time (TRL: `trainer.train()`; rlpipe: its
-iterations' walls, first start to last commit; rlpipe's whole-run wall is reported too); where the
-time goes: rlpipe's step metrics, TRL's generation (timed around its `_generate`) and the rest.
+projection, lr 2e-4 constant, clip 0.2, no KL, the example's temperature and top_k, 32 new tokens,
+the guarded math_equivalence reward), the same converted model, the same rendered chat prompts
+(rlpipe's prepare step), the example's `trainer.threads` torch threads on both sides. rlpipe runs
+`rlpipe run` (kfp.local, resident trainer); TRL runs GRPOTrainer with peft,
+`per_device_train_batch_size=32, steps_per_generation=2`. Each system's held-out greedy accuracy
+(200 problems, the same evaluator) is measured before and after training, off the clock.
+Samples/s = completions / training wall time (TRL: `trainer.train()`; rlpipe: its iterations'
+walls, first start to last commit; rlpipe's whole-run wall is reported too); where the time goes:
+rlpipe's step metrics, TRL's generation (timed around its `_generate`) and the rest.
 
 Writes benchmarks/results/vs_trl_smollm2.{json,md}.
 """
@@ -37,6 +38,7 @@ from rlpipe.spec import RunSpec, load_spec
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 EXAMPLE = REPO / "examples" / "smollm2" / "smollm2.yaml"
+sys.path.insert(0, str(REPO))  # the example's data generator, examples.smollm2.word_problems
 
 
 def example_spec(seed: int, work: Path) -> RunSpec:
@@ -88,9 +90,9 @@ def run_trl(args: argparse.Namespace) -> None:
     from rlpipe.modeling import load_tokenizer
     from rlpipe.rewards import call_reward
 
-    torch.set_num_threads(1)
     spec = example_spec(args.seed, Path(args.work))
     s = settings(spec)
+    torch.set_num_threads(s["threads"])
     train = pq.read_table(f"{args.run_root}/data/train.parquet").to_pylist()
     held_out = pq.read_table(f"{args.run_root}/data/eval.parquet").to_pylist()
     tokenizer = load_tokenizer(args.model_dir)

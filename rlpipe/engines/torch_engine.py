@@ -43,10 +43,13 @@ def sample(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     bf16: bool = False,
+    samples: int = 1,
 ) -> Completions:
-    """Sample one completion per prompt (repeat prompts for G samples).
+    """Sample `samples` completions per prompt, prompt-major.
 
-    Prompts are left-padded so every row's last prompt token sits at the same column.
+    Prompts are left-padded so every row's last prompt token sits at the same column. Each prompt
+    is prefilled once and its KV cache repeated for its `samples` rows: a group's completions share
+    their prompt, so prefill costs what the distinct prompts cost (a quarter at 4 samples).
     The recorded log-prob is log softmax(logits / T) at the sampled token: the same
     distribution the update step recomputes (top-k/top-p only restrict which tokens
     can be drawn; with top_k=0, top_p=1 the two coincide exactly). `bf16`: forward passes autocast
@@ -69,6 +72,10 @@ def sample(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
         )
     cache, logits = out.past_key_values, out.logits[:, -1, :]
+    if samples > 1:
+        cache.batch_repeat_interleave(samples)
+        logits, attention, positions = (t.repeat_interleave(samples, dim=0) for t in (logits, attention, positions))
+        batch *= samples
     next_position = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
@@ -110,11 +117,18 @@ def sample(
     return result
 
 
-def sample_in_batches(model: PreTrainedModel, prompts: list[list[int]], batch_size: int, **kwargs) -> Completions:
-    """`sample` over chunks of `batch_size` rows (bounds activation and KV-cache memory)."""
+def sample_in_batches(
+    model: PreTrainedModel, prompts: list[list[int]], batch_size: int, samples: int = 1, **kwargs
+) -> Completions:
+    """`samples` completions per prompt (prompt-major), `sample` over chunks of at most `batch_size`
+    rows (bounds activation and KV-cache memory): whole groups when a batch holds one, else the
+    prompts repeated."""
+    if samples > batch_size:
+        prompts, samples = [ids for ids in prompts for _ in range(samples)], 1
+    per_batch = batch_size // samples
     result = Completions([], [], [])
-    for start in range(0, len(prompts), batch_size):
-        result.extend(sample(model, prompts[start : start + batch_size], **kwargs))
+    for start in range(0, len(prompts), per_batch):
+        result.extend(sample(model, prompts[start : start + per_batch], samples=samples, **kwargs))
     return result
 
 
@@ -124,8 +138,9 @@ def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Samplin
     model, tokenizer = policy.model, policy.tokenizer
     return sample_in_batches(
         model,
-        [ids for ids in prompt_ids for _ in range(sampling.samples)],
+        prompt_ids,
         batch_size=sampling.batch_size,
+        samples=sampling.samples,
         max_new_tokens=sampling.max_new_tokens,
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,

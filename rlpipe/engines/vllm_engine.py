@@ -28,7 +28,13 @@ IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = None):
     """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension; `lora_rank`: serve LoRA
     adapters of that rank on it."""
-    from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache, max_lora_rank
+    from rlpipe.vllm_environment import (
+        VLLM_CPU_ENGINE_OPTIONS,
+        VLLM_CPU_ENVIRONMENT,
+        VLLM_ENVIRONMENT,
+        cpu_kv_cache,
+        max_lora_rank,
+    )
 
     environment = VLLM_ENVIRONMENT | IN_STEP | ({} if gpu else VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1))
     for key, value in environment.items():
@@ -38,7 +44,7 @@ def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = No
     hide_vision_and_audio()
     from vllm import LLM
 
-    options = {} if gpu else {"enforce_eager": True, "dtype": "float32"}
+    options = {} if gpu else dict(VLLM_CPU_ENGINE_OPTIONS)
     if lora_rank is not None:
         options |= {"enable_lora": True, "max_lora_rank": max_lora_rank(lora_rank)}
     return LLM(

@@ -33,7 +33,13 @@ from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
 from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, latest_version, version_uri
-from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, VLLM_ENVIRONMENT, cpu_kv_cache, max_lora_rank
+from rlpipe.vllm_environment import (
+    VLLM_CPU_ENVIRONMENT,
+    VLLM_CPU_SERVER_ARGS,
+    VLLM_ENVIRONMENT,
+    cpu_kv_cache,
+    max_lora_rank,
+)
 
 SERVER_MODULE = "rlpipe.services.vllm_server"  # vLLM's api_server behind the import guard
 # Dev mode exposes /pause, /resume, /collective_rpc and the weight-version endpoints.
@@ -89,7 +95,7 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
             # HTTP front ends, which dominate for tiny models: spreading the compute threads over
             # both cores of this machine made generate ~1.8x slower.
             env |= VLLM_CPU_ENVIRONMENT | cpu_kv_cache(spec.samplers.kv_cache_gib)
-            extra = ["--enforce-eager", "--dtype", "float32", *extra]
+            extra = [*VLLM_CPU_SERVER_ARGS, *extra]
         return [sys.executable, *server_args(model_dir, "127.0.0.1", port, spec.seed, extra)], env
 
     return LocalServers("sampler", run_root, spec.samplers.replicas, launch, marker=SERVER_MODULE)
