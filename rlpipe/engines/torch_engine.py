@@ -30,6 +30,17 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask): the prompts right-aligned, so every last token shares a column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    return input_ids, attention
+
+
 @torch.no_grad()
 def sample(
     model: PreTrainedModel,
@@ -56,14 +67,8 @@ def sample(
     to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs still taken in fp32).
     """
     batch = len(prompts)
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention[row, width - len(prompt) :] = 1
     device = model.device  # `generator`, when given, lives there too
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

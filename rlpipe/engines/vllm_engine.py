@@ -8,10 +8,8 @@ and every request names the adapter (a LoRARequest), so only the adapter's bytes
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.engines import Policy, Sampled, Sampling
@@ -25,15 +23,13 @@ if TYPE_CHECKING:
 IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = None):
-    """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension; `lora_rank`: serve LoRA
-    adapters of that rank on it."""
+def load_engine(model_dir: str, seed: int, gpu: bool):
+    """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
     from rlpipe.vllm_environment import (
         VLLM_CPU_ENGINE_OPTIONS,
         VLLM_CPU_ENVIRONMENT,
         VLLM_ENVIRONMENT,
         cpu_kv_cache,
-        max_lora_rank,
     )
 
     environment = VLLM_ENVIRONMENT | IN_STEP | ({} if gpu else VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1))
@@ -45,8 +41,6 @@ def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = No
     from vllm import LLM
 
     options = {} if gpu else dict(VLLM_CPU_ENGINE_OPTIONS)
-    if lora_rank is not None:
-        options |= {"enable_lora": True, "max_lora_rank": max_lora_rank(lora_rank)}
     return LLM(
         model=model_dir,
         seed=seed,
@@ -56,8 +50,8 @@ def load_engine(model_dir: str, seed: int, gpu: bool, lora_rank: int | None = No
     )
 
 
-def sample_groups(llm, prompt_ids: list[list[int]], sampling: Sampling, seed: int, lora_request=None) -> Completions:
-    """`sampling.samples` completions per prompt, flattened prompt-major (`lora_request`: with that adapter).
+def sample_groups(llm, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
+    """`sampling.samples` completions per prompt, flattened prompt-major.
 
     vLLM seeds sample j of a request with seed + j, so prompt i gets seed + i * samples: every
     sample of the batch has its own seed (seed + i would give prompt i+1's sample j-1 the same
@@ -77,7 +71,7 @@ def sample_groups(llm, prompt_ids: list[list[int]], sampling: Sampling, seed: in
         for i in range(len(prompt_ids))
     ]
     requests = [{"prompt_token_ids": p} for p in prompt_ids]
-    outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
+    outputs = llm.generate(requests, params, use_tqdm=False)
     result = Completions([], [], [])
     for output in outputs:
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -98,23 +92,21 @@ def sample_prompts(
     policy: Policy | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
-    adapter version: its base, sampling with the adapter)."""
+    adapter version: its base, with the adapter merged in)."""
     from rlpipe.engines import sample_seed
-    from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, local_path
+    from rlpipe.store.weights import adapter_base, local_path
 
     weights_dir = local_path(weights, cache_root)
     base = adapter_base(weights_dir)
     if base is None:
-        llm, lora_request = load_engine(weights_dir, spec.seed, gpu=False), None
-    else:
-        from vllm.lora.request import LoRARequest
-
-        rank = json.loads((Path(weights_dir) / ADAPTER_CONFIG).read_text())["r"]
-        llm = load_engine(local_path(base, cache_root), spec.seed, gpu=False, lora_rank=rank)
-        lora_request = LoRARequest(f"v{weights['version']}", 1, weights_dir)
+        llm = load_engine(weights_dir, spec.seed, gpu=False)
+    else:  # on CPU the adapter is merged into the base (rlpipe.vllm_environment.serves_adapters)
+        base_dir = local_path(base, cache_root)
+        llm = load_engine(base_dir, spec.seed, gpu=False)
+        llm.collective_rpc("reload_merged", kwargs={"base_path": base_dir, "adapter_path": weights_dir})
     tokenizer = llm.get_tokenizer()
     loaded = time.time()
     seed = sample_seed(spec.seed, iteration)
-    completions = sample_groups(llm, prompt_ids, Sampling.of(spec), seed, lora_request=lora_request)
+    completions = sample_groups(llm, prompt_ids, Sampling.of(spec), seed)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

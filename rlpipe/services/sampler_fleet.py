@@ -12,8 +12,9 @@ image's entrypoint) waits for the run's first published version, then execs the 
 server on the latest one; sync_weights then reloads it in place at the steps' paths, so the
 Deployment mounts the PVC where the steps do.
 
-LoRA (model.lora): a server starts on the sealed base with LoRA enabled, and the client hot-loads
-each version's adapter (rlpipe.clients.sampler_client). The cluster entrypoint has no spec: it
+LoRA (model.lora): a server starts on the sealed base, with LoRA enabled where it serves adapters
+(on a GPU; the client hot-loads each version's adapter), without it on CPU (the client merges each
+version into the base in place: rlpipe.clients.sampler_client). The cluster entrypoint has no spec: it
 enables LoRA when the latest version is an adapter, or when its args carry --enable-lora (a run
 whose samplers start at v0: add `--enable-lora --max-lora-rank R` to the Deployment's args).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,7 +38,9 @@ from rlpipe.vllm_environment import (
     VLLM_CPU_SERVER_ARGS,
     VLLM_ENVIRONMENT,
     cpu_kv_cache,
+    has_gpu,
     max_lora_rank,
+    serves_adapters,
 )
 
 SERVER_MODULE = "rlpipe.services.vllm_server"  # vLLM's api_server behind the import guard
@@ -63,23 +65,22 @@ def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str
     ]  # fmt: skip
 
 
-def served_model(run_root: str, version: int, lora_rank: int | None) -> tuple[str, list[str], dict[str, str]]:
+def served_model(
+    run_root: str, version: int, lora_rank: int | None, adapters: bool = True
+) -> tuple[str, list[str], dict[str, str]]:
     """The directory a server for the run's `version` starts on, with its LoRA flags and environment:
-    a LoRA run's server (`lora_rank`, or the version is an adapter) runs the sealed base with LoRA
-    enabled and adapters loadable at run time."""
+    a LoRA run's server (`lora_rank`, or the version is an adapter) runs the sealed base, with LoRA
+    enabled and adapters loadable at run time when it serves `adapters` (else the client merges
+    each version into the base in place)."""
     model_dir = filesystem(version_uri(run_root, version))[1]
     base = adapter_base(model_dir)
     if base is not None:
         lora_rank = lora_rank or json.loads((Path(model_dir) / ADAPTER_CONFIG).read_text())["r"]
         model_dir = sampler_weights_dir(base["uri"])
-    if lora_rank is None:
+    if lora_rank is None or not adapters:
         return model_dir, [], {}
     flags = ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
     return model_dir, flags, RUNTIME_LORA
-
-
-def has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None
 
 
 def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
@@ -87,7 +88,8 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
 
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
         lora_rank = spec.model.lora.rank if spec.model.lora else None
-        model_dir, lora_flags, lora_env = served_model(run_root, latest_version(run_root), lora_rank)
+        version = latest_version(run_root)
+        model_dir, lora_flags, lora_env = served_model(run_root, version, lora_rank, serves_adapters(spec))
         env = SERVER_ENVIRONMENT | lora_env
         extra = [*lora_flags, *spec.samplers.extra_args]
         if not has_gpu():

