@@ -8,7 +8,7 @@
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
 character tokenizer, the same addition data (rlpipe's prepare step), the same reward
 (`rlpipe.rewards.verifiers:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
-top_k 0, 5 new tokens, 1 torch thread. rlpipe runs as the demo does (512 prompts x 8 per
+top_k 0, 5 new tokens, no gradient checkpointing, 1 torch thread. rlpipe runs as the demo does (512 prompts x 8 per
 iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`, its on-policy GRPO at the settings
 that learn best here (64 prompts x 8 per step, generate every step), and `trl_same_batch`, rlpipe's
 batch structure (per_device_train_batch_size=1024, steps_per_generation=4: 512 prompts x 8 per
@@ -146,6 +146,7 @@ def run_trl(args: argparse.Namespace) -> None:
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
         max_grad_norm=1.0,
+        gradient_checkpointing=False,  # as rlpipe's demo (TRL's default is on: ~20% slower, less memory)
         beta=0.0,
         epsilon=0.2,
         loss_type="grpo",

@@ -7,7 +7,8 @@ Equal hyperparameters, printed for both: the example's spec (16 prompts x 4 samp
 generation, 2 optimizer steps of 32 completions each, LoRA rank 16 / alpha 32 on every
 projection, lr 2e-4 constant, clip 0.2, no KL, the example's temperature and top_k, 32 new tokens,
 the guarded math_equivalence reward), the same converted model, the same rendered chat prompts
-(rlpipe's prepare step), the example's `trainer.threads` torch threads on both sides. rlpipe runs
+(rlpipe's prepare step), the example's `trainer.threads` torch threads and gradient checkpointing
+setting on both sides (TRL's own default turns checkpointing on). rlpipe runs
 `rlpipe run` (kfp.local, resident trainer); TRL runs GRPOTrainer with peft,
 `per_device_train_batch_size=32, steps_per_generation=2`. Each system's held-out greedy accuracy
 (200 problems, the same evaluator) is measured before and after training, off the clock.
@@ -64,6 +65,7 @@ def settings(spec: RunSpec) -> dict:
         "max_new_tokens": r.max_new_tokens,
         "reward": spec.reward.functions[0],
         "threads": t.threads,
+        "gradient_checkpointing": t.gradient_checkpointing,  # TRL's default is on: set equal, not left
     }
 
 
@@ -132,6 +134,7 @@ def run_trl(args: argparse.Namespace) -> None:
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=s["warmup_steps"],
         max_grad_norm=s["max_grad_norm"],
+        gradient_checkpointing=s["gradient_checkpointing"],
         beta=s["kl"],
         epsilon=s["clip"],
         loss_type="grpo",

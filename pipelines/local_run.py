@@ -251,8 +251,10 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
         from rlpipe.services.sampler_fleet import LocalFleet
+        from rlpipe.vllm_environment import local_samplers
 
-        fleet = LocalFleet(spec, run_root)
+        served = local_samplers(served)  # LoRA: adapters on a GPU, merged on CPU
+        fleet = LocalFleet(served, run_root)
         served = dataclasses.replace(served, samplers=dataclasses.replace(served.samplers, endpoints=fleet.urls))
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
     trainer = None

