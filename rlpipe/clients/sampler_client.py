@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from rlpipe.store.weights import WeightRef
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
-MERGE_METHOD = "reload_merged"
+MERGE_METHOD = "reload_merged"  # an adapter version merged into its base
 BASE_MODEL = "policy"  # the servers' --served-model-name
 
 

@@ -2,8 +2,8 @@
 
 Same records as the torch engine: G seeded samples per prompt, token ids through the eos,
 per-token log-probs at the sampling temperature (vLLM's processed_logprobs). An adapter version
-(model.lora) is served as vLLM serves LoRA: the engine loads the sealed base with LoRA enabled
-and every request names the adapter (a LoRARequest), so only the adapter's bytes are new.
+(model.lora) is merged into the sealed base inside the engine (the worker's reload_merged): this
+engine runs on CPU, where vLLM's LoRA ops cost 4.5x at every token.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def sample_prompts(
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
     adapter version: its base, with the adapter merged in)."""
+    from rlpipe.clients.sampler_client import MERGE_METHOD
     from rlpipe.engines import sample_seed
     from rlpipe.store.weights import adapter_base, local_path
 
@@ -103,7 +104,7 @@ def sample_prompts(
     else:  # on CPU the adapter is merged into the base (rlpipe.vllm_environment.serves_adapters)
         base_dir = local_path(base, cache_root)
         llm = load_engine(base_dir, spec.seed, gpu=False)
-        llm.collective_rpc("reload_merged", kwargs={"base_path": base_dir, "adapter_path": weights_dir})
+        llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": base_dir, "adapter_path": weights_dir})
     tokenizer = llm.get_tokenizer()
     loaded = time.time()
     seed = sample_seed(spec.seed, iteration)
