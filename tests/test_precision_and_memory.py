@@ -261,7 +261,7 @@ def test_plan_says_what_to_change(tmp_path: Path):
     full = plan()
     assert full.returncode == 1, full.stdout + full.stderr
     assert "1.544B parameters (28 layers, hidden 1536, vocab 151936), sequences of 1024 tokens" in full.stdout
-    assert "policy weights (fp32)                   5.75 GiB" in full.stdout
+    assert "policy weights (fp32)                           5.75 GiB" in full.stdout
     assert "trainer.gradient_checkpointing: true" in full.stdout and "trainer.micro_batch_tokens: " in full.stdout
     tuned = plan(
         "--set",

@@ -381,6 +381,13 @@ class TrainerSpec:
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
     )
+    logit_chunk_tokens: int | None = setting(
+        512,
+        ge=1,
+        doc="Completion tokens whose vocabulary-wide logits exist at once: log-probs and entropy are computed "
+        "from the final hidden states in chunks this long, each recomputed in the backward pass, so the "
+        "update never holds tokens x vocabulary logits (the same values). null: the whole logits at once",
+    )
     gpus: int = setting(
         1,
         ge=1,

@@ -40,15 +40,19 @@ def batched_logprobs(
     completions: list[list[int]],
     pad_id: int,
     temperature: float,
+    chunk_tokens: int | None,
     batch_size: int = 256,
 ) -> list[list[float]]:
-    """completion_logprobs of each (prompt, completion), `batch_size` sequences per forward pass."""
+    """completion_logprobs of each (prompt, completion), `batch_size` sequences per forward pass, the head
+    in chunks of chunk_tokens."""
     model.eval()
     rows = [{"prompt_token_ids": list(p), "completion_token_ids": list(c)} for p, c in zip(prompts, completions)]
     return [
         logprobs
         for start in range(0, len(rows), batch_size)
-        for logprobs in completion_logprobs(model, rows[start : start + batch_size], pad_id, temperature)
+        for logprobs in completion_logprobs(
+            model, rows[start : start + batch_size], pad_id, temperature, chunk_tokens=chunk_tokens
+        )
     ]
 
 
@@ -57,7 +61,12 @@ def reference_columns(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> dic
     prompts = [p["prompt_token_ids"] for p in pairs]
     return {
         f"ref_{role}_logprobs": batched_logprobs(
-            model, prompts, [p[f"{role}_token_ids"] for p in pairs], tokenizer.pad_token_id, spec.rollout.temperature
+            model,
+            prompts,
+            [p[f"{role}_token_ids"] for p in pairs],
+            tokenizer.pad_token_id,
+            spec.rollout.temperature,
+            spec.trainer.logit_chunk_tokens,
         )
         for role in ("chosen", "rejected")
     }
@@ -76,6 +85,7 @@ def preference_accuracy(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> d
             [p[f"{role}_token_ids"] for p in pairs],
             tokenizer.pad_token_id,
             spec.rollout.temperature,
+            spec.trainer.logit_chunk_tokens,
         )
         for role in ("chosen", "rejected")
     }

@@ -1,16 +1,30 @@
 """Log-probabilities of completion tokens, as the update computes them: right-padded rows,
-softmax(logits / T) in fp32."""
+softmax(logits / T) in fp32.
+
+The logits of a micro-batch are its largest tensor: N tokens x V vocabulary in fp32, and the
+log-softmax and its gradient as large again (16,384 tokens x 151,936 = 10 GB each). `completion_logprobs_and_entropy`
+never holds them whole: from the decoder's final hidden states it takes only the completion tokens'
+positions, and runs head -> log-softmax -> gather (-> entropy) over chunks of trainer.logit_chunk_tokens
+of them, each chunk checkpointed (its logits recomputed in the backward pass, one chunk at a time).
+Peak: chunk x V instead of N x V; values and gradients are the full computation's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from rlpipe.training.batching import MicroBatch, pack, window_column
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel
+
+# config fields of heads that do more than hidden @ W^T (Gemma 2's soft-capping, Cohere's and Granite's
+# scales): those models go through their own forward, whole logits
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,6 +51,66 @@ def completion_logits(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     return model(input_ids=mb.input_ids, attention_mask=mb.attention, logits_to_keep=keep).logits[:, :-1]
 
 
+def chunks_head_on_hidden(model: PreTrainedModel) -> bool:
+    """Whether the logits are the output embedding applied to the decoder's last hidden state, so that
+    they can be computed in chunks from it. Not for heads with a transform (HEAD_TRANSFORMS), nor for
+    an FSDP-sharded model, whose root unit gathers the head only inside its own forward."""
+    from rlpipe.training.distributed import is_sharded
+
+    config = model.config
+    if is_sharded(model) or any(getattr(config, name, None) for name in HEAD_TRANSFORMS):
+        return False
+    return callable(getattr(model, "get_decoder", None)) and model.get_output_embeddings() is not None
+
+
+def chunk_logprobs_and_entropy(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] log-probs of `targets` and entropies from [n, H] hidden states: one chunk's logits, made and freed here."""
+    return token_logprobs_and_entropy(head(hidden), targets, temperature, entropy_grad)
+
+
+def completion_logprobs_and_entropy(
+    model: PreTrainedModel,
+    mb: MicroBatch,
+    temperature: float,
+    chunk_tokens: int | None,
+    entropy_grad: bool = False,
+    precision: contextlib.AbstractContextManager | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] log pi(target | prefix) and entropy of `mb`'s window (chunked: 0 off its completion tokens,
+    which every loss masks).
+
+    chunk_tokens None (or a model whose head cannot be chunked): the whole logits at once. Else the
+    decoder's hidden states at the completion positions, in chunks of chunk_tokens through the head,
+    each chunk checkpointed when gradients are on. `precision` (autocast) wraps the forward passes."""
+    precision = precision or contextlib.nullcontext()
+    if chunk_tokens is None or not chunks_head_on_hidden(model):
+        with precision:
+            logits = completion_logits(model, mb)
+        return token_logprobs_and_entropy(logits, mb.targets, temperature, entropy_grad)
+    with precision:
+        hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention).last_hidden_state
+    on_completion = mb.completion_mask.bool()
+    hidden = hidden[:, mb.start : -1][on_completion]  # [n, H], n = completion tokens
+    targets = mb.targets[on_completion]
+    head = model.get_output_embeddings()
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for begin in range(0, len(targets), chunk_tokens):
+        args = (head, hidden[begin : begin + chunk_tokens], targets[begin : begin + chunk_tokens], temperature)
+        with precision:
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(chunk_logprobs_and_entropy, *args, entropy_grad, use_reentrant=False))
+            else:
+                parts.append(chunk_logprobs_and_entropy(*args, False))
+    logprobs = torch.zeros(mb.completion_mask.shape, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logprobs)
+    if parts:
+        logprobs = logprobs.masked_scatter(on_completion, torch.cat([p[0] for p in parts]))
+        entropy = entropy.masked_scatter(on_completion, torch.cat([p[1] for p in parts]))
+    return logprobs, entropy
+
+
 def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What a completion's log-probs depend on: its prompt and completion token ids."""
     return tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])
@@ -44,14 +118,18 @@ def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @torch.no_grad()
 def completion_logprobs(
-    model: PreTrainedModel, rows: list[dict], pad_id: int, temperature: float, bf16: bool = False
+    model: PreTrainedModel,
+    rows: list[dict],
+    pad_id: int,
+    temperature: float,
+    bf16: bool = False,
+    chunk_tokens: int | None = None,
 ) -> list[list[float]]:
     """log pi(token | prefix) of each row's completion tokens after its prompt (rows with prompt_token_ids
-    and completion_token_ids); one no-grad forward pass over `rows`."""
+    and completion_token_ids); one no-grad forward pass over `rows`, the head in chunks of chunk_tokens."""
     mb = pack(rows, pad_id).to(model.device)
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = completion_logits(model, mb)
-    logprobs = token_logprobs(logits, mb.targets, temperature).cpu()
+    precision = torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16)
+    logprobs = completion_logprobs_and_entropy(model, mb, temperature, chunk_tokens, precision=precision)[0].cpu()
     found = []
     for i, row in enumerate(rows):
         start = window_column(row, mb)

@@ -3,13 +3,14 @@ does not fit. Torch-free: the shape comes from the model's config.json (or model
 
 Per GPU, with P parameters, sharded over `gpus` by FSDP (weights, gradients and AdamW state):
     policy weights     4 P / gpus              fp32 master weights
-    gradients          4 P / gpus              fp32
-    AdamW state        8 P / gpus              two fp32 moments
+    gradients          4 P / gpus              fp32 (LoRA: 4 A for A adapter parameters)
+    AdamW state        8 P / gpus              two fp32 moments (LoRA: 8 A)
     reference          b P / gpus              frozen v0 for the KL (b = 2 in bf16, 4 in fp32)
     critic             16 P / gpus             PPO's value model: weights, gradients, AdamW (its
                                                activations come after the policy's are freed)
     activations        N (c L + s) b           one micro-batch of N tokens, L layers (below)
-    logits             N V 4 x 3               fp32 logits, log-softmax and its gradient
+    logits             C V 4 x 3               fp32 logits, log-softmax and its gradient of one chunk of
+                                               C = min(N, trainer.logit_chunk_tokens) tokens (N unchunked)
     sampler KV cache   R T L 2 kv d b          colocated torch sampling: R rows of T tokens
     sampler weights    4 P                     gpus > 1: the policy's whole weights, gathered for sampling
 Saved activations per token and layer, for a Llama/Qwen2 block with SDPA attention (no T^2 term):
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 from rlpipe.algorithms import needs_critic
 
 if TYPE_CHECKING:
-    from rlpipe.spec import RunSpec
+    from rlpipe.spec import LoraSpec, RunSpec
 
 GIB = 1024**3
 
@@ -107,8 +108,8 @@ class Plan:
         return sum(b for _, b in self.rows)
 
     def table(self) -> str:
-        lines = [f"{'':2}{what:<34}{b / GIB:>10.2f} GiB" for what, b in self.rows]
-        lines.append(f"{'':2}{'total per GPU':<34}{self.total / GIB:>10.2f} GiB of {self.gpu_bytes / GIB:.0f} GiB")
+        lines = [f"{'':2}{what:<42}{b / GIB:>10.2f} GiB" for what, b in self.rows]
+        lines.append(f"{'':2}{'total per GPU':<42}{self.total / GIB:>10.2f} GiB of {self.gpu_bytes / GIB:.0f} GiB")
         return "\n".join(lines)
 
 
@@ -125,17 +126,44 @@ def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool, act_by
     return tokens * (per_layer * shape.layers + (2 * full if checkpointing else 0)) * act_bytes
 
 
+def adapter_parameters(shape: ModelShape, lora: LoraSpec) -> int:
+    """A = layers x sum over the targeted projections of rank (in + out)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    sizes = {
+        "q_proj": (shape.hidden, q),
+        "k_proj": (shape.hidden, kv),
+        "v_proj": (shape.hidden, kv),
+        "o_proj": (q, shape.hidden),
+        "gate_proj": (shape.hidden, shape.intermediate),
+        "up_proj": (shape.hidden, shape.intermediate),
+        "down_proj": (shape.intermediate, shape.hidden),
+    }
+    return shape.layers * sum(lora.rank * sum(sizes[t]) for t in lora.targets if t in sizes)
+
+
+def logit_tokens(spec: RunSpec, tokens: int) -> int:
+    """Tokens whose vocabulary-wide logits exist at once: one chunk (rlpipe.training.logprobs), else all."""
+    return min(tokens, spec.trainer.logit_chunk_tokens or tokens)
+
+
+def logits_row(spec: RunSpec, tokens: int) -> str:
+    chunk = logit_tokens(spec, tokens)
+    return f"logits (fp32, x3, {chunk} tokens at a time)" if chunk < tokens else "logits (fp32, x3)"
+
+
 def plan_memory(spec: RunSpec, shape: ModelShape, seq_len: int, gpus: int, gpu_memory_gib: float) -> Plan:
     """Bytes per GPU for the spec's training and colocated torch sampling (module docstring)."""
     p, bf16 = shape.parameters, spec.trainer.dtype == "bfloat16"
     act_bytes = 2 if bf16 else 4
     tokens = micro_batch_tokens(spec, seq_len)
+    trained = adapter_parameters(shape, spec.model.lora) if spec.model.lora else p
+    what = "LoRA adapters' " if spec.model.lora else ""
     rows = [
         ("policy weights (fp32)", 4 * p / gpus),
-        ("gradients (fp32)", 4 * p / gpus),
-        ("AdamW state (fp32)", 8 * p / gpus),
+        (f"{what}gradients (fp32)", 4 * trained / gpus),
+        (f"{what}AdamW state (fp32)", 8 * trained / gpus),
     ]
-    if spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl:
+    if (spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl) and not spec.model.lora:  # LoRA: adapters off
         rows.append((f"reference ({'bf16' if bf16 else 'fp32'})", act_bytes * p / gpus))
     if needs_critic(spec):
         rows.append(("critic: weights, gradients, AdamW", 16 * p / gpus))
@@ -145,7 +173,7 @@ def plan_memory(spec: RunSpec, shape: ModelShape, seq_len: int, gpus: int, gpu_m
             activation_bytes(shape, tokens, spec.trainer.gradient_checkpointing, act_bytes),
         )
     )
-    rows.append(("logits (fp32, x3)", tokens * shape.vocab * 4 * 3))
+    rows.append((logits_row(spec, tokens), logit_tokens(spec, tokens) * shape.vocab * 4 * 3))
     if spec.rollout.engine == "torch":
         sample_rows = min(spec.rollout.batch_size, spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt)
         kv = sample_rows * seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * act_bytes
@@ -167,7 +195,9 @@ def advise(spec: RunSpec, shape: ModelShape, plan: Plan, seq_len: int, gpus: int
         kv = next(b for what, b in plan.rows if what.startswith("sampler"))
         if kv > 0.25 * budget:
             advice.append("rollout.batch_size: lower it (the sampler's KV cache grows with it), or sample with vLLM")
-    per_token = activation_bytes(shape, 1, True, act_bytes) + shape.vocab * 4 * 3
+    per_token = activation_bytes(shape, 1, True, act_bytes)
+    if not spec.trainer.logit_chunk_tokens:  # chunked, the logits stay one chunk's
+        per_token += shape.vocab * 4 * 3
     if not spec.trainer.gradient_checkpointing:
         advice.append("trainer.gradient_checkpointing: true (activations from 12h+4i to h values per token and layer)")
     if spec.trainer.dtype == "float32":

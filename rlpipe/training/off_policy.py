@@ -54,7 +54,8 @@ def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
     """completion_logprobs under the trainer's policy as it stands, with its precision."""
     spec = trainer.spec
     bf16 = spec.trainer.dtype == "bfloat16"
-    return completion_logprobs(trainer.policy, rows, trainer.tokenizer.pad_token_id, spec.rollout.temperature, bf16)
+    pad_id, chunk_tokens = trainer.tokenizer.pad_token_id, spec.trainer.logit_chunk_tokens
+    return completion_logprobs(trainer.policy, rows, pad_id, spec.rollout.temperature, bf16, chunk_tokens)
 
 
 def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:

@@ -42,7 +42,7 @@ from rlpipe.training.distributed import (
     update_in_processes,
     world,
 )
-from rlpipe.training.logprobs import completion_logits, token_logprobs, token_logprobs_and_entropy
+from rlpipe.training.logprobs import completion_logprobs_and_entropy
 from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
@@ -261,10 +261,13 @@ def micro_step(
     Returns what it adds to the step's metrics: token means by `share`, the loss and the algorithm's
     own statistics by `weight`, is_weight_max as it is."""
     processes = world()[1]
-    with autocast(trainer):
-        logits = completion_logits(trainer.policy, mb)
-    logprobs, entropy = token_logprobs_and_entropy(
-        logits, mb.targets, objective.temperature, objective.entropy_coef > 0
+    logprobs, entropy = completion_logprobs_and_entropy(
+        trainer.policy,
+        mb,
+        objective.temperature,
+        trainer.spec.trainer.logit_chunk_tokens,
+        entropy_grad=objective.entropy_coef > 0,
+        precision=autocast(trainer),
     )
     ref_logprobs = mb.ref_logprobs  # computed once (offline DPO), else the reference's
     if use_reference and ref_logprobs is None:
@@ -300,9 +303,9 @@ def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> 
     """log pi_ref of each target under the frozen reference (with LoRA: the policy, adapters off)."""
     policy, reference = trainer.policy, trainer.reference
     adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
-    with torch.no_grad(), autocast(trainer), adapters_off:
-        logits = completion_logits(reference, mb)
-    return token_logprobs(logits, mb.targets, temperature)
+    with torch.no_grad(), adapters_off:
+        chunk_tokens = trainer.spec.trainer.logit_chunk_tokens
+        return completion_logprobs_and_entropy(reference, mb, temperature, chunk_tokens, precision=autocast(trainer))[0]
 
 
 def optimizer_step(trainer: Trainer, step: dict[str, float], iteration: int) -> None:
