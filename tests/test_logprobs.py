@@ -111,8 +111,9 @@ def test_heads_that_transform_their_logits_take_the_whole_logits_path():
 
 
 def test_an_update_with_chunked_logprobs_equals_the_whole_logits_update(tmp_path):
-    from .test_precision_and_memory import _batch, _params, _trainer
     from rlpipe.training.trainer import train_on_batch
+
+    from .test_precision_and_memory import _batch, _params, _trainer
 
     batch = _batch(tmp_path)
     whole = _trainer(tmp_path, logit_chunk_tokens=None)
