@@ -14,6 +14,19 @@ class StorageSpec:
     root: str = setting("./runs", doc="Parent of run directories: a local path or fsspec URI")
     keep_versions: int = setting(3, ge=1, doc="Weight versions kept besides v0")
     cache: str | None = setting(None, doc="Warm-start cache; default <root>/.cache")
+    weights_dtype: Literal["bfloat16"] | None = setting(
+        None,
+        doc="dtype of the weights each version stores (what samplers load): null = the trainer's float32 master "
+        "weights; bfloat16 = a serving copy, half the bytes, with the masters kept beside the optimizer state "
+        "(optimizer/vN.masters.safetensors) so training loses nothing. Whole-weight versions only (not model.lora)",
+    )
+    full_every: int = setting(
+        10,
+        ge=1,
+        doc="With weights_dtype bfloat16: a version is stored whole at least every this many versions, the others "
+        "as deltas against their parent (the elements whose bits changed: ~1% at RL learning rates), or whole "
+        "whenever a delta would be over half the size. 1: every version whole",
+    )
 
 
 @section

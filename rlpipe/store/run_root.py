@@ -116,6 +116,12 @@ def optimizer_dir(run_root: str, lineage: str = "policy") -> str:
     return join(run_root, "optimizer") if lineage == "policy" else join(run_root, lineage, "optimizer")
 
 
+def masters_uri(run_root: str, version: int) -> str:
+    """The trainer's fp32 master weights after training v(version), when versions store a narrower
+    serving copy (storage.weights_dtype)."""
+    return join(optimizer_dir(run_root), f"v{version:06d}.masters.safetensors")
+
+
 def optimizer_uri(run_root: str, version: int, lineage: str = "policy") -> str:
     """The trainer's optimizer state after training weights v(version), beside that version."""
     return join(optimizer_dir(run_root, lineage), f"v{version:06d}.pt")

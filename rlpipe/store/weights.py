@@ -7,6 +7,13 @@
 Steps pass a WeightRef {"uri", "version", "sha256"}, never the weights themselves.
 Publish = verify sha256 of the staged files, move them to v{N}/, then move LATEST.
 
+A version is whole (model.safetensors, as save_pretrained writes it) or a delta against its parent
+(delta.safetensors: the elements whose bits changed, rlpipe.store.weight_deltas), with a whole one at
+least every storage.full_every versions. The manifest says which ("delta_of": the parent version,
+"chain": deltas since the last whole one) and holds `weights_sha256`, the hash of the tensors' contents:
+a reader rebuilds a delta version from its chain (into the cache) and checks that hash. The manifest's
+`sha256` covers the stored files, so a changed delta file is named like any other.
+
 A critic (PPO) is a second lineage with the same layout under critic/: critic/v{N}/ is the value
 model trained beside policy v{N} (rlpipe.training.critic).
 """
@@ -103,6 +110,25 @@ def stage_pretrained(
     return staged
 
 
+def stage_delta(run_root: str, version: int, config, tokenizer, delta: dict, cache_root: str | Path) -> str:
+    """A delta version into a fresh staging dir: the model's config and tokenizer, and DELTA_FILE."""
+    from safetensors.torch import save_file
+
+    from rlpipe.store.weight_deltas import DELTA_FILE
+
+    staged = staging_uri(run_root, version)
+    fs, staged_path = filesystem(staged)
+    save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    save_file(delta, str(Path(save_dir, DELTA_FILE)), metadata={"format": "rlpipe-delta"})
+    if not is_local(staged):
+        fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return staged
+
+
 def directory_sha256(uri: str) -> tuple[str, dict[str, str]]:
     """sha256 over (relative name, file sha256) of every file except the manifest, sorted."""
     fs, root = filesystem(uri)
@@ -124,8 +150,9 @@ def directory_sha256(uri: str) -> tuple[str, dict[str, str]]:
     return total.hexdigest(), files
 
 
-def seal(uri: str, version: int, iteration: int, parent: int | None) -> WeightRef:
-    """Hash a staged directory and write its manifest; returns the ref to hand to publish."""
+def seal(uri: str, version: int, iteration: int, parent: int | None, contents: dict | None = None) -> WeightRef:
+    """Hash a staged directory and write its manifest; returns the ref to hand to publish. `contents`:
+    what the trainer knows of the tensors (weights_sha256, weights_dtype, delta_of, chain)."""
     sha, files = directory_sha256(uri)
     manifest = {
         "version": version,
@@ -134,6 +161,7 @@ def seal(uri: str, version: int, iteration: int, parent: int | None) -> WeightRe
         "sha256": sha,
         "files": files,
         "created_at": time.time(),
+        **(contents or {}),
     }
     atomic_write_text(join(uri, MANIFEST), json.dumps(manifest, indent=2))
     return {"uri": uri, "version": version, "sha256": sha}
@@ -156,6 +184,12 @@ def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> Weight
     move(staged["uri"], final)
     atomic_write_text(join(weights_root(run_root, lineage), "LATEST"), version_name(version))
     return {"uri": final, "version": version, "sha256": sha}
+
+
+def read_manifest(uri: str) -> dict:
+    fs, path = filesystem(join(uri, MANIFEST))
+    with fs.open(path, "r") as f:
+        return json.load(f)
 
 
 def read_ref(run_root: str, version: int, lineage: str = "policy") -> WeightRef:
@@ -214,10 +248,70 @@ def verify(ref: WeightRef, files_uri: str | None = None) -> None:
 
 
 def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
-    """A local directory holding the ref's files, verified against its sha256: the store itself when
-    local, else a cached copy (verified when downloaded)."""
+    """A local directory holding the ref's whole weights, verified: the stored files against their
+    sha256 (the store itself when local, else a cached copy verified when downloaded); a delta version
+    rebuilt from its chain into the cache, checked against its weights_sha256."""
     ref = as_ref(ref)
     check_ref(ref)
+    stored = stored_path(ref, cache_dir)
+    if "delta_of" in (manifest := json.loads(Path(stored, MANIFEST).read_text())) and manifest["delta_of"] is not None:
+        return rebuilt_path(ref, manifest, cache_dir)
+    return stored
+
+
+def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
+    """cache/rebuilt/<weights_sha256>/: the delta version `ref` as whole weights (model.safetensors),
+    made once from the last whole version before it and the deltas since, and checked against the
+    manifest's weights_sha256; the two most recent rebuilt versions are kept."""
+    from safetensors.torch import load_file, save_file
+
+    from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256
+
+    rebuilt_root = Path(cache_dir) / "rebuilt"
+    out = rebuilt_root / manifest["weights_sha256"]
+    if (out / MANIFEST).exists():
+        return str(out)
+    chain = [(ref, manifest)]
+    while chain[-1][1].get("delta_of") is not None:
+        parent_uri = join(ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))
+        try:
+            parent_manifest = read_manifest(parent_uri)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"weights version {ref['version']} is a delta whose chain needs {parent_uri}, which is gone; "
+                "a pruned chain should never happen (prune keeps every version a kept one is rebuilt from): "
+                "restore that version, or resume from an earlier whole version"
+            ) from None
+        chain.append(
+            (
+                {"uri": parent_uri, "version": parent_manifest["version"], "sha256": parent_manifest["sha256"]},
+                parent_manifest,
+            )
+        )
+    whole = Path(stored_path(chain[-1][0], cache_dir))
+    tensors: dict = {}
+    for file in sorted(whole.glob("*.safetensors")):
+        tensors |= load_file(file)
+    for link, link_manifest in reversed(chain[:-1]):
+        apply_delta(tensors, load_file(Path(stored_path(link, cache_dir), DELTA_FILE)))
+        if content_sha256(tensors) != link_manifest["weights_sha256"]:
+            raise CorruptWeightsError(
+                f"weights version {link['version']} rebuilt from its chain does not hash to its manifest's "
+                f"weights_sha256 {link_manifest['weights_sha256'][:12]}: a version in its chain was changed "
+                "after it was sealed. Restore it, or resume from an earlier whole version"
+            )
+    tmp = rebuilt_root / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(stored_path(ref, cache_dir), tmp, ignore=shutil.ignore_patterns(DELTA_FILE))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(out)
+    for stale in sorted(rebuilt_root.iterdir(), key=lambda p: p.stat().st_mtime)[:-2]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return str(out)
+
+
+def stored_path(ref: WeightRef, cache_dir: str | Path) -> str:
+    """A local directory holding the ref's stored files (a delta's are its delta), verified against its
+    sha256: the store itself when local, else a cached copy (verified when downloaded)."""
     if is_local(ref["uri"]):
         verify(ref)
         return filesystem(ref["uri"])[1]
@@ -249,15 +343,29 @@ def prune(
         for path in fs.ls(staging, detail=False):
             if int(path.rsplit("/", 1)[-1][1:7]) <= current:
                 fs.rm(path, recursive=True)
-    removed: list[int] = []
-    for path in fs.ls(root, detail=False):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith("v") and name[1:].isdigit():
-            version = int(name[1:])
-            if 0 < version <= current - keep and version not in registered:
-                fs.rm(path, recursive=True)
-                removed.append(version)
+    versions = {
+        int(name[1:]): path
+        for path in fs.ls(root, detail=False)
+        if (name := path.rsplit("/", 1)[-1]).startswith("v") and name[1:].isdigit()
+    }
+    kept = {v for v in versions if v == 0 or v > current - keep or v in registered}
+    for version in sorted(kept):  # and every version a kept delta version is rebuilt from
+        while version in versions and (parent := delta_parent(versions[version], fs)) is not None:
+            kept.add(parent)
+            version = parent
+    removed = sorted(set(versions) - kept)
+    for version in removed:
+        fs.rm(versions[version], recursive=True)
     return removed
+
+
+def delta_parent(path: str, fs) -> int | None:
+    """The version a stored version is a delta against (its manifest's delta_of); None when whole."""
+    manifest = f"{path}/{MANIFEST}"
+    if not fs.exists(manifest):
+        return None
+    with fs.open(manifest, "r") as f:
+        return json.load(f).get("delta_of")
 
 
 def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy") -> None:
@@ -268,6 +376,6 @@ def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy")
         return
     for path in fs.ls(opt_dir, detail=False):
         name = path.rsplit("/", 1)[-1]
-        stale = name.endswith(".pt") and int(name[1:7]) < current
+        stale = name.endswith((".pt", ".safetensors")) and int(name[1:7]) < current
         if name.startswith("v") and (stale or name.endswith(".tmp")):
             fs.rm(path)

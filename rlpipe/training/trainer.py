@@ -44,6 +44,14 @@ from rlpipe.training.distributed import (
 )
 from rlpipe.training.logprobs import completion_logprobs_and_entropy
 from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
+from rlpipe.training.sealing import (
+    Served,
+    load_masters,
+    save_masters,
+    seal_serving_copy,
+    served_from_version,
+    stores_serving_copy,
+)
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -77,6 +85,7 @@ class Trainer:
     critic: Critic | None = None
     # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}
     proximal: dict = field(default_factory=dict)
+    served: Served | None = None  # the stored tensors of `weights`, when the next version may be a delta
 
 
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
@@ -84,6 +93,10 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     weights = as_ref(weights)
     sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
+    served = None
+    if stores_serving_copy(spec):  # the version is a serving copy; train on the masters it was cast from
+        load_masters(run_root, weights["version"], policy)
+        served = served_from_version(spec, policy, weights) if world()[0] == 0 else None
     base = None
     if spec.model.lora is not None:
         base = read_ref(run_root, 0)
@@ -115,7 +128,7 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     critic = None
     if needs_critic(spec):
         critic = load_critic(spec, run_root, weights["version"], cache_root, trainable=True, sharded=sharded)
-    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic)
+    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic, served=served)
 
 
 def autocast(trainer: Trainer) -> torch.autocast:
@@ -381,11 +394,18 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
     else:
         model_state, optimizer_state = None, trainer.optimizer.state_dict()
     ref: WeightRef | None = None
-    if rank == 0:
+    if rank == 0 and stores_serving_copy(trainer.spec):
+        ref, trainer.served = seal_serving_copy(
+            trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
+            cache_root, model_state, trainer.served,
+        )  # fmt: skip
+        save_masters(run_root, new_version, trainer.policy, model_state)
+    elif rank == 0:
         staged = stage_pretrained(
             run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state, trainer.base
         )
         ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    if rank == 0:
         final_opt = optimizer_uri(run_root, new_version)
         fs, tmp_path = filesystem(final_opt + ".tmp")
         fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)

@@ -1,0 +1,78 @@
+"""Weight versions stored as deltas against their parent: the elements whose bits changed.
+
+An RL step at lr 1e-6..1e-5 moves every fp32 master weight a little, but leaves ~99% of the
+**bf16** weights a sampler serves bit-identical (an AdamW step of ~lr is far below bf16's
+resolution, 2^-8 of the weight, except where a weight sits near a rounding boundary). So a
+version stored as a bf16 serving copy (storage.weights_dtype) is mostly its parent:
+
+    delta.safetensors   for each tensor t of the version:
+        "t#index"  int32 [k]   flat positions whose bit patterns differ from the parent's
+        "t#value"  dtype [k]   the new elements there
+      or, where the parent has no t of the same shape and dtype:
+        "t#whole"  the tensor
+
+Applying it to the parent's tensors gives the version's, bit for bit (XOR-free: positions and
+values). A version's `weights_sha256` (in its manifest) hashes its tensors' contents (name,
+dtype, shape, bytes), so a reconstruction is checked against what the trainer sealed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DELTA_FILE = "delta.safetensors"
+INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> same-width int
+
+
+def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of each tensor, by name: the same weights give the
+    same hash however they are laid out in files."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-width integers, flat: equal bits <=> equal integers (NaNs included)."""
+    return tensor.detach().contiguous().reshape(-1).view(INTEGER_VIEW[tensor.element_size()])
+
+
+def encode_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The delta.safetensors tensors that turn `parent` into `child` (module docstring), on the CPU."""
+    delta: dict[str, torch.Tensor] = {}
+    for name, new in child.items():
+        old = parent.get(name)
+        if old is None or old.shape != new.shape or old.dtype != new.dtype or new.numel() >= 2**31:
+            delta[f"{name}#whole"] = new.detach().contiguous().cpu()
+            continue
+        changed = torch.nonzero(bits(old) != bits(new)).reshape(-1)
+        delta[f"{name}#index"] = changed.to(torch.int32).cpu()
+        delta[f"{name}#value"] = new.detach().reshape(-1)[changed].cpu()
+    return delta
+
+
+def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (the parent's, changed in place) with `delta` applied; tensors the delta does not
+    name are dropped, so the result has exactly the version's tensors."""
+    names = {key.rsplit("#", 1)[0] for key in delta}
+    for name in names:
+        if f"{name}#whole" in delta:
+            tensors[name] = delta[f"{name}#whole"]
+            continue
+        target = tensors[name]
+        index = delta[f"{name}#index"].to(device=target.device, dtype=torch.long)
+        target.view(-1).index_copy_(0, index, delta[f"{name}#value"].to(target.device))
+    for name in set(tensors) - names:
+        del tensors[name]
+    return tensors
+
+
+def changed_fraction(delta: dict[str, torch.Tensor], elements: int) -> float:
+    """The share of a version's `elements` that the delta rewrites."""
+    rewritten = sum(t.numel() for key, t in delta.items() if key.endswith(("#value", "#whole")))
+    return rewritten / max(elements, 1)

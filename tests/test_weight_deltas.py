@@ -1,0 +1,125 @@
+"""Versions stored as deltas (storage.weights_dtype: bfloat16, storage.full_every): bit-exact round
+trips over a chain, a whole version every full_every, a tampered delta refused with its file named,
+pruning that keeps every version a kept delta is rebuilt from, and runs whose versions and metrics
+equal those of the same run with every version whole."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlpipe.store import weights as ws
+from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256, encode_delta
+
+
+def _chain(steps: int = 5, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """bf16 weights moved as an AdamW step at lr 1e-6 would move their fp32 masters, step by step."""
+    generator = torch.Generator().manual_seed(seed)
+    masters = {"a.weight": torch.randn(64, 32, generator=generator) * 0.02, "b.bias": torch.ones(32)}
+    versions = []
+    for _ in range(steps):
+        versions.append({k: v.to(torch.bfloat16) for k, v in masters.items()})
+        masters = {k: v - 1e-6 * torch.sign(torch.randn(v.shape, generator=generator)) for k, v in masters.items()}
+    return versions
+
+
+def test_a_chain_of_deltas_rebuilds_every_version_bit_for_bit():
+    versions = _chain()
+    held = {k: v.clone() for k, v in versions[0].items()}
+    for parent, child in zip(versions, versions[1:]):
+        delta = encode_delta(parent, child)
+        assert delta["a.weight#value"].numel() < 0.1 * child["a.weight"].numel()  # sparse in bf16
+        apply_delta(held, delta)
+        assert content_sha256(held) == content_sha256(child)
+        assert all(torch.equal(held[k].view(torch.int16), child[k].view(torch.int16)) for k in child)
+    grown = versions[-1] | {"c.new": torch.zeros(3, dtype=torch.bfloat16)}  # a tensor the parent lacks
+    apply_delta(held, encode_delta(versions[-1], grown))
+    assert content_sha256(held) == content_sha256(grown)
+
+
+def _run(tmp_path: Path, full_every: int, iterations: int = 4, **storage):
+    from rlpipe import loop
+    from rlpipe.spec import parse_spec
+
+    from .conftest import tiny_spec_dict
+
+    data = tiny_spec_dict(
+        tmp_path,
+        trainer={"lr": 1e-5, "mini_batches": 2, "warmup_steps": 0},
+        loop={"iterations": iterations, "iterations_per_run": iterations, "eval_every": 2},
+        storage={"root": str(tmp_path / "runs"), "weights_dtype": "bfloat16", "full_every": full_every, **storage},
+    )
+    spec = parse_spec(data)
+    run_root = str(tmp_path / "runs" / "tiny")
+    cache = str(tmp_path / "cache")
+    loop.prepare(spec, run_root)
+    staged, metrics = loop.warm_start(spec, run_root, cache)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, metrics)
+    evals = []
+    for iteration in range(1, iterations + 1):
+        work = Path(run_root, "work", str(iteration))
+        work.mkdir(parents=True)
+        weights, metrics = loop.run_iteration(spec, run_root, weights, iteration, work, cache)
+        evals.append({k: v for k, v in metrics.items() if k.startswith(("eval/", "policy/loss", "reward/"))})
+    return spec, run_root, cache, evals
+
+
+def _manifests(run_root: str) -> dict[int, dict]:
+    return {
+        int(p.name[1:]): json.loads((p / ws.MANIFEST).read_text()) for p in sorted(Path(run_root, "weights").glob("v*"))
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 4 iterations with every version whole (full_every 1) and with deltas (full_every 3)."""
+    whole = _run(tmp_path_factory.mktemp("whole"), full_every=1, keep_versions=10)
+    deltas = _run(tmp_path_factory.mktemp("deltas"), full_every=3, keep_versions=10)
+    return whole, deltas
+
+
+def test_deltas_store_the_same_versions_as_whole_ones(runs):
+    (_, whole_root, _, whole_evals), (_, delta_root, cache, delta_evals) = runs
+    whole, deltas = _manifests(whole_root), _manifests(delta_root)
+    assert [deltas[v].get("delta_of") for v in range(1, 5)] == [None, 1, 2, None]  # v1 whole: v0 is fp32
+    assert [deltas[v]["chain"] for v in range(1, 5)] == [0, 1, 2, 0]  # whole again after full_every - 1 deltas
+    for version in range(1, 5):
+        assert deltas[version]["weights_sha256"] == whole[version]["weights_sha256"], version
+    assert delta_evals == whole_evals and "eval/accuracy_greedy" in delta_evals[1]
+    delta_bytes = Path(delta_root, "weights", "v000002", DELTA_FILE).stat().st_size
+    whole_bytes = Path(whole_root, "weights", "v000002", "model.safetensors").stat().st_size
+    assert delta_bytes < 0.5 * whole_bytes
+    rebuilt = ws.local_path(ws.read_ref(delta_root, 4), cache)
+    expected = load_file(Path(whole_root, "weights", "v000004", "model.safetensors"))
+    assert content_sha256(load_file(Path(rebuilt, "model.safetensors"))) == content_sha256(expected)
+
+
+def test_a_tampered_delta_is_refused_with_its_file_named(runs, tmp_path: Path):
+    import shutil
+
+    _, (_, delta_root, _, _) = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(delta_root, copy)
+    with open(copy / "weights" / "v000002" / DELTA_FILE, "r+b") as f:
+        f.seek(-2, 2)
+        f.write(b"\x7f\x7f")
+    with pytest.raises(ws.CorruptWeightsError, match=DELTA_FILE):
+        ws.local_path(ws.read_ref(str(copy), 2), tmp_path / "cache")
+
+
+def test_pruning_keeps_the_versions_a_kept_delta_is_rebuilt_from(runs, tmp_path: Path):
+    import shutil
+
+    _, (_, delta_root, _, _) = runs
+    copy = str(tmp_path / "copy")
+    shutil.copytree(delta_root, copy)
+    removed = ws.prune(copy, keep=1, current=4)
+    assert removed == [1, 2, 3]  # v4 is whole
+    shutil.rmtree(copy)
+    shutil.copytree(delta_root, copy)
+    assert ws.prune(copy, keep=1, current=3) == []  # v3 is a delta of v2, a delta of v1: all stay
+    for path in Path(copy, "weights").glob("v00000[4]"):
+        shutil.rmtree(path)
+    assert ws.local_path(ws.read_ref(copy, 3), tmp_path / "cache")
