@@ -15,6 +15,14 @@ safetensors; LoRA: peft load_adapter of the new adapter onto the held base). Mem
 micro-batching (`--micro-batch-tokens`) and gradient checkpointing make fit; `--no-checkpointing`
 and `--micro-batch-tokens 0` show the difference.
 
+`--compare` runs each (shape, mode) twice, side by side: "before", the costs that grow with the model
+(whole logits, every version whole in fp32), and "after", rlpipe's defaults for real sizes
+(trainer.logit_chunk_tokens 512, storage.weights_dtype bfloat16 with storage.full_every 10). Each run
+trains 2 iterations and reports the second: v1 is whole (v0, the model, is fp32), v2 may be a delta.
+Its figures: the bytes the update wrote to the store (the version, the optimizer state, the masters),
+the version's bytes against a whole copy of the same dtype, the seconds to stage the version and to
+write the optimizer state, and the process's peak RSS over the iteration (reset before it).
+
 Random-init weights of the real shape and a word-level tokenizer over the shape's whole vocabulary
 (w0 ... wN), so every sampled id decodes; prompts are random words. The reward is a stand-in (a coin
 flip keyed by the completion's text) so that GRPO's advantages are not all zero: these figures
@@ -93,8 +101,15 @@ def build_model_dir(shape: str, out: Path) -> int:
     return model.num_parameters()
 
 
+VARIANTS = {  # --compare: the same iteration under each
+    "before": {"trainer": {"logit_chunk_tokens": None}, "storage": {"weights_dtype": None, "full_every": 1}},
+    "after": {"trainer": {"logit_chunk_tokens": 512}, "storage": {"weights_dtype": "bfloat16", "full_every": 10}},
+}
+
+
 def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) -> dict:
     vocab = SHAPES[args.shape][5]
+    variant = VARIANTS.get(args.variant, {"trainer": {}, "storage": {}})
     return {
         "name": f"scale-{args.shape}-{'lora' if lora else 'full'}",
         "seed": 0,
@@ -128,9 +143,10 @@ def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) 
             "micro_batch_tokens": args.micro_batch_tokens or None,
             "gradient_checkpointing": not args.no_checkpointing,
             "resident": False,
+            **variant["trainer"],
         },
-        "loop": {"iterations": 2, "iterations_per_run": 1, "eval_every": 1000},  # iteration 1: no eval due
-        "storage": {"root": str(root), "keep_versions": 1},
+        "loop": {"iterations": 3, "iterations_per_run": 2, "eval_every": 1000},  # no eval due
+        "storage": {"root": str(root), "keep_versions": 2, **variant["storage"]},
     }
 
 
@@ -139,21 +155,26 @@ def folder_bytes(path: str) -> int:
 
 
 def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
-    """Seconds to bring a sampler holding v0 to v1 in place: the new safetensors into the held model
-    (full), or the new adapter onto the held base (LoRA)."""
+    """Seconds to bring a sampler holding v0 to v1 in place: the delta's elements written into the held
+    model (a delta version), the new safetensors into it (whole), or the new adapter onto the held base
+    (LoRA)."""
     import torch
     from safetensors.torch import load_file
 
     from rlpipe.devices import resolve_device
     from rlpipe.modeling import load_weights
-    from rlpipe.store.weights import local_path
+    from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta_to_model
+    from rlpipe.store.weights import local_path, stored_path
 
     held, _ = load_weights(v0, cache, threads=torch.get_num_threads(), device=device)
-    new_dir = Path(local_path(v1, cache))
+    stored = Path(stored_path(v1, cache))
+    new_dir = stored if (stored / DELTA_FILE).exists() else Path(local_path(v1, cache))
     sync = torch.cuda.synchronize if resolve_device(device).type == "cuda" else (lambda: None)
     sync()
     started = time.time()
-    if (new_dir / "adapter_config.json").exists():
+    if (new_dir / DELTA_FILE).exists():
+        apply_delta_to_model(held, load_file(new_dir / DELTA_FILE, device=str(held.device)))
+    elif (new_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
         adapted = PeftModel.from_pretrained(held, str(new_dir), adapter_name="v1")
@@ -163,6 +184,26 @@ def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
             held.load_state_dict(load_file(file, device=str(held.device)), strict=False)
     sync()
     return time.time() - started
+
+
+def reset_peak_memory(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def stored_bytes(ref: dict) -> int:
+    """Bytes of a version's stored weight files: its delta, or its whole safetensors."""
+    return sum(f.stat().st_size for f in Path(ref["uri"]).iterdir() if f.suffix == ".safetensors")
+
+
+def written_bytes(run_root: str, ref: dict) -> int:
+    """What the update of v(N) wrote to the store: the version's files, its optimizer state and masters."""
+    optimizer = Path(run_root, "optimizer").glob(f"v{ref['version']:06d}.*")
+    return folder_bytes(ref["uri"]) + sum(f.stat().st_size for f in optimizer if not f.name.endswith(".tmp"))
 
 
 def peak_memory_gib(device: str) -> float:
@@ -188,11 +229,9 @@ def one_run(args: argparse.Namespace, lora: bool) -> dict:
 
 
 def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
-    import torch
 
     from rlpipe import loop
     from rlpipe.spec import parse_spec
-    from rlpipe.store.weights import read_ref
 
     model_dir = work / "model"
     started = time.time()
@@ -207,16 +246,20 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
     staged, warm_metrics = loop.warm_start(spec, run_root, cache)
     v0, _ = loop.sync_weights(spec, run_root, staged, 0, warm_metrics)
     v0_s = time.time() - started
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    v1, _ = loop.run_iteration(spec, run_root, v0, 1, Path(run_root, "work"), cache)
+    reset_peak_memory(args.device)
     started = time.time()
-    v1, metrics = loop.run_iteration(spec, run_root, v0, 1, Path(run_root, "work"), cache)
+    v2, metrics = loop.run_iteration(spec, run_root, v1, 2, Path(run_root, "work"), cache)
     iteration_s = time.time() - started
     peak = peak_memory_gib(args.device)
-    swap_s = swap_seconds(read_ref(run_root, 0), v1, cache, args.device)
+    swap_s = swap_seconds(v1, v2, cache, args.device)
+    manifest = json.loads(Path(v2["uri"], "manifest.json").read_text())
     return {
         "shape": args.shape,
         "mode": "lora" if lora else "full",
+        "variant": args.variant,
+        "settings": {"trainer.logit_chunk_tokens": spec.trainer.logit_chunk_tokens}
+        | {f"storage.{k}": getattr(spec.storage, k) for k in ("weights_dtype", "full_every")},
         "parameters": parameters,
         "build_model_s": round(built_s, 1),
         "publish_v0_s": round(v0_s, 1),
@@ -227,11 +270,16 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         "update_s": round(metrics["time/update_s"], 2),
         "update_tokens_per_s": round(metrics["throughput/update_tokens_per_s"], 1),
         "stage_weights_s": round(metrics["weights/stage_s"], 2),
+        "stage_version_s": round(metrics["weights/stage_s"] - metrics["weights/stage_optimizer_s"], 2),
+        "stage_optimizer_s": round(metrics["weights/stage_optimizer_s"], 2),
         "load_s": round(metrics["overhead/generate_load_s"] + metrics["overhead/update_load_s"], 2),
         "sync_weights_s": round(metrics["time/sync_weights_s"], 2),
         "iteration_s": round(iteration_s, 1),
         "peak_memory_gib": round(peak, 2),
-        "version_bytes": folder_bytes(v1["uri"]),
+        "version_bytes": stored_bytes(v2),
+        "whole_version_bytes": stored_bytes(v1),  # v1 is whole, in v2's dtype
+        "delta_of": manifest.get("delta_of"),
+        "store_bytes_written": written_bytes(run_root, v2),
         "swap_in_sampler_s": round(swap_s, 3),
         "micro_batches": metrics["policy/micro_batches"],
     }
@@ -257,8 +305,10 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="results file suffix (default: the device)")
     parser.add_argument("--smoke", action="store_true", help="the CPU path, small shape, tiny iteration: seconds")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
+    parser.add_argument("--compare", action="store_true", help="each run before and after, side by side")
     parser.add_argument("--shape", help=argparse.SUPPRESS)  # set for the per-run child process
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.shape:  # the child: one iteration, its figures as the last line; its files removed
@@ -290,34 +340,38 @@ def main() -> None:
             "generate_batch": 4,
             "micro_batch_tokens": 16,
         }
+    overridden = {key for key in defaults if getattr(args, key) is not None}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     settings = {k: getattr(args, k) for k in [*defaults, "threads", "mini_batches", "lora_rank"]}
     settings["gradient_checkpointing"] = not args.no_checkpointing
     results = []
-    for shape in args.shapes:
-        for mode in args.modes:
-            child = [sys.executable, __file__, "--shape", shape, "--mode", mode, "--device", args.device]
-            child += [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k != "gradient_checkpointing"]
-            child += ["--no-checkpointing"] if args.no_checkpointing else []
-            child += ["--work-dir", args.work_dir] if args.work_dir else []
-            env = os.environ | {
-                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-            }
-            done = subprocess.run(child, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(done.stdout[-4000:], done.stderr[-8000:], file=sys.stderr)
-                raise SystemExit(f"{shape} {mode} failed (exit {done.returncode})")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(json.dumps(result), flush=True)
-            results.append(result)
+    variants = list(VARIANTS) if args.compare else [None]
+    runs = [(shape, mode, variant) for shape in args.shapes for mode in args.modes for variant in variants]
+    for shape, mode, variant in runs:
+        child = [sys.executable, __file__, "--shape", shape, "--mode", mode, "--device", args.device]
+        child += ["--variant", variant] if variant else []
+        child += [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k != "gradient_checkpointing"]
+        child += ["--no-checkpointing"] if args.no_checkpointing else []
+        child += ["--work-dir", args.work_dir] if args.work_dir else []
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run(child, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stdout[-4000:], done.stderr[-8000:], file=sys.stderr)
+            raise SystemExit(f"{shape} {mode} failed (exit {done.returncode})")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps(result), flush=True)
+        results.append(result)
 
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
     machine = describe_machine()
     command = f"python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} " + (
-        f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "")
+        f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "") + (" --compare" if args.compare else "")
+    )
+    command += "".join(
+        f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("micro_batch_tokens",) if k in overridden
     )
     record = {
         "machine": machine,
@@ -331,6 +385,43 @@ def main() -> None:
     print(write_results(results_dir, args.tag or ("cuda" if gpu else "cpu"), headline, record))
 
 
+def comparison(results: list[dict]) -> list[str]:
+    """Before and after of each (shape, mode), side by side: what iteration 2 wrote and read, and its peak."""
+    lines = [
+        "| shape | mode | | version stored | of a whole copy | store bytes written | stage v2 | AdamW state "
+        "| sampler reads, swaps | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    pairs: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in results:
+        pairs.setdefault((r["shape"], r["mode"]), {})[r["variant"]] = r
+    for (shape, mode), by in pairs.items():
+        for variant, r in by.items():
+            stored = "delta" if r["delta_of"] is not None else "whole"
+            cells = [
+                f"{variant}: {r['settings']}",
+                f"{r['version_bytes'] / 1e6:.1f} MB ({stored})",
+                f"{100 * r['version_bytes'] / r['whole_version_bytes']:.1f}% of full",
+                f"{r['store_bytes_written'] / 1e9:.2f} GB",
+                f"{r['stage_version_s']:.2f} s",
+                f"{r['stage_optimizer_s']:.2f} s",
+                f"{r['version_bytes'] / 1e6:.1f} MB, {r['swap_in_sampler_s']:.2f} s",
+                f"{r['peak_memory_gib']:.2f} GiB",
+            ]
+            lines.append(f"| {shape} | {mode} | " + " | ".join(cells) + " |")
+        if {"before", "after"} <= by.keys():
+            b, a = by["before"], by["after"]
+            lines.append(
+                f"| {shape} | {mode} | **after / before** | {a['version_bytes'] / b['version_bytes']:.3f}x | "
+                f"| {a['store_bytes_written'] / b['store_bytes_written']:.2f}x "
+                f"| **{b['stage_version_s'] / max(a['stage_version_s'], 1e-3):.1f}x faster** "
+                f"| {b['stage_optimizer_s'] / max(a['stage_optimizer_s'], 1e-3):.2f}x faster "
+                f"| {b['swap_in_sampler_s'] / max(a['swap_in_sampler_s'], 1e-3):.1f}x faster "
+                f"| **{100 * (1 - a['peak_memory_gib'] / b['peak_memory_gib']):.0f}% lower** |"
+            )
+    return lines
+
+
 def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> str:
     """<results_dir>/iteration_at_scale_<tag>.{md,json}; returns the markdown."""
     lines = [
@@ -340,6 +431,9 @@ def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> s
         "| version size | swap into sampler |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    compared = [r for r in record["results"] if r.get("variant")]
+    if compared:
+        lines += ["", *comparison(compared)]
     for r in record["results"]:
         cells = [
             f"{r['shape']} ({r['parameters'] / 1e6:.0f}M)",

@@ -123,3 +123,15 @@ def test_pruning_keeps_the_versions_a_kept_delta_is_rebuilt_from(runs, tmp_path:
     for path in Path(copy, "weights").glob("v00000[4]"):
         shutil.rmtree(path)
     assert ws.local_path(ws.read_ref(copy, 3), tmp_path / "cache")
+
+
+def test_a_sampler_holding_the_parent_applies_the_delta_in_place(runs):
+    from rlpipe.modeling import load_weights
+    from rlpipe.store.weight_deltas import apply_delta_to_model
+
+    _, (_, delta_root, cache, _) = runs
+    held, _ = load_weights(ws.read_ref(delta_root, 2), cache, threads=1)  # fp32, upcast from bf16 v2
+    apply_delta_to_model(held, load_file(Path(delta_root, "weights", "v000003", DELTA_FILE)))
+    fresh, _ = load_weights(ws.read_ref(delta_root, 3), cache, threads=1)
+    for (name, a), (_, b) in zip(held.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -76,3 +76,22 @@ def changed_fraction(delta: dict[str, torch.Tensor], elements: int) -> float:
     """The share of a version's `elements` that the delta rewrites."""
     rewritten = sum(t.numel() for key, t in delta.items() if key.endswith(("#value", "#whole")))
     return rewritten / max(elements, 1)
+
+
+@torch.no_grad()
+def apply_delta_to_model(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> int:
+    """A sampler's in-place move to the next version: the delta's elements written into the model's
+    parameters (held in the version's dtype or a wider one, which holds its values exactly). Returns
+    the elements written. Raises KeyError for a tensor the model lacks: reload the whole version."""
+    state = model.state_dict(keep_vars=True)
+    written = 0
+    for key, values in delta.items():
+        name, part = key.rsplit("#", 1)
+        target = state[name]
+        if part == "whole":
+            target.copy_(values)
+        elif part == "value":
+            index = delta[f"{name}#index"].to(device=target.device, dtype=torch.long)
+            target.view(-1).index_copy_(0, index, values.to(device=target.device, dtype=target.dtype))
+        written += values.numel() if part != "index" else 0
+    return written

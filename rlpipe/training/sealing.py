@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.store.run_root import filesystem, masters_uri, move
+from rlpipe.store.run_root import filesystem, is_local, masters_uri, move
 from rlpipe.store.weight_deltas import content_sha256, encode_delta
 from rlpipe.store.weights import WeightRef, read_manifest, seal, stage_delta, stage_pretrained
 
@@ -79,14 +79,17 @@ def load_masters(run_root: str, version: int, policy: torch.nn.Module) -> bool:
 
 def save_masters(run_root: str, version: int, policy: torch.nn.Module, state: dict | None) -> None:
     """optimizer/v{N}.masters.safetensors: the fp32 weights the serving copy was cast from (written, then moved)."""
-    from safetensors.torch import save
+    from safetensors.torch import save, save_file
 
     masters = serving_tensors(policy, state, torch.float32)
     final = masters_uri(run_root, version)
     fs, tmp_path = filesystem(final + ".tmp")
     fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(tmp_path, "wb") as f:
-        f.write(save(masters))
+    if is_local(final):  # streamed to the file, not built in memory first
+        save_file(masters, tmp_path)
+    else:
+        with fs.open(tmp_path, "wb") as f:
+            f.write(save(masters))
     move(final + ".tmp", final)
 
 

@@ -381,7 +381,7 @@ def update_metrics(
     )
 
 
-def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef:
+def save_trained(trainer: Trainer, iteration: int, cache_root: str, timings: dict | None = None) -> WeightRef:
     """Stage and seal v(N+1) and save its optimizer state beside it; the trainer now holds v(N+1).
     Sharded over several processes, the whole weights and optimizer state are gathered and the
     first process writes them (the others get its WeightRef)."""
@@ -399,12 +399,14 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
             trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
             cache_root, model_state, trainer.served,
         )  # fmt: skip
-        save_masters(run_root, new_version, trainer.policy, model_state)
     elif rank == 0:
         staged = stage_pretrained(
             run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state, trainer.base
         )
         ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    staged_at = time.time()
+    if rank == 0 and stores_serving_copy(trainer.spec):
+        save_masters(run_root, new_version, trainer.policy, model_state)
     if rank == 0:
         final_opt = optimizer_uri(run_root, new_version)
         fs, tmp_path = filesystem(final_opt + ".tmp")
@@ -412,6 +414,8 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str) -> WeightRef
         with fs.open(tmp_path, "wb") as f:
             torch.save(optimizer_state, f)
         move(final_opt + ".tmp", final_opt)
+    if timings is not None:
+        timings["weights/stage_optimizer_s"] = time.time() - staged_at  # AdamW state (and masters); the rest: v(N+1)
     if trainer.critic is not None:
         save_critic(trainer.critic, run_root, iteration)
     if processes > 1:
@@ -434,9 +438,10 @@ def update_policy(
     loaded = time.time()
     metrics = train_on_batch(trainer, batch_path, iteration)
     trained = time.time()
-    ref = save_trained(trainer, iteration, cache_root)
+    timings: dict[str, float] = {}
+    ref = save_trained(trainer, iteration, cache_root, timings)
     done = time.time()
-    return ref, metrics | {
+    return ref, metrics | timings | {
         "overhead/update_load_s": loaded - t0,
         "time/update_s": done - loaded,
         "weights/stage_s": done - trained,  # within time/update_s
