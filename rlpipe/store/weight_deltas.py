@@ -19,6 +19,8 @@ dtype, shape, bytes), so a reconstruction is checked against what the trainer se
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -26,15 +28,45 @@ DELTA_FILE = "delta.safetensors"
 INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> same-width int
 
 
-def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
+def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over (name, dtype, shape, raw bytes) of each tensor, by name: the same weights give the
     same hash however they are laid out in files."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
-        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        hash_tensor(digest, name, tensors[name])
     return digest.hexdigest()
+
+
+def hash_tensor(digest, name: str, tensor: torch.Tensor) -> None:
+    """One tensor's part of content_sha256 (tensors go in by name)."""
+    tensor = tensor.detach().contiguous().cpu()
+    digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
+    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+
+
+class StoredTensors(Mapping):
+    """The tensors of a whole version's safetensors files, each read when asked for (memory-mapped):
+    a parent to write a delta against without holding it in memory."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.files = {}
+        for file in sorted(Path(directory).glob("*.safetensors")):
+            with safe_open(file, "pt") as opened:
+                self.files |= dict.fromkeys(opened.keys(), file)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as opened:
+            return opened.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,18 +74,20 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(INTEGER_VIEW[tensor.element_size()])
 
 
-def encode_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def encode_delta(parent: Mapping[str, torch.Tensor], child: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The delta.safetensors tensors that turn `parent` into `child` (module docstring), on the CPU."""
     delta: dict[str, torch.Tensor] = {}
     for name, new in child.items():
-        old = parent.get(name)
-        if old is None or old.shape != new.shape or old.dtype != new.dtype or new.numel() >= 2**31:
-            delta[f"{name}#whole"] = new.detach().contiguous().cpu()
-            continue
-        changed = torch.nonzero(bits(old) != bits(new)).reshape(-1)
-        delta[f"{name}#index"] = changed.to(torch.int32).cpu()
-        delta[f"{name}#value"] = new.detach().reshape(-1)[changed].cpu()
+        delta |= encode_tensor(name, parent.get(name), new)
     return delta
+
+
+def encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor's part of a delta: its changed positions and values, or the whole tensor."""
+    if old is None or old.shape != new.shape or old.dtype != new.dtype or new.numel() >= 2**31:
+        return {f"{name}#whole": new.detach().contiguous().cpu()}
+    changed = torch.nonzero(bits(old.to(new.device)) != bits(new)).reshape(-1)
+    return {f"{name}#index": changed.to(torch.int32).cpu(), f"{name}#value": new.detach().reshape(-1)[changed].cpu()}
 
 
 def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

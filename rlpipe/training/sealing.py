@@ -5,21 +5,24 @@ copy) the fp32 master weights beside the optimizer state.
     stored version = cast(master weights, weights_dtype)          bit-exact what samplers load
     delta          = the elements of it whose bits differ from the parent's (rlpipe.store.weight_deltas)
 
-A delta is written when the trainer holds its parent's stored tensors (`Served`: it sealed or
+A delta is written when the trainer can read its parent's stored tensors (`Served`: it sealed or
 loaded that version), fewer than storage.full_every - 1 deltas precede it, and it is at most half
-of the whole version's bytes; otherwise the version is whole.
+of the whole version's bytes; otherwise the version is whole. Sealing a delta casts, hashes and
+compares one tensor at a time: no second copy of the model exists at any moment.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlpipe.store.run_root import filesystem, is_local, masters_uri, move
-from rlpipe.store.weight_deltas import content_sha256, encode_delta
-from rlpipe.store.weights import WeightRef, read_manifest, seal, stage_delta, stage_pretrained
+from rlpipe.store.weight_deltas import StoredTensors, content_sha256, encode_tensor, hash_tensor
+from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, stage_delta, stage_pretrained
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -30,9 +33,11 @@ LARGEST_DELTA = 0.5  # of the whole version's bytes: beyond it, store the versio
 
 @dataclass
 class Served:
-    """The stored tensors of the version the trainer last sealed or loaded, and deltas since a whole one."""
+    """The stored tensors of the version the trainer last sealed or loaded, and deltas since a whole one:
+    in memory (the resident trainer's, as it sealed them) or read one at a time from the version's whole
+    files (StoredTensors: a trainer that loaded the version holds no second copy)."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     version: int
     chain: int
 
@@ -41,38 +46,45 @@ def stores_serving_copy(spec: RunSpec) -> bool:
     return spec.storage.weights_dtype is not None and spec.model.lora is None
 
 
-def serving_tensors(policy: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> dict:
-    """The policy's weights as a version stores them: each parameter and persistent buffer once (a tied
-    head is the embedding, as save_pretrained writes it), cast to `dtype`, on the CPU. `state`: the
-    whole weights when the policy holds a shard (FSDP)."""
-    state = state if state is not None else policy.state_dict()
+def stored_names(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """The names a version stores, sorted: each parameter and persistent buffer once (a tied head is
+    the embedding, as save_pretrained writes it)."""
     kept = {name for name, _ in policy.named_parameters()} | {name for name, _ in policy.named_buffers()}
-    return {name: value.detach().to(device="cpu", dtype=dtype) for name, value in state.items() if name in kept}
+    return sorted(name for name in state if name in kept)
 
 
-def served_from_version(spec: RunSpec, policy: torch.nn.Module, weights: WeightRef) -> Served | None:
-    """What a trainer that just loaded `weights` can write deltas against: the policy's serving copy,
-    if it hashes to what that version stored (a version sealed in another dtype cannot be a parent)."""
+def serving_tensors(policy: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> dict:
+    """The policy's weights as a version stores them (stored_names), cast to `dtype`, on the CPU.
+    `state`: the whole weights when the policy holds a shard (FSDP)."""
+    state = state if state is not None else policy.state_dict()
+    return {name: state[name].detach().to(device="cpu", dtype=dtype) for name in stored_names(policy, state)}
+
+
+def served_from_version(spec: RunSpec, weights: WeightRef, cache_root: str) -> Served | None:
+    """What a trainer that just loaded `weights` can write the next version as a delta against: that
+    version's whole files (rebuilt into the cache if it is a delta), when it was sealed in
+    storage.weights_dtype."""
     if not stores_serving_copy(spec) or spec.storage.full_every == 1:
         return None
     manifest = read_manifest(weights["uri"])
     if manifest.get("weights_dtype") != spec.storage.weights_dtype:
         return None
-    tensors = serving_tensors(policy, None, DTYPES[spec.storage.weights_dtype])
-    if content_sha256(tensors) != manifest.get("weights_sha256"):
-        return None
-    return Served(tensors, weights["version"], manifest.get("chain", 0))
+    return Served(StoredTensors(local_path(weights, cache_root)), weights["version"], manifest.get("chain", 0))
 
 
 def load_masters(run_root: str, version: int, policy: torch.nn.Module) -> bool:
     """The fp32 master weights saved after training v(version), into the policy; False when none were."""
-    from safetensors.torch import load
+    from safetensors.torch import load, load_file
 
-    fs, path = filesystem(masters_uri(run_root, version))
+    final = masters_uri(run_root, version)
+    fs, path = filesystem(final)
     if not fs.exists(path):
         return False
-    with fs.open(path, "rb") as f:
-        masters = load(f.read())
+    if is_local(final):
+        masters = load_file(path)
+    else:
+        with fs.open(path, "rb") as f:
+            masters = load(f.read())
     policy.load_state_dict(masters, strict=False)
     return True
 
@@ -93,6 +105,23 @@ def save_masters(run_root: str, version: int, policy: torch.nn.Module, state: di
     move(final + ".tmp", final)
 
 
+def delta_against(
+    served: Served, policy: torch.nn.Module, state: dict, dtype: torch.dtype, keep: bool
+) -> tuple[dict, str, dict]:
+    """(the delta, the new version's content hash, its tensors when `keep`), one tensor at a time: each
+    cast, hashed, compared with the parent's and dropped, so no second copy of the model is made."""
+    digest = hashlib.sha256()
+    delta: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for name in stored_names(policy, state):
+        new = state[name].detach().to(device="cpu", dtype=dtype)
+        hash_tensor(digest, name, new)
+        delta |= encode_tensor(name, served.tensors.get(name), new)
+        if keep:
+            kept[name] = new
+    return delta, digest.hexdigest(), kept
+
+
 def seal_serving_copy(
     spec: RunSpec,
     run_root: str,
@@ -107,26 +136,28 @@ def seal_serving_copy(
 ) -> tuple[WeightRef, Served | None]:
     """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `served` when that
     is v(version - 1) and the rules above allow; returns its ref and what the next version can be a
-    delta against."""
-    tensors = serving_tensors(policy, state, DTYPES[spec.storage.weights_dtype])
+    delta against (held in memory by a resident trainer; None for a one-update process)."""
+    dtype = DTYPES[spec.storage.weights_dtype]
+    state = state if state is not None else policy.state_dict()
+    keep = spec.storage.full_every > 1 and spec.trainer.resident
     delta = None
     if served is not None and served.version == parent["version"] and served.chain + 1 < spec.storage.full_every:
-        delta = encode_delta(served.tensors, tensors)
-        whole_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        delta, sha, tensors = delta_against(served, policy, state, dtype, keep)
+        whole_bytes = sum(state[n].numel() for n in stored_names(policy, state)) * dtype.itemsize
         if sum(t.numel() * t.element_size() for t in delta.values()) > LARGEST_DELTA * whole_bytes:
             delta = None
     if delta is not None:
         staged = stage_delta(run_root, version, policy.config, tokenizer, delta, cache_root)
         chain = served.chain + 1
     else:
+        tensors = serving_tensors(policy, state, dtype)
+        sha, chain = content_sha256(tensors), 0
         staged = stage_pretrained(run_root, version, policy, tokenizer, cache_root, tensors)
-        chain = 0
     contents = {
-        "weights_sha256": content_sha256(tensors),
+        "weights_sha256": sha,
         "weights_dtype": spec.storage.weights_dtype,
         "delta_of": parent["version"] if delta is not None else None,
         "chain": chain,
     }
     ref = seal(staged, version=version, iteration=iteration, parent=parent["version"], contents=contents)
-    keep = spec.storage.full_every > 1
     return ref, Served(tensors, version, chain) if keep else None

@@ -96,7 +96,7 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     served = None
     if stores_serving_copy(spec):  # the version is a serving copy; train on the masters it was cast from
         load_masters(run_root, weights["version"], policy)
-        served = served_from_version(spec, policy, weights) if world()[0] == 0 else None
+        served = served_from_version(spec, weights, cache_root) if world()[0] == 0 else None
     base = None
     if spec.model.lora is not None:
         base = read_ref(run_root, 0)
