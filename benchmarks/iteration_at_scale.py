@@ -102,8 +102,14 @@ def build_model_dir(shape: str, out: Path) -> int:
 
 
 VARIANTS = {  # --compare: the same iteration under each
-    "before": {"trainer": {"logit_chunk_tokens": None}, "storage": {"weights_dtype": None, "full_every": 1}},
-    "after": {"trainer": {"logit_chunk_tokens": 512}, "storage": {"weights_dtype": "bfloat16", "full_every": 10}},
+    "before": {
+        "trainer": {"logit_chunk_tokens": None},
+        "storage": {"weights_dtype": None, "full_every": 1, "optimizer_every": 1},
+    },
+    "after": {
+        "trainer": {"logit_chunk_tokens": 512},
+        "storage": {"weights_dtype": "bfloat16", "full_every": 10, "optimizer_every": 10},
+    },
 }
 
 
@@ -142,7 +148,7 @@ def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) 
             "dtype": args.dtype,
             "micro_batch_tokens": args.micro_batch_tokens or None,
             "gradient_checkpointing": not args.no_checkpointing,
-            "resident": False,
+            "resident": True,  # held in this process between iterations (iterate)
             **variant["trainer"],
         },
         "loop": {"iterations": 3, "iterations_per_run": 2, "eval_every": 1000},  # no eval due
@@ -201,8 +207,10 @@ def stored_bytes(ref: dict) -> int:
 
 
 def written_bytes(run_root: str, ref: dict) -> int:
-    """What the update of v(N) wrote to the store: the version's files, its optimizer state and masters."""
-    optimizer = Path(run_root, "optimizer").glob(f"v{ref['version']:06d}.*")
+    """What the update of v(N) wrote to the store: the version's files, its optimizer state and masters
+    (when a checkpoint was due), the batch kept to replay it (when not)."""
+    optimizer = [*Path(run_root, "optimizer").glob(f"v{ref['version']:06d}.*")]
+    optimizer += Path(run_root, "optimizer", "replay").glob(f"v{ref['version']:06d}.*")
     return folder_bytes(ref["uri"]) + sum(f.stat().st_size for f in optimizer if not f.name.endswith(".tmp"))
 
 
@@ -229,52 +237,75 @@ def one_run(args: argparse.Namespace, lora: bool) -> dict:
 
 
 def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
-
+    """Two iterations with the trainer held in this process between them, as the resident trainer holds
+    it (trainer.resident: what real sizes run); the figures are the second iteration's."""
     from rlpipe import loop
+    from rlpipe.engines import Policy, generate_rollouts
     from rlpipe.spec import parse_spec
+    from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
     model_dir = work / "model"
     started = time.time()
     parameters = build_model_dir(args.shape, model_dir)
     built_s = time.time() - started
-    spec = parse_spec(spec_for(args, model_dir, work / "runs", lora))
+    data = spec_for(args, model_dir, work / "runs", lora)
+    spec = parse_spec(data)
     run_root = str(work / "runs" / spec.name)
     cache = spec.cache_root
-    Path(run_root, "work").mkdir(parents=True, exist_ok=True)
     loop.prepare(spec, run_root)
     started = time.time()
     staged, warm_metrics = loop.warm_start(spec, run_root, cache)
-    v0, _ = loop.sync_weights(spec, run_root, staged, 0, warm_metrics)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm_metrics)
     v0_s = time.time() - started
-    v1, _ = loop.run_iteration(spec, run_root, v0, 1, Path(run_root, "work"), cache)
-    reset_peak_memory(args.device)
-    started = time.time()
-    v2, metrics = loop.run_iteration(spec, run_root, v1, 2, Path(run_root, "work"), cache)
-    iteration_s = time.time() - started
+    trainer = load_trainer(spec, run_root, weights, cache)
+    for iteration in (1, 2):
+        if iteration == 2:
+            v1 = weights
+            reset_peak_memory(args.device)
+        began = time.time()
+        paths = {n: str(Path(run_root, "work", f"{n}-{iteration}.parquet")) for n in ("rollouts", "scored", "batch")}
+        Path(run_root, "work").mkdir(parents=True, exist_ok=True)
+        policy = Policy(trainer.policy, trainer.tokenizer)  # the held policy samples (rlpipe.services.trainer_service)
+        generated = generate_rollouts(spec, run_root, weights, iteration, paths["rollouts"], cache, policy=policy)
+        scored = loop.score(spec, paths["rollouts"], paths["scored"])
+        advantaged = loop.advantages(spec, paths["scored"], paths["batch"])
+        trained_at = time.time()
+        metrics = train_on_batch(trainer, paths["batch"], iteration)
+        staged_at = time.time()
+        timings: dict[str, float] = {}
+        staged = save_trained(trainer, iteration, cache, timings, batch_path=paths["batch"])
+        synced_at = time.time()
+        weights, _ = loop.sync_weights(spec, run_root, staged, iteration, generated, scored, advantaged, metrics)
+        done = time.time()
     peak = peak_memory_gib(args.device)
+    if trainer.checkpoint_writer is not None:
+        trainer.checkpoint_writer.join()
+    v2 = weights
     swap_s = swap_seconds(v1, v2, cache, args.device)
     manifest = json.loads(Path(v2["uri"], "manifest.json").read_text())
+    stage_s = synced_at - staged_at
     return {
         "shape": args.shape,
         "mode": "lora" if lora else "full",
         "variant": args.variant,
         "settings": {"trainer.logit_chunk_tokens": spec.trainer.logit_chunk_tokens}
-        | {f"storage.{k}": getattr(spec.storage, k) for k in ("weights_dtype", "full_every")},
+        | {f"storage.{k}": getattr(spec.storage, k) for k in ("weights_dtype", "full_every", "optimizer_every")},
         "parameters": parameters,
         "build_model_s": round(built_s, 1),
         "publish_v0_s": round(v0_s, 1),
-        "generate_s": round(metrics["time/generate_s"], 2),
-        "generate_tokens_per_s": round(metrics["throughput/generate_tokens_per_s"], 1),
-        "score_s": round(metrics["time/score_s"], 2),
-        "advantages_s": round(metrics["time/advantages_s"], 2),
-        "update_s": round(metrics["time/update_s"], 2),
+        "generate_s": round(generated["time/generate_s"], 2),
+        "generate_tokens_per_s": round(generated["throughput/generate_tokens_per_s"], 1),
+        "score_s": round(scored["time/score_s"], 2),
+        "advantages_s": round(advantaged["time/advantages_s"], 2),
+        "update_s": round(staged_at - trained_at + stage_s, 2),
         "update_tokens_per_s": round(metrics["throughput/update_tokens_per_s"], 1),
-        "stage_weights_s": round(metrics["weights/stage_s"], 2),
-        "stage_version_s": round(metrics["weights/stage_s"] - metrics["weights/stage_optimizer_s"], 2),
-        "stage_optimizer_s": round(metrics["weights/stage_optimizer_s"], 2),
-        "load_s": round(metrics["overhead/generate_load_s"] + metrics["overhead/update_load_s"], 2),
-        "sync_weights_s": round(metrics["time/sync_weights_s"], 2),
-        "iteration_s": round(iteration_s, 1),
+        "padding_share": round(metrics["policy/padding_share"], 3),
+        "stage_weights_s": round(stage_s, 2),
+        "stage_version_s": round(stage_s - timings["weights/stage_optimizer_s"], 2),
+        "stage_optimizer_s": round(timings["weights/stage_optimizer_s"], 2),
+        "load_s": round(generated.get("overhead/generate_load_s", 0.0), 2),
+        "sync_weights_s": round(done - synced_at, 2),
+        "iteration_s": round(done - began, 1),
         "peak_memory_gib": round(peak, 2),
         "version_bytes": stored_bytes(v2),
         "whole_version_bytes": stored_bytes(v1),  # v1 is whole, in v2's dtype

@@ -168,11 +168,13 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
         iteration, chunk = todo
         started = time.time()
         weights = read_ref(run_root, state["weights_version"])
-        if spec.rollout.engine == "torch" and held != weights["sha256"]:
+        if spec.rollout.engine == "torch" and held != weights:
             from rlpipe.modeling import load_weights
+            from rlpipe.store.weight_deltas import advance_in_place
 
-            policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
-            held = weights["sha256"]
+            if policy is None or not advance_in_place(policy.model, held, weights, cache_root):  # a delta: in place
+                policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
+            held = weights
         generate_chunk(spec, run_root, weights, iteration, chunk, cache_root, policy)
         status["busy_s"] = status.get("busy_s", 0.0) + time.time() - started
         status["chunks_written"] = status.get("chunks_written", 0) + 1

@@ -145,18 +145,26 @@ def test_missing_model_path_says_what_to_change(tmp_path: Path):
     assert not (tmp_path / "run" / "state.json").exists()
 
 
+SCALED = {"weights_dtype": "bfloat16", "full_every": 3, "optimizer_every": 3}  # deltas, state every 3 versions
+
+
 @pytest.mark.parametrize(
-    ("kill_in", "resident"),
+    ("kill_in", "resident", "storage"),
     [
-        pytest.param("update", False, marks=pytest.mark.slow),  # the per-step kill: CI's slow step
-        ("update", True),  # the driver, the update step and (by PDEATHSIG) the resident trainer
-        pytest.param("generate", False, marks=pytest.mark.slow),
-        pytest.param("sync-weights", False, marks=pytest.mark.slow),
+        pytest.param("update", False, {}, marks=pytest.mark.slow),  # the per-step kill: CI's slow step
+        ("update", True, {}),  # the driver, the update step and (by PDEATHSIG) the resident trainer
+        ("update", True, SCALED),  # ... and the restarted trainer replays v1 from v0 and its recorded batch
+        pytest.param("generate", False, {}, marks=pytest.mark.slow),
+        pytest.param("sync-weights", False, {}, marks=pytest.mark.slow),
     ],
+    ids=["update", "update-resident", "update-resident-scaled", "generate", "sync-weights"],
 )
-def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: bool):
+def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: bool, storage: dict):
     spec = _write_spec(
-        tmp_path, loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2}, trainer={"resident": resident}
+        tmp_path,
+        loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2},
+        trainer={"resident": resident},
+        storage=storage,
     )
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
@@ -183,6 +191,9 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
     result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     _check_consistent(run_dir, 4)
+    if storage:
+        metrics = json.loads((run_dir / "metrics" / f"iter_{killed_at + 1:06d}.json").read_text())
+        assert metrics["trainer/replay_exact"] == 1.0 and metrics["trainer/replayed_updates"] >= 1, metrics
     if resident:  # the killed driver's trainer is gone, and so is the resumed run's
         trainer = json.loads((run_dir / "trainers" / "fleet.json").read_text())["replicas"][0]
         assert trainer["state"] == "stopped"

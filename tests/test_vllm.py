@@ -4,6 +4,7 @@ the generate step fans prompts across and sync_weights reloads in place."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import threading
@@ -263,6 +264,65 @@ def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fle
     assert weight_version(fleet.urls[1]) == "2"
     assert service_greedy(fleet.urls[1], prompt, 6) == (torch_greedy(v2["uri"], prompt, 6), "2")
     assert len(wait_ready(fleet.urls, 60)) == 2
+
+
+def publish_serving_versions(run, first: int) -> tuple[dict, dict]:
+    """v(first): a random model sealed as a bf16 serving copy; v(first + 1): it with 5% of its elements
+    moved, sealed as a delta against v(first) (what the update writes with storage.weights_dtype)."""
+    import torch
+
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.store.weight_deltas import content_sha256, encode_delta
+    from rlpipe.store.weights import publish, seal, stage_delta, stage_pretrained
+    from rlpipe.training.sealing import serving_tensors
+
+    spec, run_root, cache = run
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec.model.tiny, tokenizer, seed=21)
+    refs, parent = [], None
+    for version in (first, first + 1):
+        tensors = serving_tensors(model, None, torch.bfloat16)
+        contents = {"weights_sha256": content_sha256(tensors), "weights_dtype": "bfloat16", "chain": len(refs)}
+        if parent is None:
+            staged = stage_pretrained(run_root, version, model, tokenizer, cache, tensors)
+        else:
+            staged = stage_delta(run_root, version, model.config, tokenizer, encode_delta(parent, tensors), cache)
+        contents["delta_of"] = version - 1 if parent is not None else None
+        refs.append(publish(run_root, seal(staged, version, version, version - 1, contents)))
+        parent = tensors
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5 * (torch.rand(p.shape, generator=torch.Generator().manual_seed(version)) < 0.05))
+    return refs[0], refs[1]
+
+
+def test_a_replica_holding_the_parent_applies_a_delta_version_in_place(run, fleet):
+    """A replica that loaded a serving-copy version keeps its tensors and moves to the next version by
+    applying its delta (reloading only the tensors it changes); one that holds something else rebuilds
+    the version from its chain on the store. Both then sample what torch samples from the whole version."""
+    from rlpipe.clients.sampler_client import _post, reload_call, reload_replica
+    from rlpipe.store.weights import local_path
+
+    spec, run_root, cache = run
+    prompt = [1, 5, 6, 14, 7, 8, 16]
+    whole, delta = publish_serving_versions(run, 7)
+    assert (Path(delta["uri"]) / "delta.safetensors").exists() and not (
+        Path(delta["uri"]) / "model.safetensors"
+    ).exists()
+    expected = torch_greedy(local_path(delta, cache), prompt, 6)
+    assert expected != torch_greedy(local_path(whole, cache), prompt, 6)
+    url = fleet.urls[0]
+    reload_replica(url, whole["uri"], 7, 120)
+    answer = _post(url, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
+    assert "delta" in json.dumps(answer) and "rebuilt" not in json.dumps(answer), answer
+    _post(url, "/update_weight_version", 30, json={"new_version": "8"})
+    _post(url, "/reset_prefix_cache", 30)
+    assert service_greedy(url, prompt, 6) == (expected, "8")
+    other = fleet.urls[1]  # holds another version: the chain is rebuilt from v7's whole files
+    answer = _post(other, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
+    assert "rebuilt" in json.dumps(answer), answer
+    reload_replica(other, delta["uri"], 8, 120)
+    assert service_greedy(other, prompt, 6) == (expected, "8")
 
 
 def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):

@@ -26,6 +26,7 @@ The label and its confirmation are the same either way.
 
 from __future__ import annotations
 
+import json
 import queue
 import socket
 import threading
@@ -39,7 +40,7 @@ import requests
 from rlpipe.clients.http_json import is_healthy
 from rlpipe.rollouts import Completions
 from rlpipe.store.run_root import failed_services
-from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base
+from rlpipe.store.weights import ADAPTER_CONFIG, MANIFEST, adapter_base, version_chain
 from rlpipe.vllm_environment import serves_adapters
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
 MERGE_METHOD = "reload_merged"  # an adapter version merged into its base
+VERSION_METHOD = "reload_version"  # a serving-copy version, whole or a delta (storage.weights_dtype)
 BASE_MODEL = "policy"  # the servers' --served-model-name
 
 
@@ -152,6 +154,18 @@ def reload_call(weights_dir: str) -> dict:
     """The worker call that loads `weights_dir` in place: full weights, or an adapter merged into
     its sealed base (rlpipe.services.sampler_worker)."""
     base = adapter_base(weights_dir)
+    manifest = json.loads((Path(weights_dir) / MANIFEST).read_text())
+    if base is None and manifest.get(
+        "weights_sha256"
+    ):  # the chain to it: a replica holding its parent applies one delta
+        chain = version_chain({"uri": weights_dir, "version": manifest["version"], "sha256": manifest["sha256"]})
+        kwargs = {
+            "whole_path": chain[-1][0]["uri"],
+            "delta_paths": [ref["uri"] for ref, _ in reversed(chain[:-1])],
+            "weights_sha256": manifest["weights_sha256"],
+            "parent_sha256": chain[1][1]["weights_sha256"] if len(chain) > 1 else None,
+        }
+        return {"method": VERSION_METHOD, "kwargs": kwargs}
     if base is None:
         return {"method": RELOAD_METHOD, "kwargs": {"weights_path": weights_dir}}
     paths = {"base_path": sampler_weights_dir(base["uri"]), "adapter_path": weights_dir}

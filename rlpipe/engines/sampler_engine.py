@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.engines import Policy, Sampled, sample_seed
-from rlpipe.store.weights import local_path
+from rlpipe.store.weights import stored_path
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -43,7 +43,7 @@ def sample_prompts(
     weights_dir = sampler_weights_dir(weights["uri"])
     adapters = serves_adapters(spec)
     metrics = ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
-    tokenizer = Tokenizer.from_file(str(Path(local_path(weights, cache_root)) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(Path(stored_path(weights, cache_root)) / "tokenizer.json"))  # a delta's too
     loaded = time.time()
     r = spec.rollout
     sampling = {"max_tokens": r.max_new_tokens, "temperature": r.temperature}

@@ -1,7 +1,8 @@
 """A vLLM worker extension loaded into every sampler (`--worker-extension-cls`).
 
 vLLM calls its methods through `/collective_rpc` (server) or `LLM.collective_rpc` (in-step).
-It runs inside vLLM's worker, where `self` is the worker: no rlpipe imports here.
+It runs inside vLLM's worker, where `self` is the worker; it imports only rlpipe.store.weight_deltas
+(torch and safetensors), to apply and check versions stored as deltas.
 """
 
 from __future__ import annotations
@@ -44,8 +45,46 @@ def merged_lora_weights(base_path: str, adapter_path: str) -> dict[str, torch.Te
 class PolicyReload:
     def reload_policy(self, weights_path: str) -> None:
         """Reload the policy's weights in place from a HF-layout directory."""
+        self._served = (None, None)
         self.reload_weights(weights_path=weights_path)
         self._retie_head()
+
+    def reload_version(
+        self, whole_path: str, delta_paths: list[str], weights_sha256: str, parent_sha256: str | None
+    ) -> str:
+        """Serve a serving-copy version (storage.weights_dtype): the whole version at `whole_path` with
+        the deltas at `delta_paths` applied in order. When this worker holds the last delta's parent
+        (`parent_sha256`), only that delta is applied to the tensors it keeps, and only the tensors it
+        changes are reloaded; else the chain is rebuilt from the whole files. Checked against
+        `weights_sha256` before anything is reloaded. Returns "delta" or "rebuilt"."""
+        from safetensors.torch import load_file
+
+        from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256
+
+        held_sha, tensors = getattr(self, "_served", (None, None))
+        self._served = (None, None)  # until this call succeeds
+        incremental = tensors is not None and delta_paths and parent_sha256 is not None and held_sha == parent_sha256
+        if not incremental:
+            tensors = {}
+            for path in sorted(Path(whole_path).glob("*.safetensors")):
+                tensors |= load_file(path)
+        changed: set[str] = set(tensors)
+        for path in delta_paths[-1:] if incremental else delta_paths:
+            delta = load_file(str(Path(path) / DELTA_FILE))
+            apply_delta(tensors, delta)
+            if incremental:
+                changed = {
+                    k.rsplit("#", 1)[0]
+                    for k, t in delta.items()
+                    if k.endswith("#whole") or (k.endswith("#value") and t.numel())
+                }
+        if content_sha256(tensors) != weights_sha256:
+            source = delta_paths[-1] if delta_paths else whole_path
+            raise ValueError(f"the weights rebuilt from {source} do not hash to {weights_sha256[:12]}")
+        self.reload_weights(weights_iterator=iter([(name, tensors[name]) for name in sorted(changed)]))
+        self._retie_head()
+        self._served = (weights_sha256, tensors)
+        return "delta" if incremental else "rebuilt"
 
     def reload_merged(self, base_path: str, adapter_path: str) -> None:
         """Serve the LoRA version at `adapter_path` merged into the sealed base at `base_path`:

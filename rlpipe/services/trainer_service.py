@@ -205,8 +205,9 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     trainer, reloaded = hold(request, held)
     iteration = int(request["iteration"])
     loaded = time.time()
-    metrics = train_on_batch(trainer, request["batch_uri"], iteration)
-    staged = save_trained(trainer, iteration, request["cache_root"])
+    metrics = train_on_batch(trainer, request["batch_uri"], iteration) | trainer.replayed
+    trainer.replayed = {}
+    staged = save_trained(trainer, iteration, request["cache_root"], batch_path=request["batch_uri"])
     keep(held, trainer)
     metrics |= release_memory(trainer.policy.device, "update")
     return {

@@ -20,6 +20,14 @@ class StorageSpec:
         "weights; bfloat16 = a serving copy, half the bytes, with the masters kept beside the optimizer state "
         "(optimizer/vN.masters.safetensors) so training loses nothing. Whole-weight versions only (not model.lora)",
     )
+    optimizer_every: int = setting(
+        1,
+        ge=1,
+        doc="The resident trainer writes its optimizer state (and fp32 masters) every this many versions, in the "
+        "background, and at the end of training and of every loop.iterations_per_run block; it keeps each "
+        "version's batch until then, and a restarted trainer replays the updates since the last write (exact on "
+        "CPU). The update step, a process per update, writes every version",
+    )
     full_every: int = setting(
         10,
         ge=1,

@@ -56,6 +56,11 @@ class RunSpec:
             )
         if self.model.lora is not None and self.trainer.gpus * self.trainer.nodes > 1:
             raise ValueError("model.lora trains in one process for now; set trainer.gpus: 1 and trainer.nodes: 1")
+        if self.storage.optimizer_every > 1 and self.algorithm.name == "ppo":
+            raise ValueError(
+                "storage.optimizer_every > 1 replays updates after a restart, and PPO's critic is checkpointed "
+                "every version; set storage.optimizer_every: 1"
+            )
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(

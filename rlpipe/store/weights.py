@@ -259,6 +259,23 @@ def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
     return stored
 
 
+def version_chain(ref: WeightRef) -> list[tuple[WeightRef, dict]]:
+    """(ref, manifest) of `ref` and each version its delta is against, back to a whole one; newest first."""
+    chain = [(ref, read_manifest(ref["uri"]))]
+    while chain[-1][1].get("delta_of") is not None:
+        parent_uri = join(ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))
+        try:
+            manifest = read_manifest(parent_uri)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"weights version {ref['version']} is a delta whose chain needs {parent_uri}, which is gone; "
+                "a pruned chain should never happen (prune keeps every version a kept one is rebuilt from): "
+                "restore that version, or resume from an earlier whole version"
+            ) from None
+        chain.append(({"uri": parent_uri, "version": manifest["version"], "sha256": manifest["sha256"]}, manifest))
+    return chain
+
+
 def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     """cache/rebuilt/<weights_sha256>/: the delta version `ref` as whole weights (model.safetensors),
     made once from the last whole version before it and the deltas since, and checked against the
@@ -271,23 +288,7 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     out = rebuilt_root / manifest["weights_sha256"]
     if (out / MANIFEST).exists():
         return str(out)
-    chain = [(ref, manifest)]
-    while chain[-1][1].get("delta_of") is not None:
-        parent_uri = join(ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))
-        try:
-            parent_manifest = read_manifest(parent_uri)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"weights version {ref['version']} is a delta whose chain needs {parent_uri}, which is gone; "
-                "a pruned chain should never happen (prune keeps every version a kept one is rebuilt from): "
-                "restore that version, or resume from an earlier whole version"
-            ) from None
-        chain.append(
-            (
-                {"uri": parent_uri, "version": parent_manifest["version"], "sha256": parent_manifest["sha256"]},
-                parent_manifest,
-            )
-        )
+    chain = version_chain(ref)
     whole = Path(stored_path(chain[-1][0], cache_dir))
     tensors: dict = {}
     for file in sorted(whole.glob("*.safetensors")):
@@ -369,13 +370,19 @@ def delta_parent(path: str, fs) -> int | None:
 
 
 def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy") -> None:
-    """Delete optimizer states older than v(current)'s, and .tmp files of saves killed midway: a run
-    resumes only from the latest version's optimizer state."""
+    """Delete optimizer states (and masters) older than the newest one at or below v(current), and .tmp
+    files of writes killed midway below v(current) (v(current)'s may still be being written in the
+    background): a run resumes from the newest state, replaying the updates since
+    (rlpipe.training.checkpoints)."""
     fs, opt_dir = filesystem(optimizer_dir(run_root, lineage))
     if not fs.exists(opt_dir):
         return
-    for path in fs.ls(opt_dir, detail=False):
-        name = path.rsplit("/", 1)[-1]
-        stale = name.endswith((".pt", ".safetensors")) and int(name[1:7]) < current
-        if name.startswith("v") and (stale or name.endswith(".tmp")):
-            fs.rm(path)
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(opt_dir, detail=False)]
+    states = [int(n[1:7]) for n in names if n.startswith("v") and n.endswith(".pt") and int(n[1:7]) <= current]
+    newest = max(states, default=0)
+    for name in names:
+        if not name.startswith("v"):
+            continue
+        stale = name.endswith((".pt", ".safetensors")) and int(name[1:7]) < newest
+        if stale or (name.endswith(".tmp") and int(name[1:7]) < current):
+            fs.rm(join(optimizer_dir(run_root, lineage), name))

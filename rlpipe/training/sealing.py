@@ -89,11 +89,10 @@ def load_masters(run_root: str, version: int, policy: torch.nn.Module) -> bool:
     return True
 
 
-def save_masters(run_root: str, version: int, policy: torch.nn.Module, state: dict | None) -> None:
+def write_masters(run_root: str, version: int, masters: dict[str, torch.Tensor]) -> None:
     """optimizer/v{N}.masters.safetensors: the fp32 weights the serving copy was cast from (written, then moved)."""
     from safetensors.torch import save, save_file
 
-    masters = serving_tensors(policy, state, torch.float32)
     final = masters_uri(run_root, version)
     fs, tmp_path = filesystem(final + ".tmp")
     fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)

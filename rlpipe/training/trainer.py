@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,9 +27,19 @@ from rlpipe.devices import resolve_device
 from rlpipe.modeling import add_lora, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import filesystem, move, optimizer_uri
-from rlpipe.store.weights import WeightRef, as_ref, read_ref, seal, stage_pretrained
+from rlpipe.store.run_root import filesystem, optimizer_uri
+from rlpipe.store.weight_deltas import StoredTensors, content_sha256
+from rlpipe.store.weights import WeightRef, as_ref, local_path, read_manifest, read_ref, seal, stage_pretrained
 from rlpipe.training.batching import MicroBatch, micro_batch_weight, mini_batches, pack, rank_parts, update_order
+from rlpipe.training.checkpoints import (
+    as_sealed,
+    checkpoint_due,
+    keeps_state_in_memory,
+    record_replay,
+    replay_plan,
+    sealed_dtype,
+    write_checkpoint,
+)
 from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
     all_max,
@@ -47,9 +58,9 @@ from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, dec
 from rlpipe.training.sealing import (
     Served,
     load_masters,
-    save_masters,
     seal_serving_copy,
     served_from_version,
+    serving_tensors,
     stores_serving_copy,
 )
 
@@ -86,10 +97,53 @@ class Trainer:
     # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}
     proximal: dict = field(default_factory=dict)
     served: Served | None = None  # the stored tensors of `weights`, when the next version may be a delta
+    checkpoint_writer: threading.Thread | None = None  # the resident trainer's checkpoint, written in the background
+    replayed: dict[str, float] = field(default_factory=dict)  # trainer/replayed_updates, trainer/replay_exact
 
 
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
-    """The policy at `weights` with the optimizer state saved beside that version."""
+    """The trainer at `weights`: the policy with the optimizer state saved beside that version, or,
+    where it was not saved (storage.optimizer_every), at the last checkpoint with the updates since
+    replayed from their recorded batches (rlpipe.training.checkpoints)."""
+    weights = as_ref(weights)
+    replay = replay_plan(spec, run_root, weights["version"])
+    if replay is None:
+        return load_checkpoint(spec, run_root, weights, cache_root)
+    trainer = load_checkpoint(spec, run_root, read_ref(run_root, replay.checkpoint), cache_root)
+    for version, iteration, batch in replay.steps:
+        train_on_batch(trainer, batch, iteration)
+        trainer.weights = {**trainer.weights, "version": version}
+    exact = matches_sealed(trainer, weights, cache_root)
+    if not exact:  # continue from the weights the samplers hold, with the replayed moments
+        load_sealed(trainer, weights, cache_root)
+    trainer.weights = weights
+    if world()[0] == 0:
+        trainer.served = served_from_version(spec, weights, cache_root)
+    trainer.replayed = {"trainer/replayed_updates": float(len(replay.steps)), "trainer/replay_exact": float(exact)}
+    return trainer
+
+
+def matches_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> bool:
+    """Whether the trainer's weights, cast as the version stores them, hash to the sealed version's."""
+    manifest = read_manifest(weights["uri"])
+    stored = manifest.get("weights_sha256") or content_sha256(StoredTensors(local_path(weights, cache_root)))
+    state = full_model_state(trainer.policy) if world()[1] > 1 else None
+    return content_sha256(serving_tensors(trainer.policy, state, sealed_dtype(manifest))) == stored
+
+
+def load_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> None:
+    """The sealed version's weights (upcast) into the trainer's policy, every process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    sealed = {name: t.float() for name, t in as_sealed(local_path(weights, cache_root)).items()}
+    if world()[1] > 1:
+        set_model_state_dict(trainer.policy, sealed, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        trainer.policy.load_state_dict(sealed, strict=False)
+
+
+def load_checkpoint(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
+    """The policy at `weights` with the optimizer state saved beside that version (fresh where none was)."""
     weights = as_ref(weights)
     sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
@@ -184,6 +238,7 @@ class Tally:
     kl_steps: int = 0
     micro_steps: int = 0
     tokens: int = 0
+    padded: int = 0  # rows x width of every forward pass: tokens plus the padding computed beside them
     weight_max: float = 0.0  # the largest importance weight before the correction
 
     @classmethod
@@ -214,6 +269,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         return {"policy/optimizer_steps": 0.0, "policy/pairs": 0.0}
     minis = mini_batches(rows, spec.trainer.mini_batches, objective.unit)
     tally = Tally.start(trainer.critic is not None, objective.correction)
+    if trainer.checkpoint_writer is not None:  # the last checkpoint reads what the optimizer steps change
+        trainer.checkpoint_writer.join()
+        trainer.checkpoint_writer = None
     prefetched = attach_proximal_logprobs(trainer, minis) if objective.correction else 0.0
     proximal_s = time.time() - started
     for _ in range(spec.trainer.epochs):
@@ -262,6 +320,7 @@ def accumulate_gradients(
         for key, value in added.items():
             step[key] = step.get(key, 0.0) + value
         tally.tokens += int(present * mb.attention.sum())
+        tally.padded += int(present * mb.attention.numel())
         tally.micro_steps += 1
     return all_sum(step, trainer.policy.device), kl_measured
 
@@ -347,7 +406,8 @@ def update_metrics(
     """The update's metrics: means over its optimizer steps (kl/mean over those that measured it)."""
     trained = time.time()
     device = trainer.policy.device
-    tokens = int(all_sum({"tokens": tally.tokens}, device)["tokens"])
+    summed = all_sum({"tokens": tally.tokens, "padded": tally.padded}, device)
+    tokens = int(summed["tokens"])
     totals, steps = tally.totals, tally.steps
     metrics = {}
     if trainer.critic is not None:
@@ -376,23 +436,24 @@ def update_metrics(
             "policy/micro_batches": float(tally.micro_steps),
             "policy/lr": trainer.optimizer.param_groups[0]["lr"],
             "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
+            "policy/padding_share": 1.0 - tokens / max(summed["padded"], 1.0),  # of the forward passes' positions
         }
         | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - set(tally.off_policy)}
     )
 
 
-def save_trained(trainer: Trainer, iteration: int, cache_root: str, timings: dict | None = None) -> WeightRef:
-    """Stage and seal v(N+1) and save its optimizer state beside it; the trainer now holds v(N+1).
-    Sharded over several processes, the whole weights and optimizer state are gathered and the
-    first process writes them (the others get its WeightRef)."""
-    run_root, weights = trainer.run_root, trainer.weights
+def save_trained(
+    trainer: Trainer, iteration: int, cache_root: str, timings: dict | None = None, batch_path: str | None = None
+) -> WeightRef:
+    """Stage and seal v(N+1) and write the trainer's state beside it when a checkpoint is due
+    (rlpipe.training.checkpoints: every version, or every storage.optimizer_every in the resident
+    trainer, which records `batch_path` for replay and writes in the background); the trainer now
+    holds v(N+1). Sharded over several processes, the whole weights and optimizer state are gathered
+    and the first process writes them (the others get its WeightRef)."""
+    run_root, weights, spec = trainer.run_root, trainer.weights, trainer.spec
     rank, processes = world()
     new_version = weights["version"] + 1
-    if processes > 1:  # collectives: every process takes part
-        model_state = full_model_state(trainer.policy)
-        optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)
-    else:
-        model_state, optimizer_state = None, trainer.optimizer.state_dict()
+    model_state = full_model_state(trainer.policy) if processes > 1 else None  # a collective: every process
     ref: WeightRef | None = None
     if rank == 0 and stores_serving_copy(trainer.spec):
         ref, trainer.served = seal_serving_copy(
@@ -405,15 +466,20 @@ def save_trained(trainer: Trainer, iteration: int, cache_root: str, timings: dic
         )
         ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
     staged_at = time.time()
-    if rank == 0 and stores_serving_copy(trainer.spec):
-        save_masters(run_root, new_version, trainer.policy, model_state)
-    if rank == 0:
-        final_opt = optimizer_uri(run_root, new_version)
-        fs, tmp_path = filesystem(final_opt + ".tmp")
-        fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(tmp_path, "wb") as f:
-            torch.save(optimizer_state, f)
-        move(final_opt + ".tmp", final_opt)
+    if rank == 0 and batch_path is not None and keeps_state_in_memory(spec):
+        record_replay(run_root, new_version, iteration, batch_path)
+    if checkpoint_due(spec, new_version, iteration):
+        if processes > 1:
+            optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)  # a collective
+        else:
+            optimizer_state = trainer.optimizer.state_dict()
+        masters = serving_tensors(trainer.policy, model_state, torch.float32) if stores_serving_copy(spec) else None
+        if rank == 0 and keeps_state_in_memory(spec):  # the next update joins it before its first step
+            write = (run_root, new_version, optimizer_state, masters)
+            trainer.checkpoint_writer = threading.Thread(target=write_checkpoint, args=write, daemon=True)
+            trainer.checkpoint_writer.start()
+        elif rank == 0:
+            write_checkpoint(run_root, new_version, optimizer_state, masters)
     if timings is not None:
         timings["weights/stage_optimizer_s"] = time.time() - staged_at  # AdamW state (and masters); the rest: v(N+1)
     if trainer.critic is not None:
