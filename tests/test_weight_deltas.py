@@ -135,3 +135,20 @@ def test_a_sampler_holding_the_parent_applies_the_delta_in_place(runs):
     fresh, _ = load_weights(ws.read_ref(delta_root, 3), cache, threads=1)
     for (name, a), (_, b) in zip(held.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_tensors_written_from_their_own_memory_read_back_as_safetensors(tmp_path: Path):
+    from rlpipe.store.weight_deltas import write_safetensors
+
+    tensors = {
+        "b": torch.randn(3, 5).to(torch.bfloat16),
+        "a": torch.arange(7, dtype=torch.int32),
+        "c": torch.randn(2, 2, 2),
+        "empty": torch.zeros(0),
+        "flag": torch.tensor([True, False]),
+    }
+    with open(tmp_path / "t.safetensors", "wb") as f:
+        write_safetensors(tensors, f, {"format": "pt"})
+    back = load_file(tmp_path / "t.safetensors")
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())

@@ -19,8 +19,11 @@ dtype, shape, bytes), so a reconstruction is checked against what the trainer se
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -42,6 +45,33 @@ def hash_tensor(digest, name: str, tensor: torch.Tensor) -> None:
     tensor = tensor.detach().contiguous().cpu()
     digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
     digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], file: BinaryIO, metadata: dict[str, str]) -> None:
+    """`tensors` in the safetensors format, each written from its own memory: safetensors' save_file
+    first copies every tensor to bytes, a second copy of the model (2 GB of masters at 0.5B)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    file.write(struct.pack("<Q", len(encoded)) + encoded)
+    for tensor in tensors.values():
+        if tensor.numel():
+            file.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 class StoredTensors(Mapping):

@@ -280,9 +280,9 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     """cache/rebuilt/<weights_sha256>/: the delta version `ref` as whole weights (model.safetensors),
     made once from the last whole version before it and the deltas since, and checked against the
     manifest's weights_sha256; the two most recent rebuilt versions are kept."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256
+    from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256, write_safetensors
 
     rebuilt_root = Path(cache_dir) / "rebuilt"
     out = rebuilt_root / manifest["weights_sha256"]
@@ -303,7 +303,8 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
             )
     tmp = rebuilt_root / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     shutil.copytree(stored_path(ref, cache_dir), tmp, ignore=shutil.ignore_patterns(DELTA_FILE))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    with open(tmp / "model.safetensors", "wb") as f:
+        write_safetensors(tensors, f, {"format": "pt"})
     tmp.rename(out)
     for stale in sorted(rebuilt_root.iterdir(), key=lambda p: p.stat().st_mtime)[:-2]:
         shutil.rmtree(stale, ignore_errors=True)

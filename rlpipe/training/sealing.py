@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.store.run_root import filesystem, is_local, masters_uri, move
-from rlpipe.store.weight_deltas import StoredTensors, content_sha256, encode_tensor, hash_tensor
+from rlpipe.store.weight_deltas import StoredTensors, content_sha256, encode_tensor, hash_tensor, write_safetensors
 from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, stage_delta, stage_pretrained
 
 if TYPE_CHECKING:
@@ -91,16 +91,11 @@ def load_masters(run_root: str, version: int, policy: torch.nn.Module) -> bool:
 
 def write_masters(run_root: str, version: int, masters: dict[str, torch.Tensor]) -> None:
     """optimizer/v{N}.masters.safetensors: the fp32 weights the serving copy was cast from (written, then moved)."""
-    from safetensors.torch import save, save_file
-
     final = masters_uri(run_root, version)
     fs, tmp_path = filesystem(final + ".tmp")
     fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-    if is_local(final):  # streamed to the file, not built in memory first
-        save_file(masters, tmp_path)
-    else:
-        with fs.open(tmp_path, "wb") as f:
-            f.write(save(masters))
+    with fs.open(tmp_path, "wb") as f:
+        write_safetensors(masters, f, {"format": "pt"})
     move(final + ".tmp", final)
 
 
@@ -108,15 +103,20 @@ def delta_against(
     served: Served, policy: torch.nn.Module, state: dict, dtype: torch.dtype, keep: bool
 ) -> tuple[dict, str, dict]:
     """(the delta, the new version's content hash, its tensors when `keep`), one tensor at a time: each
-    cast, hashed, compared with the parent's and dropped, so no second copy of the model is made."""
+    cast, hashed, compared with the parent's and dropped (or, kept, written over the parent's tensor
+    held in memory), so no second copy of the model is made."""
     digest = hashlib.sha256()
     delta: dict[str, torch.Tensor] = {}
     kept: dict[str, torch.Tensor] = {}
+    in_memory = isinstance(served.tensors, dict)
     for name in stored_names(policy, state):
         new = state[name].detach().to(device="cpu", dtype=dtype)
         hash_tensor(digest, name, new)
-        delta |= encode_tensor(name, served.tensors.get(name), new)
-        if keep:
+        old = served.tensors.get(name)
+        delta |= encode_tensor(name, old, new)
+        if keep and in_memory and old is not None and old.shape == new.shape and old.dtype == new.dtype:
+            kept[name] = old.copy_(new)
+        elif keep:
             kept[name] = new
     return delta, digest.hexdigest(), kept
 

@@ -456,9 +456,10 @@ def save_trained(
     model_state = full_model_state(trainer.policy) if processes > 1 else None  # a collective: every process
     ref: WeightRef | None = None
     if rank == 0 and stores_serving_copy(trainer.spec):
+        served, trainer.served = trainer.served, None  # sealing writes over it: gone if sealing fails
         ref, trainer.served = seal_serving_copy(
             trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
-            cache_root, model_state, trainer.served,
+            cache_root, model_state, served,
         )  # fmt: skip
     elif rank == 0:
         staged = stage_pretrained(
