@@ -368,3 +368,39 @@ def test_rlpipe_run_with_the_sampler_service(tmp_path: Path):
     fleet = json.loads((run_dir / "samplers" / "fleet.json").read_text())
     assert [r["state"] for r in fleet["replicas"]] == ["stopped", "stopped"]
     assert not any(group_alive(r["pid"]) for r in fleet["replicas"])  # server and engine core stopped
+
+
+@pytest.mark.slow
+def test_rlpipe_run_on_samplers_learns_the_same_with_delta_versions(tmp_path: Path):
+    """bf16 serving-copy versions through the sampler service, stored whole every version and as deltas
+    (full_every 3): the replicas apply the deltas, and the two runs sample the same rollouts, seal the
+    same weights and evaluate the same, iteration for iteration."""
+    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+
+    runs = {}
+    for full_every in (1, 3):
+        root = tmp_path / f"full_every_{full_every}"
+        spec = _write_spec(
+            root,
+            rollout={"engine": "sampler"},
+            samplers={"replicas": 1},
+            trainer={"lr": 1e-4},
+            loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2},
+            storage={"weights_dtype": "bfloat16", "full_every": full_every},
+        )
+        result = _rlpipe("run", str(spec), "--run-dir", str(root / "run"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        _check_consistent(root / "run", 4)
+        runs[full_every] = root / "run"
+    manifests = {
+        k: [json.loads((run / "weights" / f"v{v:06d}" / "manifest.json").read_text()) for v in range(1, 5)]
+        for k, run in runs.items()
+    }
+    assert [m["delta_of"] for m in manifests[3]] == [None, 1, 2, None]  # v1 whole (v0 is the fp32 warm start)
+    assert [m["weights_sha256"] for m in manifests[3]] == [m["weights_sha256"] for m in manifests[1]]
+    for i in range(1, 5):
+        whole, deltas = (json.loads((run / "metrics" / f"iter_{i:06d}.json").read_text()) for run in runs.values())
+        assert deltas["reward/mean"] == whole["reward/mean"] and deltas["policy/loss"] == whole["policy/loss"], i
+    for i in (0, 2, 4):
+        whole, deltas = (json.loads((run / "metrics" / f"eval_{i:06d}.json").read_text()) for run in runs.values())
+        assert deltas["eval/accuracy_greedy"] == whole["eval/accuracy_greedy"], i
