@@ -6,7 +6,9 @@ The child gets, under its own run root, what the loop reads to go on from iterat
     weights/v000000, v{N}      the reference (KL, a LoRA base) and the version it starts from; LATEST = v{N}
     optimizer/v{N}.pt, critic/ the trainer's state at v{N} (a critic's too), when the parent still has it: the
                                store keeps only the latest version's, so a fork from an earlier version
-                               starts a fresh optimizer (forked_from.optimizer_state says which)
+                               starts a fresh optimizer (forked_from.optimizer_state says which); with
+                               storage.optimizer_every, the last checkpoint and the batches to replay to v{N}
+    weights/v{k}..v{N}         with delta versions, also the versions v{N} is rebuilt from
     metrics/ up to N           the parent's curve up to the fork, so the child's continues it
     spec.json                  the parent's spec with the overrides, named NEW, tracked in the parent's
                                MLflow store (its run nested under the parent's: mlflow.parentRunId)
@@ -34,12 +36,14 @@ from rlpipe.store.run_root import (
     is_local,
     iteration_metrics_uri,
     join,
+    masters_uri,
     optimizer_uri,
     read_json,
     read_state,
+    replay_dir,
     write_json,
 )
-from rlpipe.store.weights import read_ref, verify, version_name, version_uri
+from rlpipe.store.weights import read_ref, verify, version_chain, version_name, version_uri
 
 INHERITED = ("model", "data")  # what made the parent's v0 and data: a fork keeps them
 
@@ -152,9 +156,16 @@ def share_run_files(parent_root: str, child_root: str, iteration: int) -> str:
         share(data_uri(parent_root, split), data_uri(child_root, split))
     if exists(data_counts_uri(parent_root)):
         share(data_counts_uri(parent_root), data_counts_uri(child_root))
-    for version in sorted({0, iteration}):
+    chain = [ref["version"] for ref, _ in version_chain(read_ref(parent_root, iteration))]
+    for version in sorted({0, *chain}):  # a delta version with the versions it is rebuilt from
         share(version_uri(parent_root, version), version_uri(child_root, version))
-    trainer_state = [optimizer_uri(parent_root, iteration)]
+    checkpoint = iteration  # the trainer's state at v{N}, or the last checkpoint and the batches to replay to it
+    while (
+        checkpoint > 0 and not exists(optimizer_uri(parent_root, checkpoint)) and replay_uris(parent_root, checkpoint)
+    ):
+        checkpoint -= 1
+    trainer_state = [optimizer_uri(parent_root, checkpoint), masters_uri(parent_root, checkpoint)]
+    trainer_state += [u for v in range(checkpoint + 1, iteration + 1) for u in replay_uris(parent_root, v)]
     trainer_state += [version_uri(parent_root, iteration, "critic"), optimizer_uri(parent_root, iteration, "critic")]
     for uri in trainer_state:  # a critic's only with PPO; an optimizer's unless v{N} is v0
         if exists(uri):
@@ -167,4 +178,17 @@ def share_run_files(parent_root: str, child_root: str, iteration: int) -> str:
         ):
             if exists(uri):
                 share(uri, child_root + uri[len(parent_root) :])
-    return "parent's" if exists(optimizer_uri(parent_root, iteration)) else "fresh" if iteration else "none"
+    if exists(optimizer_uri(parent_root, iteration)):
+        return "parent's"
+    if checkpoint < iteration and (checkpoint == 0 or exists(optimizer_uri(parent_root, checkpoint))):
+        return f"parent's (v{checkpoint}'s, replayed to v{iteration})"
+    return "fresh" if iteration else "none"
+
+
+def replay_uris(run_root: str, version: int) -> list[str]:
+    """The batch kept to replay v{version} (rlpipe.training.checkpoints), if there is one."""
+    fs, replays = filesystem(replay_dir(run_root))
+    if not fs.exists(replays):
+        return []
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(replays, detail=False)]
+    return [join(replay_dir(run_root), n) for n in names if n.startswith(f"v{version:06d}.") and n.endswith(".parquet")]

@@ -3,6 +3,7 @@ AdamW's moments and the fp32 masters every K versions, keeps each version's batc
 restarted trainer replays the updates since its last checkpoint, bit-exact on CPU."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from rlpipe import loop
 from rlpipe.spec import parse_spec
+from rlpipe.store.weights import read_ref
 from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
 from .conftest import tiny_spec_dict
@@ -70,3 +72,17 @@ def test_a_missing_replay_batch_says_what_to_do(tmp_path: Path):
     next(Path(run_root, "optimizer", "replay").iterdir()).unlink()
     with pytest.raises(FileNotFoundError, match="batches to replay it from v3 are missing for v4"):
         load_trainer(spec, run_root, v4, cache)
+
+
+def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
+    from rlpipe.fork import fork_run
+
+    spec, run_root, cache, trainer, v4 = _iterate(tmp_path)
+    child = str(tmp_path / "child")
+    forked = fork_run(run_root, child, 4, "child", {})
+    state = json.loads(Path(child, "state.json").read_text())
+    assert state["forked_from"]["optimizer_state"] == "parent's (v3's, replayed to v4)"
+    restarted = load_trainer(forked, child, read_ref(child, 4), cache)
+    assert restarted.replayed["trainer/replay_exact"] == 1.0
+    for held, replayed in zip(trainer.policy.parameters(), restarted.policy.parameters(), strict=True):
+        assert torch.equal(held, replayed)

@@ -152,3 +152,17 @@ def test_tensors_written_from_their_own_memory_read_back_as_safetensors(tmp_path
     back = load_file(tmp_path / "t.safetensors")
     assert back.keys() == tensors.keys()
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_a_fork_from_a_delta_version_gets_the_versions_it_is_rebuilt_from(runs, tmp_path: Path):
+    from rlpipe.fork import fork_run
+
+    _, (_, delta_root, _, _) = runs
+    child = str(tmp_path / "child")
+    fork_run(delta_root, child, 3, "child", {})
+    assert sorted(p.name for p in Path(child, "weights").glob("v0*")) == ["v000000", "v000001", "v000002", "v000003"]
+    rebuilt = ws.local_path(ws.read_ref(child, 3), tmp_path / "cache")
+    parent = json.loads(Path(delta_root, "weights", "v000003", ws.MANIFEST).read_text())
+    assert content_sha256(load_file(Path(rebuilt, "model.safetensors"))) == parent["weights_sha256"]
+    # the store kept only v4's optimizer state and masters: the fork starts AdamW anew from v3's weights
+    assert json.loads(Path(child, "state.json").read_text())["forked_from"]["optimizer_state"] == "fresh"

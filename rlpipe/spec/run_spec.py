@@ -61,6 +61,11 @@ class RunSpec:
                 "storage.optimizer_every > 1 replays updates after a restart, and PPO's critic is checkpointed "
                 "every version; set storage.optimizer_every: 1"
             )
+        if self.storage.optimizer_every > 1 and self.model.lora is not None:
+            raise ValueError(
+                "storage.optimizer_every > 1 is for whole-weight training: model.lora's optimizer state is the "
+                "adapters' (a few MB), written every version; set storage.optimizer_every: 1"
+            )
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(

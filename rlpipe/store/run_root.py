@@ -122,6 +122,11 @@ def masters_uri(run_root: str, version: int) -> str:
     return join(optimizer_dir(run_root), f"v{version:06d}.masters.safetensors")
 
 
+def replay_dir(run_root: str) -> str:
+    """The batches kept to replay the updates since the resident trainer's last checkpoint."""
+    return join(optimizer_dir(run_root), "replay")
+
+
 def optimizer_uri(run_root: str, version: int, lineage: str = "policy") -> str:
     """The trainer's optimizer state after training weights v(version), beside that version."""
     return join(optimizer_dir(run_root, lineage), f"v{version:06d}.pt")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.store.run_root import filesystem, is_local, join, move, optimizer_dir, optimizer_uri
+from rlpipe.store.run_root import filesystem, is_local, join, move, optimizer_uri, replay_dir
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -44,10 +44,6 @@ def checkpoint_due(spec: RunSpec, version: int, iteration: int) -> bool:
         return True
     block_end = iteration % spec.loop.iterations_per_run == 0
     return version % spec.storage.optimizer_every == 0 or iteration >= spec.loop.iterations or block_end
-
-
-def replay_dir(run_root: str) -> str:
-    return join(optimizer_dir(run_root), "replay")
 
 
 def record_replay(run_root: str, version: int, iteration: int, batch_path: str) -> None:

@@ -109,7 +109,11 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     replay = replay_plan(spec, run_root, weights["version"])
     if replay is None:
         return load_checkpoint(spec, run_root, weights, cache_root)
-    trainer = load_checkpoint(spec, run_root, read_ref(run_root, replay.checkpoint), cache_root)
+    if replay.checkpoint == 0:  # the run's start: v0's weights, a fresh optimizer
+        trainer = load_checkpoint(spec, run_root, read_ref(run_root, 0), cache_root)
+    else:  # v(N)'s files for the model's shape and tokenizer; the checkpoint's masters replace every weight
+        trainer = load_checkpoint(spec, run_root, weights, cache_root, state_version=replay.checkpoint)
+        trainer.weights = {**weights, "version": replay.checkpoint}
     for version, iteration, batch in replay.steps:
         train_on_batch(trainer, batch, iteration)
         trainer.weights = {**trainer.weights, "version": version}
@@ -142,15 +146,20 @@ def load_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> None:
         trainer.policy.load_state_dict(sealed, strict=False)
 
 
-def load_checkpoint(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
-    """The policy at `weights` with the optimizer state saved beside that version (fresh where none was)."""
+def load_checkpoint(
+    spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str, state_version: int | None = None
+) -> Trainer:
+    """The policy at `weights` with the trainer's state saved beside that version (or beside
+    v(state_version)): its fp32 master weights, when saved (a serving-copy version, or a resident
+    trainer's checkpoint), and its optimizer state (fresh where none was)."""
     weights = as_ref(weights)
+    state_version = weights["version"] if state_version is None else state_version
     sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
+    load_masters(run_root, state_version, policy)  # train on the masters a serving copy was cast from
     served = None
-    if stores_serving_copy(spec):  # the version is a serving copy; train on the masters it was cast from
-        load_masters(run_root, weights["version"], policy)
-        served = served_from_version(spec, weights, cache_root) if world()[0] == 0 else None
+    if stores_serving_copy(spec) and state_version == weights["version"] and world()[0] == 0:
+        served = served_from_version(spec, weights, cache_root)
     base = None
     if spec.model.lora is not None:
         base = read_ref(run_root, 0)
@@ -165,7 +174,7 @@ def load_checkpoint(spec: RunSpec, run_root: str, weights: WeightRef, cache_root
     optimizer = torch.optim.AdamW(
         trained, lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
     )
-    fs, opt_path = filesystem(optimizer_uri(run_root, weights["version"]))
+    fs, opt_path = filesystem(optimizer_uri(run_root, state_version))
     if fs.exists(opt_path):
         with fs.open(opt_path, "rb") as f:
             load_optimizer_state(policy, optimizer, torch.load(f, weights_only=True, map_location=policy.device))
@@ -474,7 +483,8 @@ def save_trained(
             optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)  # a collective
         else:
             optimizer_state = trainer.optimizer.state_dict()
-        masters = serving_tensors(trainer.policy, model_state, torch.float32) if stores_serving_copy(spec) else None
+        with_masters = stores_serving_copy(spec) or keeps_state_in_memory(spec)  # replay starts from them
+        masters = serving_tensors(trainer.policy, model_state, torch.float32) if with_masters else None
         if rank == 0 and keeps_state_in_memory(spec):  # the next update joins it before its first step
             write = (run_root, new_version, optimizer_state, masters)
             trainer.checkpoint_writer = threading.Thread(target=write_checkpoint, args=write, daemon=True)
