@@ -380,13 +380,14 @@ def test_rlpipe_run_on_samplers_learns_the_same_with_delta_versions(tmp_path: Pa
     runs = {}
     for full_every in (1, 3):
         root = tmp_path / f"full_every_{full_every}"
+        root.mkdir()
         spec = _write_spec(
             root,
             rollout={"engine": "sampler"},
             samplers={"replicas": 1},
             trainer={"lr": 1e-4},
             loop={"iterations": 4, "iterations_per_run": 4, "eval_every": 2},
-            storage={"weights_dtype": "bfloat16", "full_every": full_every},
+            storage={"weights_dtype": "bfloat16", "full_every": full_every, "keep_versions": 10},
         )
         result = _rlpipe("run", str(spec), "--run-dir", str(root / "run"))
         assert result.returncode == 0, result.stdout + result.stderr
