@@ -22,6 +22,7 @@ whether or not its checkpoint finished, and resume replays from the last checkpo
 from __future__ import annotations
 
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from rlpipe.store.run_root import filesystem, is_local, join, move, optimizer_ur
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
+    from rlpipe.store.weights import WeightRef
+    from rlpipe.training.trainer import Trainer
 
 
 def keeps_state_in_memory(spec: RunSpec) -> bool:
@@ -129,3 +132,59 @@ def as_sealed(path: str | Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(path).glob("*.safetensors")):
         tensors |= load_file(file)
     return tensors
+
+
+def save_state(
+    trainer: Trainer, version: int, iteration: int, model_state: dict | None, batch_path: str | None
+) -> None:
+    """After sealing v(version): keep its batch for replay (resident trainer, storage.optimizer_every > 1),
+    and write the trainer's state when a checkpoint is due: AdamW's moments and the fp32 masters (for a
+    serving-copy version, or a replay's start), in the background in the resident trainer (the next
+    update joins it before its first optimizer step). Gathering a sharded state is a collective."""
+    from rlpipe.training.distributed import full_optimizer_state, world
+    from rlpipe.training.sealing import serving_tensors, stores_serving_copy
+
+    spec, run_root, rank = trainer.spec, trainer.run_root, world()[0]
+    if rank == 0 and batch_path is not None and keeps_state_in_memory(spec):
+        record_replay(run_root, version, iteration, batch_path)
+    if not checkpoint_due(spec, version, iteration):
+        return
+    if world()[1] > 1:
+        optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)
+    else:
+        optimizer_state = trainer.optimizer.state_dict()
+    with_masters = stores_serving_copy(spec) or keeps_state_in_memory(spec)
+    masters = serving_tensors(trainer.policy, model_state, torch.float32) if with_masters else None
+    if rank == 0 and keeps_state_in_memory(spec):
+        write = (run_root, version, optimizer_state, masters)
+        trainer.checkpoint_writer = threading.Thread(target=write_checkpoint, args=write, daemon=True)
+        trainer.checkpoint_writer.start()
+    elif rank == 0:
+        write_checkpoint(run_root, version, optimizer_state, masters)
+
+
+def matches_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> bool:
+    """Whether the trainer's weights, cast as the version stores them, hash to the sealed version's."""
+    from rlpipe.store.weight_deltas import StoredTensors, content_sha256
+    from rlpipe.store.weights import local_path, read_manifest
+    from rlpipe.training.distributed import full_model_state, world
+    from rlpipe.training.sealing import serving_tensors
+
+    manifest = read_manifest(weights["uri"])
+    stored = manifest.get("weights_sha256") or content_sha256(StoredTensors(local_path(weights, cache_root)))
+    state = full_model_state(trainer.policy) if world()[1] > 1 else None
+    return content_sha256(serving_tensors(trainer.policy, state, sealed_dtype(manifest))) == stored
+
+
+def load_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> None:
+    """The sealed version's weights (upcast) into the trainer's policy, every process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from rlpipe.store.weights import local_path
+    from rlpipe.training.distributed import world
+
+    sealed = {name: t.float() for name, t in as_sealed(local_path(weights, cache_root)).items()}
+    if world()[1] > 1:
+        set_model_state_dict(trainer.policy, sealed, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        trainer.policy.load_state_dict(sealed, strict=False)

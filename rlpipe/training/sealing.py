@@ -26,6 +26,7 @@ from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, sta
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
+    from rlpipe.training.trainer import Trainer
 
 DTYPES = {"bfloat16": torch.bfloat16}
 LARGEST_DELTA = 0.5  # of the whole version's bytes: beyond it, store the version whole
@@ -160,3 +161,19 @@ def seal_serving_copy(
     }
     ref = seal(staged, version=version, iteration=iteration, parent=parent["version"], contents=contents)
     return ref, Served(tensors, version, chain) if keep else None
+
+
+def seal_new_version(trainer: Trainer, iteration: int, cache_root: str, state: dict | None) -> WeightRef:
+    """Stage and seal v(N+1) from the trainer (first process): its whole weights, a serving copy
+    (seal_serving_copy), or its adapters over the sealed base (model.lora). `state`: the whole
+    weights gathered from the processes (FSDP)."""
+    run_root, weights, new_version = trainer.run_root, trainer.weights, trainer.weights["version"] + 1
+    if stores_serving_copy(trainer.spec):
+        served, trainer.served = trainer.served, None  # sealing writes over it: gone if sealing fails
+        ref, trainer.served = seal_serving_copy(
+            trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
+            cache_root, state, served,
+        )  # fmt: skip
+        return ref
+    staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, state, trainer.base)
+    return seal(staged, version=new_version, iteration=iteration, parent=weights["version"])

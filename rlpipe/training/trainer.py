@@ -28,25 +28,15 @@ from rlpipe.modeling import add_lora, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, optimizer_uri
-from rlpipe.store.weight_deltas import StoredTensors, content_sha256
-from rlpipe.store.weights import WeightRef, as_ref, local_path, read_manifest, read_ref, seal, stage_pretrained
+from rlpipe.store.weights import WeightRef, as_ref, read_ref
 from rlpipe.training.batching import MicroBatch, micro_batch_weight, mini_batches, pack, rank_parts, update_order
-from rlpipe.training.checkpoints import (
-    as_sealed,
-    checkpoint_due,
-    keeps_state_in_memory,
-    record_replay,
-    replay_plan,
-    sealed_dtype,
-    write_checkpoint,
-)
+from rlpipe.training.checkpoints import load_sealed, matches_sealed, replay_plan, save_state
 from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
     all_max,
     all_sum,
     clip_grad_norm,
     full_model_state,
-    full_optimizer_state,
     init_from_torchrun,
     load_optimizer_state,
     shard,
@@ -55,14 +45,7 @@ from rlpipe.training.distributed import (
 )
 from rlpipe.training.logprobs import completion_logprobs_and_entropy
 from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
-from rlpipe.training.sealing import (
-    Served,
-    load_masters,
-    seal_serving_copy,
-    served_from_version,
-    serving_tensors,
-    stores_serving_copy,
-)
+from rlpipe.training.sealing import Served, load_masters, seal_new_version, served_from_version, stores_serving_copy
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -125,25 +108,6 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
         trainer.served = served_from_version(spec, weights, cache_root)
     trainer.replayed = {"trainer/replayed_updates": float(len(replay.steps)), "trainer/replay_exact": float(exact)}
     return trainer
-
-
-def matches_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> bool:
-    """Whether the trainer's weights, cast as the version stores them, hash to the sealed version's."""
-    manifest = read_manifest(weights["uri"])
-    stored = manifest.get("weights_sha256") or content_sha256(StoredTensors(local_path(weights, cache_root)))
-    state = full_model_state(trainer.policy) if world()[1] > 1 else None
-    return content_sha256(serving_tensors(trainer.policy, state, sealed_dtype(manifest))) == stored
-
-
-def load_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> None:
-    """The sealed version's weights (upcast) into the trainer's policy, every process."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    sealed = {name: t.float() for name, t in as_sealed(local_path(weights, cache_root)).items()}
-    if world()[1] > 1:
-        set_model_state_dict(trainer.policy, sealed, options=StateDictOptions(full_state_dict=True, strict=False))
-    else:
-        trainer.policy.load_state_dict(sealed, strict=False)
 
 
 def load_checkpoint(
@@ -459,38 +423,13 @@ def save_trained(
     trainer, which records `batch_path` for replay and writes in the background); the trainer now
     holds v(N+1). Sharded over several processes, the whole weights and optimizer state are gathered
     and the first process writes them (the others get its WeightRef)."""
-    run_root, weights, spec = trainer.run_root, trainer.weights, trainer.spec
+    run_root, weights = trainer.run_root, trainer.weights
     rank, processes = world()
     new_version = weights["version"] + 1
     model_state = full_model_state(trainer.policy) if processes > 1 else None  # a collective: every process
-    ref: WeightRef | None = None
-    if rank == 0 and stores_serving_copy(trainer.spec):
-        served, trainer.served = trainer.served, None  # sealing writes over it: gone if sealing fails
-        ref, trainer.served = seal_serving_copy(
-            trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
-            cache_root, model_state, served,
-        )  # fmt: skip
-    elif rank == 0:
-        staged = stage_pretrained(
-            run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, model_state, trainer.base
-        )
-        ref = seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    ref = seal_new_version(trainer, iteration, cache_root, model_state) if rank == 0 else None
     staged_at = time.time()
-    if rank == 0 and batch_path is not None and keeps_state_in_memory(spec):
-        record_replay(run_root, new_version, iteration, batch_path)
-    if checkpoint_due(spec, new_version, iteration):
-        if processes > 1:
-            optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer)  # a collective
-        else:
-            optimizer_state = trainer.optimizer.state_dict()
-        with_masters = stores_serving_copy(spec) or keeps_state_in_memory(spec)  # replay starts from them
-        masters = serving_tensors(trainer.policy, model_state, torch.float32) if with_masters else None
-        if rank == 0 and keeps_state_in_memory(spec):  # the next update joins it before its first step
-            write = (run_root, new_version, optimizer_state, masters)
-            trainer.checkpoint_writer = threading.Thread(target=write_checkpoint, args=write, daemon=True)
-            trainer.checkpoint_writer.start()
-        elif rank == 0:
-            write_checkpoint(run_root, new_version, optimizer_state, masters)
+    save_state(trainer, new_version, iteration, model_state, batch_path)
     if timings is not None:
         timings["weights/stage_optimizer_s"] = time.time() - staged_at  # AdamW state (and masters); the rest: v(N+1)
     if trainer.critic is not None:
