@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlpipe import loop
-from rlpipe.spec import parse_spec
+from rlpipe.spec import parse_spec, spec_to_dict
 from rlpipe.store.weights import read_ref
 from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
@@ -85,4 +85,18 @@ def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
     restarted = load_trainer(forked, child, read_ref(child, 4), cache)
     assert restarted.replayed["trainer/replay_exact"] == 1.0
     for held, replayed in zip(trainer.policy.parameters(), restarted.policy.parameters(), strict=True):
+        assert torch.equal(held, replayed)
+
+
+def test_a_run_resumed_with_another_cadence_still_replays(tmp_path: Path):
+    """storage is free to change on resume: an update step (optimizer_every 1, not resident) asked for a
+    version the resident trainer never wrote state for replays it all the same."""
+    spec, run_root, cache, trainer, v4 = _iterate(tmp_path)
+    data = tiny_spec_dict(
+        tmp_path, trainer={"mini_batches": 2, "warmup_steps": 0}, storage=spec_to_dict(spec)["storage"]
+    )
+    data["storage"]["optimizer_every"] = 1
+    resumed = load_trainer(parse_spec(data), run_root, v4, cache)
+    assert resumed.replayed == {"trainer/replayed_updates": 1.0, "trainer/replay_exact": 1.0}
+    for held, replayed in zip(trainer.policy.parameters(), resumed.policy.parameters(), strict=True):
         assert torch.equal(held, replayed)

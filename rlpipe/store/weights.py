@@ -305,8 +305,14 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     shutil.copytree(stored_path(ref, cache_dir), tmp, ignore=shutil.ignore_patterns(DELTA_FILE))
     with open(tmp / "model.safetensors", "wb") as f:
         write_safetensors(tensors, f, {"format": "pt"})
-    tmp.rename(out)
-    for stale in sorted(rebuilt_root.iterdir(), key=lambda p: p.stat().st_mtime)[:-2]:
+    try:
+        tmp.rename(out)
+    except OSError:  # another process rebuilt it meanwhile: the same bytes (checked)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / MANIFEST).exists():
+            raise
+    rebuilt = [p for p in rebuilt_root.iterdir() if ".tmp-" not in p.name]  # not others' rebuilds in progress
+    for stale in sorted(rebuilt, key=lambda p: p.stat().st_mtime)[:-2]:
         shutil.rmtree(stale, ignore_errors=True)
     return str(out)
 

@@ -73,21 +73,24 @@ class Replay:
 
 
 def replay_plan(spec: RunSpec, run_root: str, version: int) -> Replay | None:
-    """None when v(version)'s own state is there (or nothing can be replayed: the update step, v0);
-    else the last checkpoint below it and the recorded batches since, all of which must be there."""
+    """None when v(version)'s own state is there, or no state nor batch was ever kept (v0, a fork that
+    starts AdamW anew); else the last checkpoint below it and the recorded batches since, all of which
+    must be there (whatever storage.optimizer_every says now: a resumed run may have changed it)."""
     fs, state = filesystem(optimizer_uri(run_root, version))
-    if version == 0 or fs.exists(state) or not keeps_state_in_memory(spec):
+    if version == 0 or fs.exists(state):
         return None
     fs, replays = filesystem(replay_dir(run_root))
     recorded = {}
     if fs.exists(replays):
         for path in fs.ls(replays, detail=False):
             name = path.rsplit("/", 1)[-1]
-            if name.endswith(".parquet"):
+            if name.endswith(".parquet") and int(name[1:7]) <= version:
                 recorded[int(name[1:7])] = (int(name[9:15]), join(replay_dir(run_root), name))
     checkpoint = version - 1
     while checkpoint > 0 and not fs.exists(filesystem(optimizer_uri(run_root, checkpoint))[1]):
         checkpoint -= 1
+    if not recorded and checkpoint == 0:  # no state was ever kept here (v0's successor, a fresh fork)
+        return None
     missing = [v for v in range(checkpoint + 1, version + 1) if v not in recorded]
     if missing:
         raise FileNotFoundError(
