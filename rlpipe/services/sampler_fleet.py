@@ -32,7 +32,15 @@ from rlpipe.clients.sampler_client import sampler_weights_dir
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
-from rlpipe.store.weights import ADAPTER_CONFIG, adapter_base, latest_version, read_ref, version_chain
+from rlpipe.store.weights import (
+    ADAPTER_CONFIG,
+    MANIFEST,
+    adapter_base,
+    latest_version,
+    read_ref,
+    version_chain,
+    version_uri,
+)
 from rlpipe.vllm_environment import (
     VLLM_CPU_ENVIRONMENT,
     VLLM_CPU_SERVER_ARGS,
@@ -72,8 +80,11 @@ def served_model(
     a LoRA run's server (`lora_rank`, or the version is an adapter) runs the sealed base, with LoRA
     enabled and adapters loadable at run time when it serves `adapters` (else the client merges
     each version into the base in place)."""
-    whole = version_chain(read_ref(run_root, version))[-1][0]  # a delta version: start on its whole one
-    model_dir = filesystem(whole["uri"])[1]  # (the server is labelled by no version, so generate reloads it)
+    model_dir = filesystem(version_uri(run_root, version))[1]
+    manifest = Path(model_dir) / MANIFEST
+    if manifest.exists() and json.loads(manifest.read_text()).get("delta_of") is not None:
+        whole = version_chain(read_ref(run_root, version))[-1][0]  # a delta version: start on its whole one
+        model_dir = filesystem(whole["uri"])[1]  # (labelled by no version, the server is reloaded by generate)
     base = adapter_base(model_dir)
     if base is not None:
         lora_rank = lora_rank or json.loads((Path(model_dir) / ADAPTER_CONFIG).read_text())["r"]
