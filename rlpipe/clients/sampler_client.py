@@ -151,13 +151,13 @@ def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> 
 
 
 def reload_call(weights_dir: str) -> dict:
-    """The worker call that loads `weights_dir` in place: full weights, or an adapter merged into
-    its sealed base (rlpipe.services.sampler_worker)."""
+    """The worker call that loads `weights_dir` in place: full weights, a serving-copy version through
+    its chain (whole, or one delta onto the parent the replica holds), or an adapter merged into its
+    sealed base (rlpipe.services.sampler_worker)."""
     base = adapter_base(weights_dir)
-    manifest = json.loads((Path(weights_dir) / MANIFEST).read_text())
-    if base is None and manifest.get(
-        "weights_sha256"
-    ):  # the chain to it: a replica holding its parent applies one delta
+    manifest_path = Path(weights_dir) / MANIFEST  # a plain model directory has none: loaded whole
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    if base is None and manifest.get("weights_sha256"):  # a serving copy: a replica holding its parent applies a delta
         chain = version_chain({"uri": weights_dir, "version": manifest["version"], "sha256": manifest["sha256"]})
         kwargs = {
             "whole_path": chain[-1][0]["uri"],

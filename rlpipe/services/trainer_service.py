@@ -199,6 +199,7 @@ def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
 def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
     from rlpipe.modeling import release_memory
+    from rlpipe.training.checkpoints import keeps_state_in_memory
     from rlpipe.training.trainer import save_trained, train_on_batch
 
     started = time.time()
@@ -207,7 +208,8 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
     loaded = time.time()
     metrics = train_on_batch(trainer, request["batch_uri"], iteration) | trainer.replayed
     trainer.replayed = {}
-    staged = save_trained(trainer, iteration, request["cache_root"], batch_path=request["batch_uri"])
+    kept = request["batch_uri"] if keeps_state_in_memory(trainer.spec) else None  # to replay to v(N+1)
+    staged = save_trained(trainer, iteration, request["cache_root"], batch_path=kept)
     keep(held, trainer)
     metrics |= release_memory(trainer.policy.device, "update")
     return {
