@@ -136,12 +136,6 @@ def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
     return tensors
 
 
-def changed_fraction(delta: dict[str, torch.Tensor], elements: int) -> float:
-    """The share of a version's `elements` that the delta rewrites."""
-    rewritten = sum(t.numel() for key, t in delta.items() if key.endswith(("#value", "#whole")))
-    return rewritten / max(elements, 1)
-
-
 @torch.no_grad()
 def apply_delta_to_model(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> int:
     """A sampler's in-place move to the next version: the delta's elements written into the model's

@@ -24,7 +24,6 @@ from __future__ import annotations
 import shutil
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,17 +123,10 @@ def write_checkpoint(run_root: str, version: int, optimizer_state: dict, masters
 
 
 def sealed_dtype(manifest: dict) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16}.get(manifest.get("weights_dtype"), torch.float32)
+    """The dtype a version stores: its weights_dtype (a serving copy), else the trainer's float32."""
+    from rlpipe.training.sealing import DTYPES
 
-
-def as_sealed(path: str | Path) -> dict[str, torch.Tensor]:
-    """A whole version's tensors (its local directory), for a trainer that must continue from them."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        tensors |= load_file(file)
-    return tensors
+    return DTYPES.get(manifest.get("weights_dtype"), torch.float32)
 
 
 def save_state(
@@ -183,10 +175,11 @@ def load_sealed(trainer: Trainer, weights: WeightRef, cache_root: str) -> None:
     """The sealed version's weights (upcast) into the trainer's policy, every process."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from rlpipe.store.weight_deltas import StoredTensors
     from rlpipe.store.weights import local_path
     from rlpipe.training.distributed import world
 
-    sealed = {name: t.float() for name, t in as_sealed(local_path(weights, cache_root)).items()}
+    sealed = {name: t.float() for name, t in StoredTensors(local_path(weights, cache_root)).items()}
     if world()[1] > 1:
         set_model_state_dict(trainer.policy, sealed, options=StateDictOptions(full_state_dict=True, strict=False))
     else:
