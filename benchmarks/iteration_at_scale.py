@@ -421,7 +421,7 @@ def main() -> None:
         f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "") + (" --compare" if args.compare else "")
     )
     command += "".join(
-        f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("micro_batch_tokens",) if k in overridden
+        f" --{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if k in overridden
     )
     record = {
         "machine": machine,
@@ -483,17 +483,14 @@ def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> s
     lines = [
         headline,
         "",
-        "| shape | mode | generate | update (tokens/s) | stage v1 | sync | iteration | peak memory "
+        "| shape | mode | generate | update (tokens/s) | staging | sync | iteration | peak memory "
         "| version size | swap into sampler |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    compared = [r for r in record["results"] if r.get("variant")]
-    if compared:
-        lines += ["", *comparison(compared)]
     for r in record["results"]:
         cells = [
             f"{r['shape']} ({r['parameters'] / 1e6:.0f}M)",
-            r["mode"],
+            r["mode"] + (f" ({r['variant']})" if r.get("variant") else ""),
             f"{r['generate_s']:.1f} s ({r['generate_tokens_per_s']:.0f} tok/s)",
             f"{r['update_s']:.1f} s ({r['update_tokens_per_s']:.0f})",
             f"{r['stage_weights_s']:.1f} s",
@@ -504,6 +501,9 @@ def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> s
             f"{r['swap_in_sampler_s']:.2f} s",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    compared = [r for r in record["results"] if r.get("variant")]
+    if compared:
+        lines += ["", "Side by side (iteration 2):", "", *comparison(compared)]
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
     (results_dir / f"iteration_at_scale_{tag}.json").write_text(

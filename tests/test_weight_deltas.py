@@ -39,6 +39,29 @@ def test_a_chain_of_deltas_rebuilds_every_version_bit_for_bit():
     assert content_sha256(held) == content_sha256(grown)
 
 
+def test_sealing_in_parallel_threads_gives_the_delta_and_hash_of_one_tensor_at_a_time():
+    from rlpipe.training.sealing import Served, delta_against
+
+    parent, child = _chain(steps=2, seed=1)
+    policy = torch.nn.Module()
+    policy.a, policy.b = torch.nn.Module(), torch.nn.Module()
+    policy.a.weight = torch.nn.Parameter(child["a.weight"].float())  # bf16 values: cast back bit-exactly
+    policy.b.bias = torch.nn.Parameter(child["b.bias"].float())
+    expected = encode_delta(parent, child)
+    threads = torch.get_num_threads()
+    try:
+        for each in (1, 2):
+            torch.set_num_threads(each)
+            served = Served({k: v.clone() for k, v in parent.items()}, version=1, chain=0)
+            delta, sha, kept = delta_against(served, policy, policy.state_dict(), torch.bfloat16, keep=True)
+            assert sha == content_sha256(child) == content_sha256(child, threads=1)
+            assert delta.keys() == expected.keys() and all(torch.equal(delta[k], expected[k]) for k in delta)
+            assert all(kept[k] is served.tensors[k] for k in kept)  # written over the parent's, no copy
+            assert all(torch.equal(kept[k].view(torch.int16), child[k].view(torch.int16)) for k in child)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _run(tmp_path: Path, full_every: int, iterations: int = 4, **storage):
     from rlpipe import loop
     from rlpipe.spec import parse_spec

@@ -112,9 +112,7 @@ def stage_pretrained(
 
 def stage_delta(run_root: str, version: int, config, tokenizer, delta: dict, cache_root: str | Path) -> str:
     """A delta version into a fresh staging dir: the model's config and tokenizer, and DELTA_FILE."""
-    from safetensors.torch import save_file
-
-    from rlpipe.store.weight_deltas import DELTA_FILE
+    from rlpipe.store.weight_deltas import DELTA_FILE, write_safetensors
 
     staged = staging_uri(run_root, version)
     fs, staged_path = filesystem(staged)
@@ -122,7 +120,8 @@ def stage_delta(run_root: str, version: int, config, tokenizer, delta: dict, cac
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     config.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
-    save_file(delta, str(Path(save_dir, DELTA_FILE)), metadata={"format": "rlpipe-delta"})
+    with open(Path(save_dir, DELTA_FILE), "wb") as f:
+        write_safetensors(delta, f, {"format": "rlpipe-delta"})
     if not is_local(staged):
         fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
         shutil.rmtree(save_dir, ignore_errors=True)

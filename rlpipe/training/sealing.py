@@ -13,15 +13,22 @@ compares one tensor at a time: no second copy of the model exists at any moment.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlpipe.store.run_root import filesystem, is_local, masters_uri, move
-from rlpipe.store.weight_deltas import StoredTensors, content_sha256, encode_tensor, hash_tensor, write_safetensors
+from rlpipe.store.weight_deltas import (
+    StoredTensors,
+    combined_sha256,
+    content_sha256,
+    encode_tensor,
+    tensor_entry,
+    write_safetensors,
+)
 from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, stage_delta, stage_pretrained
 
 if TYPE_CHECKING:
@@ -103,23 +110,26 @@ def write_masters(run_root: str, version: int, masters: dict[str, torch.Tensor])
 def delta_against(
     served: Served, policy: torch.nn.Module, state: dict, dtype: torch.dtype, keep: bool
 ) -> tuple[dict, str, dict]:
-    """(the delta, the new version's content hash, its tensors when `keep`), one tensor at a time: each
-    cast, hashed, compared with the parent's and dropped (or, kept, written over the parent's tensor
-    held in memory), so no second copy of the model is made."""
-    digest = hashlib.sha256()
-    delta: dict[str, torch.Tensor] = {}
-    kept: dict[str, torch.Tensor] = {}
+    """(the delta, the new version's weights_sha256, its tensors when `keep`). Each tensor is cast,
+    hashed, compared with the parent's and dropped (or, kept, written over the parent's tensor held in
+    memory), in as many threads as torch uses (torch, numpy and hashlib release the GIL): at most one
+    cast tensor per thread exists at a time, never a second copy of the model."""
     in_memory = isinstance(served.tensors, dict)
-    for name in stored_names(policy, state):
+
+    def seal_tensor(name: str) -> tuple[str, dict[str, torch.Tensor], torch.Tensor | None]:
         new = state[name].detach().to(device="cpu", dtype=dtype)
-        hash_tensor(digest, name, new)
         old = served.tensors.get(name)
-        delta |= encode_tensor(name, old, new)
+        part = encode_tensor(name, old, new)
         if keep and in_memory and old is not None and old.shape == new.shape and old.dtype == new.dtype:
-            kept[name] = old.copy_(new)
-        elif keep:
-            kept[name] = new
-    return delta, digest.hexdigest(), kept
+            return tensor_entry(name, new), part, old.copy_(new)
+        return tensor_entry(name, new), part, new if keep else None
+
+    names = stored_names(policy, state)
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        sealed = list(pool.map(seal_tensor, names))
+    delta = {key: tensor for _, part, _ in sealed for key, tensor in part.items()}
+    kept = {name: tensor for name, (_, _, tensor) in zip(names, sealed, strict=True) if tensor is not None}
+    return delta, combined_sha256(entry for entry, _, _ in sealed), kept
 
 
 def seal_serving_copy(
