@@ -183,3 +183,21 @@ def test_vs_trl(tmp_path: Path):
         assert [point["samples"] for point in run["curve"]][:3] == [0, 32, 64], system  # evaluated every iteration
         assert all(math.isfinite(point["wall_s"]) and is_accuracy(point["acc"]) for point in run["curve"]), system
     assert "| samples/s |" in (tmp_path / "vs_trl_smoke.md").read_text()
+
+
+def test_padding(tmp_path: Path):
+    """Rows of very different lengths: one pass per mini-batch pads most of them; a token budget cuts
+    them into length-sorted micro-batches that pad little. Checked against a hand count."""
+    from rlpipe.rollouts import write_table
+
+    lengths = [2, 2, 2, 2, 2, 2, 10, 10]  # completion tokens; every prompt is 2 tokens
+    rows = {"prompt_token_ids": [[1, 2]] * 8, "completion_token_ids": [[3] * n for n in lengths]}
+    write_table(rows, tmp_path / "batch.parquet")
+    bench("padding.py", tmp_path / "batch.parquet", "--budgets", "none", "24", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "padding.json").read_text())
+    whole, budgeted = record["results"]
+    assert whole["budget"] is None and whole["forward_passes"] == 1
+    assert whole["padding_share"] == pytest.approx(1 - 48 / (8 * 12))  # 48 tokens, every row padded to 12
+    # sorted by length: the six 4-token rows in one pass of 6 x 4 = 24 tokens, the two 12-token rows in another
+    assert budgeted["forward_passes"] == 2 and budgeted["padding_share"] == pytest.approx(0.0)
+    assert "| 24 | 0.0% | 2 |" in (tmp_path / "padding.md").read_text()

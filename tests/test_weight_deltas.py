@@ -39,6 +39,30 @@ def test_a_chain_of_deltas_rebuilds_every_version_bit_for_bit():
     assert content_sha256(held) == content_sha256(grown)
 
 
+def test_a_dense_delta_is_a_bitmap_and_rebuilds_bit_for_bit():
+    """Steps large against bf16's resolution change a large share of the weights: the changed positions
+    go as a bitmap (an eighth of a byte per element), not as 4-byte indices; both apply exactly."""
+    from rlpipe.store.weight_deltas import apply_delta_to_model
+
+    generator = torch.Generator().manual_seed(2)
+    masters = torch.randn(256, 64, generator=generator) * 0.02
+    parent = {"w": masters.to(torch.bfloat16), "b": torch.ones(64, dtype=torch.bfloat16)}
+    stepped = masters - 3e-4 * torch.sign(torch.randn(masters.shape, generator=generator))
+    child = {"w": stepped.to(torch.bfloat16), "b": parent["b"].clone()}
+    child["b"][3] = 2.0  # one change of 64: indices
+    delta = encode_delta(parent, child)
+    changed = int((parent["w"].view(torch.int16) != child["w"].view(torch.int16)).sum())
+    assert changed > child["w"].numel() / 32 and "w#mask" in delta and "w#index" not in delta
+    assert delta["w#mask"].numel() == child["w"].numel() // 8 and delta["w#value"].numel() == changed
+    assert delta["b#index"].tolist() == [3]
+    rebuilt = apply_delta({k: v.clone() for k, v in parent.items()}, delta)
+    assert content_sha256(rebuilt) == content_sha256(child)
+    model = torch.nn.Module()
+    model.w, model.b = torch.nn.Parameter(parent["w"].float()), torch.nn.Parameter(parent["b"].float())
+    assert apply_delta_to_model(model, delta) == changed + 1
+    assert torch.equal(model.w.to(torch.bfloat16).view(torch.int16), child["w"].view(torch.int16))
+
+
 def test_sealing_in_parallel_threads_gives_the_delta_and_hash_of_one_tensor_at_a_time():
     from rlpipe.training.sealing import Served, delta_against
 

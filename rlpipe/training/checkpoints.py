@@ -124,9 +124,9 @@ def write_checkpoint(run_root: str, version: int, optimizer_state: dict, masters
 
 def sealed_dtype(manifest: dict) -> torch.dtype:
     """The dtype a version stores: its weights_dtype (a serving copy), else the trainer's float32."""
-    from rlpipe.training.sealing import DTYPES
+    from rlpipe.store.weight_deltas import WEIGHTS_DTYPES
 
-    return DTYPES.get(manifest.get("weights_dtype"), torch.float32)
+    return WEIGHTS_DTYPES.get(manifest.get("weights_dtype"), torch.float32)
 
 
 def save_state(

@@ -8,7 +8,7 @@ copy) the fp32 master weights beside the optimizer state.
 A delta is written when the trainer can read its parent's stored tensors (`Served`: it sealed or
 loaded that version), fewer than storage.full_every - 1 deltas precede it, and it is at most half
 of the whole version's bytes; otherwise the version is whole. Sealing a delta casts, hashes and
-compares one tensor at a time: no second copy of the model exists at any moment.
+compares each tensor on its own, a tensor per thread: no second copy of the model exists at any moment.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from rlpipe.store.run_root import filesystem, is_local, masters_uri, move
 from rlpipe.store.weight_deltas import (
+    WEIGHTS_DTYPES,
     StoredTensors,
     combined_sha256,
     content_sha256,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
     from rlpipe.training.trainer import Trainer
 
-DTYPES = {"bfloat16": torch.bfloat16}
 LARGEST_DELTA = 0.5  # of the whole version's bytes: beyond it, store the version whole
 
 
@@ -147,7 +147,7 @@ def seal_serving_copy(
     """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `served` when that
     is v(version - 1) and the rules above allow; returns its ref and what the next version can be a
     delta against (held in memory by a resident trainer; None for a one-update process)."""
-    dtype = DTYPES[spec.storage.weights_dtype]
+    dtype = WEIGHTS_DTYPES[spec.storage.weights_dtype]
     state = state if state is not None else policy.state_dict()
     keep = spec.storage.full_every > 1 and spec.trainer.resident
     delta = None
