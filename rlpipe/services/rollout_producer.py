@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -80,14 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     cache_root = args.cache_root or cache_root_for(spec.storage.root, spec.storage.cache)
     status: dict[str, Any] = {"busy_s": 0.0, "chunks_written": 0, "version": None}
     stop = threading.Event()
-
-    def stop_now(signum: int, frame: object) -> None:
-        # At once, mid-chunk too: a chunk lands by an atomic rename or not at all (kill -9 is safe the
-        # same way), and a chunk can take longer than `rlpipe run` waits for its services to stop.
-        stop.set()
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop_now)
+    # SIGTERM keeps its default action: the kernel ends the process at once, mid-chunk too (a chunk lands
+    # by an atomic rename or not at all, as under kill -9). A Python handler would have to be scheduled
+    # first, and at NICENESS beside a busy trainer that took up to 30 s: longer than `rlpipe run` waits.
     server = health_server(args.host, args.port, status)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
