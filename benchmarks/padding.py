@@ -1,6 +1,5 @@
 """How much of the update's forward passes is padding, at several trainer.micro_batch_tokens budgets,
-on the rows of real batches (Parquet files with prompt_token_ids and completion_token_ids: an
-iteration's batch or rollouts):
+on the rows of real batches (the advantages step's Parquet output, what the update trains on):
 
     python benchmarks/padding.py runs/smollm2-word-problems/kfp --mini-batches 1 --budgets none 1024 2048 4096
 
@@ -23,17 +22,21 @@ from pathlib import Path
 RESULTS = Path(__file__).with_name("results")
 
 
+BATCH_COLUMNS = {"prompt_token_ids", "completion_token_ids", "advantage"}  # what the update trains on
+
+
 def batch_files(paths: list[str]) -> list[Path]:
-    """The Parquet files named, or found under the directories named, that hold token ids."""
+    """The batches named, or found under the directories named (a run's kfp/ directory holds each
+    iteration's as the advantages step's `batch` artifact): Parquet files with BATCH_COLUMNS."""
     import pyarrow.parquet as pq
 
     files = []
     for path in map(Path, paths):
         for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            if file.is_file() and {"prompt_token_ids", "completion_token_ids"} <= set(pq.read_schema(file).names):
+            if file.is_file() and file.open("rb").read(4) == b"PAR1" and BATCH_COLUMNS <= set(pq.read_schema(file).names):
                 files.append(file)
     if not files:
-        raise SystemExit(f"no Parquet file with prompt_token_ids and completion_token_ids under {paths}")
+        raise SystemExit(f"no Parquet file with the columns {sorted(BATCH_COLUMNS)} under {' '.join(paths)}")
     return files
 
 
