@@ -52,8 +52,8 @@ def release_freed_tensors() -> None:
     """Make glibc's malloc give tensors of MMAP_THRESHOLD bytes or more their own mapping, returned to the
     system when freed. By default the threshold rises to the largest block freed (up to 32 MB), and
     later tensors come from the heap, whose freed holes stay in the process: a 0.5B model's update held
-    6.1 GiB above its weights and optimizer state instead of 2.5 GiB (the same micro-step, +3% time;
-    benchmarks/iteration_at_scale.py). glibc only (Linux): elsewhere nothing changes."""
+    6.1 GiB above its weights instead of 2.5 GiB in one micro-step, for +3% time (docs/costs-at-scale.md).
+    glibc only (Linux): elsewhere nothing changes."""
     import ctypes
     import ctypes.util
 

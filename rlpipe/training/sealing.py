@@ -119,10 +119,10 @@ def delta_against(
     def seal_tensor(name: str) -> tuple[str, dict[str, torch.Tensor], torch.Tensor | None]:
         new = state[name].detach().to(device="cpu", dtype=dtype)
         old = served.tensors.get(name)
-        part = encode_tensor(name, old, new)
+        entry, part = tensor_entry(name, new), encode_tensor(name, old, new)
         if keep and in_memory and old is not None and old.shape == new.shape and old.dtype == new.dtype:
-            return tensor_entry(name, new), part, old.copy_(new)
-        return tensor_entry(name, new), part, new if keep else None
+            return entry, part, old.copy_(new)
+        return entry, part, new if keep else None
 
     names = stored_names(policy, state)
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
