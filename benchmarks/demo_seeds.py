@@ -4,6 +4,7 @@ the gain over the warm start, and wall time per seed. Writes benchmarks/results/
     python examples/subtraction/make_data.py
     python benchmarks/demo_seeds.py examples/subtraction.yaml --seeds 3
     python benchmarks/demo_seeds.py examples/addition-lora.yaml --smoke   # tiny sizes, 1 seed: seconds
+    python benchmarks/demo_seeds.py examples/calculator.yaml --seeds 3   # multi-turn: + tool calls, turns
 
 Each seed is `rlpipe run SPEC --set seed=S --run-dir runs/demo-seeds/<name>-seed<S>` (a run already
 complete there is read, not re-run; its wall is then unknown). `--smoke` runs the spec at
@@ -47,19 +48,33 @@ def run_seed(spec: Path, seed: int, run_dir: Path, overrides: dict) -> float | N
 
 def seed_result(seed: int, run_dir: Path, wall_s: float | None) -> dict:
     """What one seed's run directory says: held-out accuracy per eval, the warm start's SFT steps."""
-    evals = {
-        int(path.stem.split("_")[1]): json.loads(path.read_text())["eval/accuracy_greedy"]
+    recorded = {
+        int(path.stem.split("_")[1]): json.loads(path.read_text())
         for path in sorted((run_dir / "metrics").glob("eval_*.json"))
     }
+    evals = {iteration: metrics["eval/accuracy_greedy"] for iteration, metrics in recorded.items()}
     start = json.loads((run_dir / "metrics" / "iter_000000.json").read_text())
     first, last = evals[min(evals)], evals[max(evals)]
-    return {
+    result = {
         "seed": seed,
         "warm_start_steps": int(start.get("warm_start/steps", 0)),
         "evals": evals,
         "gain_points": round(100 * (last - first), 1),
         "wall_s": None if wall_s is None else round(wall_s),
     }
+    if "eval/tool_call_rate" in recorded[min(recorded)]:  # a multi-turn run: how it used the tool
+        iterations = sorted(int(p.stem.split("_")[1]) for p in (run_dir / "metrics").glob("iter_*.json"))
+        final = json.loads((run_dir / "metrics" / f"iter_{iterations[-1]:06d}.json").read_text())
+        result |= {
+            "eval_tool_call_rate": {i: m["eval/tool_call_rate"] for i, m in recorded.items()},
+            "eval_turns_mean": {i: m["eval/turns_mean"] for i, m in recorded.items()},
+            "rollout_tool_call_rate_first": json.loads(
+                (run_dir / "metrics" / f"iter_{iterations[1]:06d}.json").read_text()
+            )["rollout/tool_call_rate"],
+            "rollout_tool_call_rate_last": final["rollout/tool_call_rate"],
+            "rollout_turns_mean_last": final["rollout/turns_mean"],
+        }
+    return result
 
 
 def main() -> None:
@@ -97,6 +112,24 @@ def main() -> None:
         lines.append(f"| {row['seed']} | {row['warm_start_steps']} | {curve} | {row['gain_points']:+.1f} | {wall} |")
     gains = [row["gain_points"] for row in rows]
     lines += ["", f"gain over the warm start: min {min(gains)}, mean {sum(gains) / len(gains):.1f} points"]
+    if "eval_tool_call_rate" in rows[0]:
+        lines += [
+            "",
+            "Tool use: the share of trajectories that call the tool and the model turns per trajectory, held-out "
+            "(greedy) at the warm start and at the end, and in the rollouts (sampled) of the first and last iteration.",
+            "",
+            "| seed | held-out tool-call rate, start -> end | held-out turns, start -> end "
+            "| rollout tool-call rate, first -> last | rollout turns, last |",
+            "|---|---|---|---|---|",
+        ]
+        for row in rows:
+            calls, turns = row["eval_tool_call_rate"], row["eval_turns_mean"]
+            lines.append(
+                f"| {row['seed']} | {calls[iterations[0]]:.3f} -> {calls[iterations[-1]]:.3f} "
+                f"| {turns[iterations[0]]:.2f} -> {turns[iterations[-1]]:.2f} "
+                f"| {row['rollout_tool_call_rate_first']:.3f} -> {row['rollout_tool_call_rate_last']:.3f} "
+                f"| {row['rollout_turns_mean_last']:.2f} |"
+            )
     print("\n".join(lines))
     results.mkdir(parents=True, exist_ok=True)
     (results / f"demo_{name}.md").write_text("\n".join(lines) + "\n")

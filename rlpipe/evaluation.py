@@ -22,6 +22,53 @@ from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
     from rlpipe.engines import Policy
+    from rlpipe.environments import Trajectory
+    from rlpipe.spec import EnvironmentSpec
+
+
+def greedy_texts(
+    model,
+    tokenizer,
+    rows: list[dict],
+    max_new_tokens: int,
+    batch_size: int,
+    bf16: bool = False,
+    environment: EnvironmentSpec | None = None,
+) -> tuple[list[str], list[Trajectory] | None]:
+    """Greedy-decode every row's prompt: (the completions, None), or with an environment its greedy
+    multi-turn trajectories (the last turns' texts, the trajectories)."""
+    from rlpipe.engines import Policy, Sampling
+    from rlpipe.engines.torch_engine import sample_in_batches, sample_trajectories
+
+    was_training = model.training
+    model.eval()
+    try:
+        if environment is not None:
+            sampling = Sampling(1, max_new_tokens, batch_size=batch_size, bf16=bf16)
+            trajectories = sample_trajectories(Policy(model, tokenizer), rows, sampling, 0, environment, greedy=True)
+            return [t.final_text for t in trajectories], trajectories
+        completions = sample_in_batches(
+            model,
+            [list(row["prompt_token_ids"]) for row in rows],
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            greedy=True,
+            bf16=bf16,
+        )
+        return tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True), None
+    finally:
+        model.train(was_training)
+
+
+def verified(rows: list[dict], texts: list[str], verifier: str | dict, timeout_s: float | None) -> list[float]:
+    """The verifier's score of each completion; it gets every other column of the rows as keyword
+    lists (the reward signature)."""
+    from rlpipe.rewards import call_reward
+
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    return call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier", timeout_s)
 
 
 def greedy_samples(
@@ -33,29 +80,11 @@ def greedy_samples(
     batch_size: int,
     timeout_s: float | None = None,
     bf16: bool = False,
+    environment: EnvironmentSpec | None = None,
 ) -> tuple[list[str], list[float]]:
-    """Greedy-decode every row's prompt; (completions, the verifier's score of each). The verifier gets
-    every other column of the rows as keyword lists (the reward signature)."""
-    from rlpipe.engines.torch_engine import sample_in_batches
-    from rlpipe.rewards import call_reward
-
-    was_training = model.training
-    model.eval()
-    completions = sample_in_batches(
-        model,
-        [list(row["prompt_token_ids"]) for row in rows],
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        greedy=True,
-        bf16=bf16,
-    )
-    model.train(was_training)
-    texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    scores = call_reward(verifier, [row["prompt"] for row in rows], texts, columns, "reward.verifier", timeout_s)
-    return texts, scores
+    """Greedy completions of the rows (greedy_texts) and the verifier's score of each."""
+    texts, _ = greedy_texts(model, tokenizer, rows, max_new_tokens, batch_size, bf16, environment)
+    return texts, verified(rows, texts, verifier, timeout_s)
 
 
 def greedy_accuracy(
@@ -67,10 +96,20 @@ def greedy_accuracy(
     batch_size: int,
     timeout_s: float | None = None,
     bf16: bool = False,
+    environment: EnvironmentSpec | None = None,
 ) -> float:
     """Mean of the verifier over the rows' greedy completions (greedy_samples)."""
-    _, scores = greedy_samples(model, tokenizer, rows, verifier, max_new_tokens, batch_size, timeout_s, bf16)
+    _, scores = greedy_samples(
+        model, tokenizer, rows, verifier, max_new_tokens, batch_size, timeout_s, bf16, environment
+    )
     return sum(scores) / len(scores)
+
+
+def eval_trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """eval/turns_mean, eval/tool_call_rate, ... of the greedy trajectories (trajectory_metrics)."""
+    from rlpipe.environments import trajectory_metrics
+
+    return {key.replace("rollout/", "eval/"): value for key, value in trajectory_metrics(trajectories).items()}
 
 
 def answer_column(verifier: str | dict) -> str:
@@ -130,27 +169,31 @@ def evaluate_policy(
         model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()
     rows = read_table(data_uri(run_root, "eval")).to_pylist()
-    completions, scores = greedy_samples(
+    completions, trajectories = greedy_texts(
         model,
         tokenizer,
         rows,
-        spec.reward.verifier,
         spec.rollout.max_new_tokens,
         spec.rollout.batch_size,
-        spec.reward.timeout_s,
         spec.trainer.dtype == "bfloat16",
+        spec.rollout.environment,
     )
+    scores = verified(rows, completions, spec.reward.verifier, spec.reward.timeout_s)
     answer = answer_column(spec.reward.verifier)
     strict = strict_scores(rows, completions, answer)
     metrics = {
         EVAL_ACCURACY: sum(scores) / len(scores),
         **({} if strict is None else {EVAL_STRICT: sum(strict) / len(strict)}),
+        **({} if trajectories is None else eval_trajectory_metrics(trajectories)),
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
     if record:  # the samples first: an eval whose metrics file exists has its samples
         samples = eval_samples(rows, completions, scores, answer, strict)
+        for sample, trajectory in zip(samples, trajectories or [], strict=False):
+            sample["transcript"] = tokenizer.decode(trajectory.completion_token_ids, skip_special_tokens=True)
+            sample["tool_calls"] = trajectory.tool_calls
         write_eval_samples(run_root, iteration, samples)
         write_json(eval_metrics_uri(run_root, iteration), metrics)
     return metrics

@@ -1,7 +1,8 @@
 """The rollout record: one Parquet schema that every engine and step reads and writes.
 
-rollouts  one row per completion (what generate emits): ROLLOUT_SCHEMA, then the data's other
-          columns (reference, ...) as the prepare step wrote them, for the reward functions
+rollouts  one row per completion (what generate emits): ROLLOUT_SCHEMA, with rollout.environment
+          TRAJECTORY_SCHEMA too, then the data's other columns (reference, ...) as the prepare step
+          wrote them, for the reward functions
 scored    + reward, reward/<name> components              (score)
 batch     + advantage                                       (advantages)
 """
@@ -28,6 +29,24 @@ ROLLOUT_SCHEMA = pa.schema(
         ("completion", pa.string()),  # decoded completion text, eos excluded
         ("weights_version", pa.int64()),  # policy version that sampled this row
         ("iteration", pa.int64()),
+    ]
+)
+
+
+# A multi-turn trajectory (rlpipe.environments) is one row: completion_token_ids hold the model's and the
+# environment's tokens after the prompt, logprobs 0.0 at the environment's, `completion` is the last
+# model turn (what verifiers judge) and finish_reason "stop" (the environment ended it), "length"
+# (token budget), "turns" (turn limit) or "error". Its own columns:
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("loss_mask", pa.list_(pa.int8())),  # per completion token: 1 = the model's, 0 = the environment's
+        ("turn_offsets", pa.list_(pa.int32())),  # where each model turn starts in completion_token_ids
+        ("turn_rewards", pa.list_(pa.float32())),  # the environment's reward for each model turn
+        ("environment_reward", pa.float32()),  # their sum (reward type `environment` reads it)
+        ("turns", pa.int32()),  # model turns
+        ("tool_calls", pa.int32()),
+        ("environment_error", pa.string()),  # why the environment ended it ("" when it did not fail)
+        ("transcript", pa.string()),  # the whole completion decoded, observations included
     ]
 )
 

@@ -145,6 +145,12 @@ def gpus_for(step: str, spec: RunSpec) -> int:
 
 
 def sandboxed(step: str, spec: RunSpec) -> bool:
-    """The score step runs candidates' code (a code_sandbox reward): on a cluster its pod runs under
+    """The step runs model-written code: the score step with a code_sandbox reward, the generate step with
+    an environment whose tools include `python`. On a cluster its pod runs under
     cluster.sandbox_runtime_class (gVisor) and the sandbox NetworkPolicy (no egress)."""
+    if step == "generate":
+        environment = spec.rollout.environment
+        return (
+            environment is not None and environment.type == "tools" and "python" in environment.options.get("tools", [])
+        )
     return step == "score" and "code_sandbox" in reward_types(spec)

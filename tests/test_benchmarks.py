@@ -191,7 +191,11 @@ def test_padding(tmp_path: Path):
     from rlpipe.rollouts import write_table
 
     lengths = [2, 2, 2, 2, 2, 2, 10, 10]  # completion tokens; every prompt is 2 tokens
-    rows = {"prompt_token_ids": [[1, 2]] * 8, "completion_token_ids": [[3] * n for n in lengths], "advantage": [0.5] * 8}
+    rows = {
+        "prompt_token_ids": [[1, 2]] * 8,
+        "completion_token_ids": [[3] * n for n in lengths],
+        "advantage": [0.5] * 8,
+    }
     write_table(rows, tmp_path / "batch.parquet")
     bench("padding.py", tmp_path / "batch.parquet", "--budgets", "none", "24", "--results-dir", tmp_path)
     record = json.loads((tmp_path / "padding.json").read_text())

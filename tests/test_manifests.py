@@ -645,3 +645,25 @@ def test_optional_rollout_producer_validates():
     weights = next(v for v in pod["volumes"] if v["name"] == "weights")
     assert not weights["persistentVolumeClaim"].get("readOnly")
     assert not next(m for m in c["volumeMounts"] if m["name"] == "weights").get("readOnly")
+
+
+def test_optional_environment_service_validates():
+    """manifests/optional/environment-service.yaml: the environment server as a sandboxed Deployment (the
+    deny-all-egress label), reachable only from rlpipe's pods, serving rlpipe.services.environment_server."""
+    import kubernetes_validate
+
+    from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
+
+    docs = list(yaml.safe_load_all((MANIFESTS / "optional" / "environment-service.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "NetworkPolicy"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.34.0", strict=True)
+    pod = docs[0]["spec"]["template"]
+    assert pod["metadata"]["labels"][SANDBOX_LABEL] == "true"
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "rlpipe.services.environment_server"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and "--port=8000" in c["args"]
+    options = json.loads(next(a for a in c["args"] if a.startswith("--options=")).split("=", 1)[1])
+    assert options["tools"] == ["python"]
+    assert docs[1]["spec"]["selector"] == docs[0]["spec"]["selector"]["matchLabels"]
+    assert docs[2]["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]

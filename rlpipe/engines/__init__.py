@@ -15,16 +15,17 @@ import importlib
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from rlpipe.rollouts import ROLLOUT_SCHEMA, Completions, read_table, write_table
+from rlpipe.rollouts import ROLLOUT_SCHEMA, TRAJECTORY_SCHEMA, Completions, read_table, write_table
 from rlpipe.store.run_root import data_uri
 from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
+    from rlpipe.environments import Trajectory
     from rlpipe.spec import RunSpec
 
 ENGINES = {
@@ -73,6 +74,33 @@ class Sampled:
     texts: list[str]  # decoded completions
     loaded_at: float  # wall clock when the model was ready (load time = loaded_at - step start)
     metrics: dict[str, float]  # the engine's own (samplers/*)
+    columns: dict[str, list] = field(default_factory=dict)  # per completion: a trajectory's (TRAJECTORY_SCHEMA)
+
+
+def sampled_trajectories(trajectories: list[Trajectory], tokenizer: Any, loaded_at: float) -> Sampled:
+    """Trajectories as an engine's Sampled: the completions, the last turns' texts, the
+    TRAJECTORY_SCHEMA columns, and the rollout/ metrics of turns and tool calls."""
+    from rlpipe.environments import trajectory_metrics
+
+    completions = Completions(
+        [t.completion_token_ids for t in trajectories],
+        [t.logprobs for t in trajectories],
+        [t.finish_reason for t in trajectories],
+    )
+    values = {
+        "loss_mask": [t.loss_mask for t in trajectories],
+        "turn_offsets": [t.turn_offsets for t in trajectories],
+        "turn_rewards": [t.turn_rewards for t in trajectories],
+        "environment_reward": [sum(t.turn_rewards) for t in trajectories],
+        "turns": [len(t.turn_offsets) for t in trajectories],
+        "tool_calls": [t.tool_calls for t in trajectories],
+        "environment_error": [t.error for t in trajectories],
+        "transcript": tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True),
+    }
+    columns = {field.name: pa.array(values[field.name], field.type) for field in TRAJECTORY_SCHEMA}
+    return Sampled(
+        completions, [t.final_text for t in trajectories], loaded_at, trajectory_metrics(trajectories), columns
+    )
 
 
 def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int) -> list[int]:
@@ -173,7 +201,10 @@ def sample_to_rollouts(
     group = spec.rollout.samples_per_prompt
     prompt_ids = [list(row["prompt_token_ids"]) for row in rows]
     engine = importlib.import_module(ENGINES[spec.rollout.engine])
-    sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
+    if spec.rollout.environment is None:
+        sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
+    else:
+        sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy, rows=rows)
     completions, texts, loaded = sampled.completions, sampled.texts, sampled.loaded_at
     sampled_at = time.time()
 
@@ -194,7 +225,8 @@ def sample_to_rollouts(
             "weights_version": [weights["version"]] * n,
             "iteration": [iteration] * n,
         }
-        | {name: per_completion.column(name) for name in data_columns},
+        | sampled.columns
+        | {name: per_completion.column(name) for name in data_columns if name not in sampled.columns},
         out_path,
         ROLLOUT_SCHEMA,
     )

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.engines import Policy, Sampled, Sampling
+from rlpipe.engines import Policy, Sampled, Sampling, sampled_trajectories
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel
 
-    from rlpipe.spec import RunSpec
+    from rlpipe.environments import Trajectory
+    from rlpipe.spec import EnvironmentSpec, RunSpec
     from rlpipe.store.weights import WeightRef
 
 
@@ -55,17 +56,16 @@ def sample(
     generator: torch.Generator | None = None,
     bf16: bool = False,
     samples: int = 1,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
 ) -> Completions:
-    """Sample `samples` completions per prompt, prompt-major.
-
-    Prompts are left-padded so every row's last prompt token sits at the same column. Each prompt
-    is prefilled once and its KV cache repeated for its `samples` rows: a group's completions share
-    their prompt, so prefill costs what the distinct prompts cost (a quarter at 4 samples).
-    The recorded log-prob is log softmax(logits / T) at the sampled token: the same
-    distribution the update step recomputes (top-k/top-p only restrict which tokens
-    can be drawn; with top_k=0, top_p=1 the two coincide exactly). `bf16`: forward passes autocast
-    to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs still taken in fp32).
-    """
+    """Sample `samples` completions per prompt, prompt-major, each through its first eos or stop id
+    (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt
+    token sits at the same column. Each prompt is prefilled once and its KV cache repeated for its
+    `samples` rows: prefill costs what the distinct prompts cost (a quarter at 4 samples).
+    The recorded log-prob is log softmax(logits / T) at the sampled token: the same distribution the
+    update step recomputes (top-k/top-p only restrict which tokens can be drawn; with top_k=0,
+    top_p=1 the two coincide exactly). `bf16`: forward passes autocast to bfloat16, as the update's
+    are with trainer.dtype bfloat16 (log-probs still taken in fp32)."""
     batch = len(prompts)
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
@@ -82,6 +82,7 @@ def sample(
         logits, attention, positions = (t.repeat_interleave(samples, dim=0) for t in (logits, attention, positions))
         batch *= samples
     next_position = positions[:, -1:] + 1
+    ends = torch.tensor(sorted({eos_id, *stop_ids}), device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
@@ -95,7 +96,7 @@ def sample(
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logprobs.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-        finished |= token == eos_id
+        finished |= torch.isin(token, ends)
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
@@ -113,9 +114,10 @@ def sample(
     token_matrix = torch.stack(tokens, dim=1).tolist()
     logprob_matrix = torch.stack(logprobs, dim=1).tolist()
     result = Completions([], [], [])
+    end_ids = {eos_id, *stop_ids}
     for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
-        stopped = eos_id in row_tokens
-        end = row_tokens.index(eos_id) + 1 if stopped else len(row_tokens)
+        end = next((k + 1 for k, token in enumerate(row_tokens) if token in end_ids), len(row_tokens))
+        stopped = bool(row_tokens) and row_tokens[end - 1] in end_ids
         result.token_ids.append(row_tokens[:end])
         result.logprobs.append(row_logprobs[:end])
         result.finish_reasons.append("stop" if stopped else "length")
@@ -157,6 +159,51 @@ def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Samplin
     )
 
 
+def sample_trajectories(
+    policy: Policy,
+    rows: list[dict],
+    sampling: Sampling,
+    seed: int,
+    environment: EnvironmentSpec,
+    greedy: bool = False,
+) -> list[Trajectory]:
+    """`sampling.samples` multi-turn trajectories per row (prompt-major) against `environment`, each
+    turn drawn with `sample` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
+    from rlpipe.environments import environment_factory, run_trajectories
+
+    model, tokenizer = policy.model, policy.tokenizer
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
+        return sample_in_batches(
+            model,
+            sequences,
+            batch_size=sampling.batch_size,
+            max_new_tokens=max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            greedy=greedy,
+            generator=generator,
+            bf16=sampling.bf16,
+            stop_ids=stop_ids,
+        )
+
+    repeated = [row for row in rows for _ in range(sampling.samples)]
+    prompts = [list(row["prompt_token_ids"]) for row in repeated]
+    return run_trajectories(
+        sample_turn,
+        environment_factory(environment),
+        repeated,
+        prompts,
+        tokenizer,
+        environment,
+        sampling.max_new_tokens,
+    )
+
+
 def sample_prompts(
     spec: RunSpec,
     run_root: str,
@@ -165,9 +212,11 @@ def sample_prompts(
     prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
+    rows: list[dict] | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with the policy at `weights` (`policy`:
-    one already in memory at them, the resident trainer's)."""
+    one already in memory at them, the resident trainer's); with rollout.environment, multi-turn
+    trajectories of `rows` (their prompt_token_ids are `prompt_ids`)."""
     from rlpipe.modeling import load_weights
 
     if policy is None:
@@ -176,7 +225,13 @@ def sample_prompts(
     was_training = model.training
     model.eval()
     loaded = time.time()
-    completions = sample_groups(policy, prompt_ids, Sampling.of(spec), spec.seed * 1_000_003 + iteration)
+    seed = spec.seed * 1_000_003 + iteration
+    environment = spec.rollout.environment
+    if environment is not None:
+        trajectories = sample_trajectories(policy, rows or [], Sampling.of(spec), seed, environment)
+        model.train(was_training)
+        return sampled_trajectories(trajectories, tokenizer, loaded)
+    completions = sample_groups(policy, prompt_ids, Sampling.of(spec), seed)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

@@ -13,6 +13,7 @@ that a registered reward type builds into a reward function (`register_reward_ty
 'package.module:name' is registered by that module, imported first); `guard: true` in any mapping
 scores 0 the completions that game a verifier (rlpipe.rewards.answer_guard). Built in:
   function       {type: function, function: 'module:function'}
+  environment    a multi-turn trajectory's reward from its environment (rlpipe.environments)
   regex          rlpipe.rewards.shaping: 1.0 when the completion matches a pattern (format rewards)
   length_penalty rlpipe.rewards.shaping: DAPO's soft overlong punishment
   reward_model   rlpipe.rewards.reward_model: AutoModelForSequenceClassification, batched
@@ -210,6 +211,10 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
         if isinstance(values, Rewards):
             columns[f"reward/{name}/reason"] = values.reasons
         total += weight * np.asarray(values)
+    if "environment_error" in columns:  # a trajectory its environment ended by failing scores 0
+        failed = np.asarray([bool(error) for error in columns["environment_error"]])
+        total[failed] = 0.0
+        stats["reward/environment_error_fraction"] = float(failed.mean())
     columns["reward"] = total.tolist()
     write_table(columns, out_path)
     return stats | {
@@ -228,7 +233,24 @@ def _function_reward(options: dict[str, Any], key: str) -> RewardFunction:
     return load_reward_function(options["function"], key)
 
 
+def _environment_reward(options: dict[str, Any], key: str) -> RewardFunction:
+    """{type: environment}: a multi-turn trajectory's reward from its environment (the sum of its turns')."""
+    if options:
+        raise RewardError(f"{key}: a reward of type environment takes no options, got {sorted(options)}")
+
+    def environment(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        if "environment_reward" not in columns:
+            raise RewardError(
+                f"{key}: type environment reads the environment_reward column, which only multi-turn rollouts "
+                "have; set rollout.environment or remove this reward"
+            )
+        return [float(value) for value in columns["environment_reward"]]
+
+    return environment
+
+
 register_reward_type("function", _function_reward)
+register_reward_type("environment", _environment_reward)
 
 # the built-in reward types register themselves (each imports its heavy parts when built)
 from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers  # noqa: E402, F401

@@ -37,6 +37,7 @@ from rlpipe.spec.run_spec import RunSpec
 from rlpipe.spec.schema import (
     AlgorithmSpec,
     DataSpec,
+    EnvironmentSpec,
     LoopSpec,
     LoraSpec,
     ModelSpec,
@@ -62,6 +63,7 @@ __all__ = [
     "ClusterSpec",
     "DataSpec",
     "LoopSpec",
+    "EnvironmentSpec",
     "LoraSpec",
     "ModelSpec",
     "PodSpec",

@@ -115,7 +115,14 @@ RESUMABLE_KEYS = (
     "tracking.registered_model",
     "reward.timeout_s",  # how long a reward may take, not what it returns
 )
-WARM_START_KEYS = ("seed", "model", "data", "reward.verifier", "rollout.max_new_tokens")  # what makes v0
+WARM_START_KEYS = (  # what makes v0
+    "seed",
+    "model",
+    "data",
+    "reward.verifier",
+    "rollout.max_new_tokens",
+    "rollout.environment",
+)
 
 
 def resume_changes(stored: dict[str, Any], new: RunSpec) -> list[tuple[str, Any, Any]]:

@@ -66,6 +66,16 @@ class RunSpec:
                 "storage.optimizer_every > 1 is for whole-weight training: model.lora's optimizer state is the "
                 "adapters' (a few MB), written every version; set storage.optimizer_every: 1"
             )
+        if self.rollout.environment is not None and self.rollout.engine != "torch":
+            raise ValueError(
+                f"rollout.environment runs multi-turn rollouts with rollout.engine torch for now; "
+                f"rollout.engine {self.rollout.engine} samples one turn: use rollout.engine: torch"
+            )
+        if self.rollout.environment is not None and self.algorithm.name == "dpo":
+            raise ValueError(
+                "rollout.environment samples trajectories, and algorithm.name dpo trains on a fixed preference "
+                "file; use online_dpo (pairs of sampled trajectories) or a policy-gradient algorithm"
+            )
         truncated = self.rollout.top_k > 0 or self.rollout.top_p < 1.0
         if self.rollout.engine != "torch" and truncated:
             raise ValueError(

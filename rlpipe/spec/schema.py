@@ -78,6 +78,11 @@ class WarmStartSpec:
     completion: str = setting(
         "{reference}", doc="The SFT target after each prompt: str.format over the row's columns (eos appended)"
     )
+    transcript: str | None = setting(
+        None,
+        doc="Multi-turn SFT: the column holding each row's transcript, a JSON list of {role: model | "
+        "environment, text}; the loss is on model turns only (eos after the last). Overrides `completion`",
+    )
 
 
 @section
@@ -205,6 +210,21 @@ class RewardSpec:
 
 
 @section
+class EnvironmentSpec:
+    """Multi-turn rollouts (rlpipe.environments): the model's turns alternate with an environment's
+    observations until it says done, `max_turns` model turns, or `max_tokens` after the prompt (model
+    and environment tokens); each model turn is at most rollout.max_new_tokens."""
+
+    type: str = setting(
+        doc="calculator, tools, remote, a name registered with rlpipe.environments.register_environment, "
+        "or 'package.module:name' for one that module registers"
+    )
+    options: dict[str, Any] = setting(default_factory=dict, doc="The environment type's own settings")
+    max_turns: int = setting(4, ge=1, doc="Model turns per trajectory at most")
+    max_tokens: int = setting(64, ge=1, doc="Tokens after the prompt per trajectory at most (model + environment)")
+
+
+@section
 class RolloutSpec:
     engine: Literal["torch", "vllm", "sampler"] = setting(
         "torch",
@@ -219,6 +239,9 @@ class RolloutSpec:
     top_k: int = setting(0, ge=0, doc="0 disables top-k")
     top_p: float = setting(1.0, gt=0, le=1)
     batch_size: int = setting(4096, ge=1, doc="Sequences per forward pass while sampling")
+    environment: EnvironmentSpec | None = setting(
+        None, doc="Multi-turn rollouts against an environment (tools, a remote service); null: one turn"
+    )
 
 
 @section

@@ -36,7 +36,9 @@ class MicroBatch:
     its completion's columns:
 
         input_ids, attention   [B, L]
-        completion_mask        [B, T]  1 where the target is a completion token
+        completion_mask        [B, T]  1 where the target is a completion token the model sampled
+                                       (a multi-turn row's loss_mask: 0 at environment tokens, so
+                                       every loss, KL and entropy term skips them)
         advantages             [B, T]  A_it, the one shape every loss reads: a per-sequence A_i (the
                                        `advantage` column; 0 before the advantages step) along the
                                        whole row (an expanded view; the mask drops the padding), or a
@@ -86,7 +88,8 @@ def pack(rows: list[dict], pad_id: int) -> MicroBatch:
         input_ids[i, : len(sequence)] = torch.tensor(sequence)
         attention[i, : len(sequence)] = 1
         start = len(prompt) - 1 - window_start  # the window column of the first completion token
-        completion_mask[i, start : start + len(completion)] = 1
+        loss_mask = row.get("loss_mask")
+        completion_mask[i, start : start + len(completion)] = 1 if loss_mask is None else torch.tensor(loss_mask)
         for column, name in PER_TOKEN.items():
             if name in per_token:
                 per_token[name][i, start : start + len(completion)] = torch.tensor(row[column])
@@ -99,6 +102,12 @@ def pack(rows: list[dict], pad_id: int) -> MicroBatch:
 def window_column(row: dict, mb: MicroBatch) -> int:
     """The column of `row`'s first completion token in `mb`'s [B, T] tensors."""
     return len(row["prompt_token_ids"]) - 1 - mb.start
+
+
+def trained_tokens(row: dict) -> int:
+    """The row's completion tokens that carry a loss term: the model's (loss_mask), all without one."""
+    loss_mask = row.get("loss_mask")
+    return len(row["completion_token_ids"]) if loss_mask is None else int(sum(loss_mask))
 
 
 def row_length(row: dict) -> int:

@@ -29,7 +29,15 @@ from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, optimizer_uri
 from rlpipe.store.weights import WeightRef, as_ref, read_ref
-from rlpipe.training.batching import MicroBatch, micro_batch_weight, mini_batches, pack, rank_parts, update_order
+from rlpipe.training.batching import (
+    MicroBatch,
+    micro_batch_weight,
+    mini_batches,
+    pack,
+    rank_parts,
+    trained_tokens,
+    update_order,
+)
 from rlpipe.training.checkpoints import load_sealed, matches_sealed, replay_plan, save_state
 from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
@@ -274,7 +282,7 @@ def accumulate_gradients(
     """Forward and backward passes over this process's micro-batches of a mini-batch, their gradients
     accumulating (weights: micro_batch_weight); gradients scale by the number of processes, which FSDP
     averages over. Returns the step's metrics summed over processes, and whether it measured the KL."""
-    completion_tokens = float(sum(len(r["completion_token_ids"]) for r in mini))
+    completion_tokens = float(sum(map(trained_tokens, mini)))
     # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
     # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
     use_reference = trainer.reference is not None and (objective.reference_each_step or tally.steps == 0)

@@ -19,7 +19,7 @@ from rlpipe.devices import resolve_device
 from rlpipe.model_files import resolve_model_source
 from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
 from rlpipe.rollouts import read_table
-from rlpipe.spec import WARM_START_KEYS, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
+from rlpipe.spec import WARM_START_KEYS, EnvironmentSpec, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json
 from rlpipe.store.weights import WeightRef, seal, staging_uri
 
@@ -28,6 +28,8 @@ def cache_key(spec: RunSpec) -> str:
     """Everything that determines the warm-started weights."""
     parts = pick(section_dict(spec), WARM_START_KEYS)
     parts["model"].pop("lora", None)  # v0 is the same whether adapters are trained on it or not
+    if parts["rollout.environment"] is None:  # single-turn runs keep the keys they had before environments
+        del parts["rollout.environment"]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -42,14 +44,41 @@ def sft_completion(row: dict, template: str) -> str:
         ) from None
 
 
-def sft_batches(tokenizer, rows: list[dict], completion: str, batch_size: int, rng: random.Random):
-    """Endless batches of (input_ids, labels): prompt + completion + eos, loss on completion + eos only."""
-    encoded = []
-    for row in rows:
-        prompt = list(row["prompt_token_ids"])
-        answer = tokenizer(sft_completion(row, completion), add_special_tokens=False)["input_ids"]
-        answer = answer + [tokenizer.eos_token_id]
-        encoded.append((prompt + answer, [-100] * len(prompt) + answer))
+def transcript_turns(row: dict, column: str) -> list[tuple[str, bool]]:
+    """The row's SFT transcript (model.warm_start.transcript) as (text, is a model turn) pairs."""
+    if column not in row:
+        raise ValueError(
+            f"model.warm_start.transcript names column {column!r} that the data lacks; columns: {', '.join(row)}"
+        )
+    turns = json.loads(row[column]) if isinstance(row[column], str) else row[column]
+    roles = {"model": True, "environment": False}
+    if not turns or any(not isinstance(t, dict) or t.get("role") not in roles for t in turns):
+        raise ValueError(
+            f"model.warm_start.transcript: column {column!r} must hold a JSON list of "
+            f"{{role: model | environment, text}} turns; row {row.get('prompt')!r} has {row[column]!r}"
+        )
+    return [(str(t.get("text", "")), roles[t["role"]]) for t in turns]
+
+
+def sft_example(tokenizer, row: dict, ws: WarmStartSpec) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one row: prompt + target + eos, labels -100 except on the model's tokens.
+    A transcript's turns are tokenized one by one, as the multi-turn rollouts append them."""
+    prompt = list(row["prompt_token_ids"])
+    turns = (
+        [(sft_completion(row, ws.completion), True)] if ws.transcript is None else transcript_turns(row, ws.transcript)
+    )
+    ids, labels = list(prompt), [-100] * len(prompt)
+    for text, by_model in turns:
+        turn = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += turn
+        labels += turn if by_model else [-100] * len(turn)
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+
+
+def sft_batches(tokenizer, rows: list[dict], ws: WarmStartSpec, rng: random.Random):
+    """Endless batches of (input_ids, labels, attention) of `sft_example`s, right-padded."""
+    encoded = [sft_example(tokenizer, row, ws) for row in rows]
+    batch_size = ws.batch_size
     while True:
         chosen = rng.sample(encoded, batch_size)
         width = max(len(ids) for ids, _ in chosen)
@@ -64,7 +93,14 @@ def sft_batches(tokenizer, rows: list[dict], completion: str, batch_size: int, r
 
 
 def supervised_warm_start(
-    model, tokenizer, rows: list[dict], ws: WarmStartSpec, seed: int, reward: RewardSpec, max_new_tokens: int
+    model,
+    tokenizer,
+    rows: list[dict],
+    ws: WarmStartSpec,
+    seed: int,
+    reward: RewardSpec,
+    max_new_tokens: int,
+    environment: EnvironmentSpec | None = None,
 ) -> dict[str, float]:
     """Next-token cross-entropy on answers until greedy accuracy on the first `ws.validation_size`
     rows (held out of the SFT batches) reaches `ws.target_accuracy`, checked every `ws.check_every`
@@ -79,7 +115,7 @@ def supervised_warm_start(
         )
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    batches = sft_batches(tokenizer, train, ws.completion, ws.batch_size, random.Random(seed))
+    batches = sft_batches(tokenizer, train, ws, random.Random(seed))
     recent: list[float] = []
     accuracy, step = float("nan"), 0
     model.train()
@@ -93,13 +129,27 @@ def supervised_warm_start(
         step += 1
         if ws.target_accuracy is not None and (step % ws.check_every == 0 or step == ws.max_steps):
             accuracy = greedy_accuracy(
-                model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s
+                model,
+                tokenizer,
+                validation,
+                reward.verifier,
+                max_new_tokens,
+                len(validation),
+                reward.timeout_s,
+                environment=environment,
             )
             if accuracy >= ws.target_accuracy:
                 break
     if ws.target_accuracy is None:  # no stop check ran: measure where max_steps landed
         accuracy = greedy_accuracy(
-            model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s
+            model,
+            tokenizer,
+            validation,
+            reward.verifier,
+            max_new_tokens,
+            len(validation),
+            reward.timeout_s,
+            environment=environment,
         )
     model.eval()
     return {
@@ -134,7 +184,14 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         if ws.max_steps:
             rows = read_table(data_uri(run_root, "train")).to_pylist()
             metrics |= supervised_warm_start(
-                model, tokenizer, rows, ws, spec.seed, spec.reward, spec.rollout.max_new_tokens
+                model,
+                tokenizer,
+                rows,
+                ws,
+                spec.seed,
+                spec.reward,
+                spec.rollout.max_new_tokens,
+                spec.rollout.environment,
             )
         tmp = cached.with_name(f"{cached.name}.tmp-{uuid.uuid4().hex[:8]}")  # runs may warm-start one key at once
         model.save_pretrained(tmp)

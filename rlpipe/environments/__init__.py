@@ -1,0 +1,260 @@
+"""Environments: multi-turn rollouts, where the model's turns alternate with an environment's observations.
+
+An environment (rollout.environment) is one object per trajectory, as TRL's environment_factory and
+SkyRL's BaseTextEnv are:
+    reset(row) -> str                         the first observation after the prompt ("" for none)
+    step(text, token_ids) -> Step             the model's turn (decoded, and as sampled) -> the next
+                                              observation, this turn's reward, done, info
+    close()
+`step` may be `async def` (a remote environment): the turns of a batch then run concurrently.
+`stop` lists the strings that end a model turn besides eos (each one token of the tokenizer: the
+turn loop stops on token ids), e.g. "=" for the calculator, "</tool_call>" for chat tool calls.
+
+Token-in/token-out (`run_trajectories`): the model's tokens are kept exactly as sampled, and each
+observation is tokenized alone and appended; history is never re-rendered, so the update trains on
+the very token ids that were sampled. One trajectory = the prompt, then `completion_token_ids` (the
+model's and the environment's tokens), `loss_mask` (1 = a model token) and the sampling log-prob of
+every token (0.0 at environment tokens, which no loss reads).
+
+`rollout.environment.type` is a registered environment (`register_environment`) or
+'package.module:name' for one that module registers. Built in:
+  calculator  rlpipe.environments.tools: "37*48=" is answered "1776 " (the tiny model's demo)
+  tools       rlpipe.environments.tools: plain Python functions, Hermes-style <tool_call> JSON
+  remote      rlpipe.environments.remote: an environment service over HTTP (its own pod)
+  gymnasium   rlpipe.environments.text_gym: Gymnasium-style text environments (reset / step)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rlpipe.plugins import look_up
+from rlpipe.rollouts import Completions
+
+if TYPE_CHECKING:
+    from rlpipe.spec import EnvironmentSpec
+
+
+@dataclass
+class Step:
+    """What an environment answers to one model turn."""
+
+    observation: str = ""  # appended before the model's next turn (tokenized alone)
+    reward: float = 0.0  # this turn's reward (the trajectory's: their sum)
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # tool_call: True counts a tool call
+
+
+class Environment(Protocol):
+    stop: tuple[str, ...]
+
+    def reset(self, row: dict[str, Any]) -> str: ...
+
+    def step(self, text: str, token_ids: list[int]) -> Step: ...
+
+    def close(self) -> None: ...
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment failed in a way that ends its trajectory (recorded, zero reward) or, when every
+    trajectory of a step fails, the step (the message names the environment and what to change)."""
+
+
+# an environment type: (its options, the spec key naming it) -> a factory of one environment per trajectory
+ENVIRONMENTS: dict[str, Callable[[dict[str, Any], str], Callable[[], Environment]]] = {}
+
+
+def register_environment(name: str, build: Callable[[dict[str, Any], str], Callable[[], Environment]]) -> None:
+    ENVIRONMENTS[name] = build
+
+
+def environment_factory(spec: EnvironmentSpec) -> Callable[[], Environment]:
+    """The factory rollout.environment names, built from its options."""
+    _, build = look_up(
+        spec.type,
+        ENVIRONMENTS,
+        "rollout.environment.type",
+        "environment",
+        "rlpipe.environments.register_environment",
+    )
+    return build(dict(spec.options), "rollout.environment")
+
+
+# sequences (prompt and everything so far) -> one more turn each: tokens through eos or a stop id
+Continue = Callable[[list[list[int]], int, set[int]], Completions]
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout after its prompt."""
+
+    completion_token_ids: list[int] = field(default_factory=list)  # model and environment tokens
+    logprobs: list[float] = field(default_factory=list)  # sampling log-prob; 0.0 at environment tokens
+    loss_mask: list[int] = field(default_factory=list)  # 1 = a model token
+    turn_offsets: list[int] = field(default_factory=list)  # where each model turn starts
+    turn_rewards: list[float] = field(default_factory=list)
+    tool_calls: int = 0
+    finish_reason: str = "stop"  # stop: the environment ended it; length: token budget; turns: turn limit
+    final_text: str = ""  # the last model turn, decoded: what the verifier judges
+    error: str = ""  # why the environment ended it early ("" if it did not)
+
+    def last_turn(self) -> list[int]:
+        return self.completion_token_ids[self.turn_offsets[-1] :]
+
+    def append(self, token_ids: list[int], logprobs: list[float] | None) -> None:
+        """Add a model turn (`logprobs` given) or an observation (None)."""
+        if logprobs is not None:
+            self.turn_offsets.append(len(self.completion_token_ids))
+        self.completion_token_ids += token_ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
+        self.loss_mask += [1 if logprobs is not None else 0] * len(token_ids)
+
+
+def stop_token_ids(tokenizer: Any, stop: tuple[str, ...]) -> set[int]:
+    """The token id of each stop string; each must be one token, since turns end on token ids."""
+    ids = set()
+    for text in stop:
+        encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise ValueError(
+                f"rollout.environment: stop string {text!r} is {len(encoded)} tokens of this tokenizer; "
+                "a turn ends on one token id: use a stop that is a single (special) token"
+            )
+        ids.add(encoded[0])
+    return ids
+
+
+async def _answers(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, or the exception it raised; awaitables run concurrently."""
+
+    async def one(call: Callable[[], Any]) -> Any:
+        try:
+            result = call()
+            return await result if inspect.isawaitable(result) else result
+        except Exception as err:  # noqa: BLE001 (recorded on the trajectory it ends)
+            return err
+
+    return await asyncio.gather(*(one(call) for call in calls))
+
+
+def answers(calls: list[Callable[[], Any]]) -> list[Any]:
+    """`_answers` from synchronous code (the generate step's)."""
+    return asyncio.run(_answers(calls))
+
+
+def run_trajectories(
+    sample_turn: Continue,
+    make_environment: Callable[[], Environment],
+    rows: list[dict[str, Any]],
+    prompt_ids: list[list[int]],
+    tokenizer: Any,
+    spec: EnvironmentSpec,
+    max_new_tokens: int,
+) -> list[Trajectory]:
+    """Roll out one trajectory per row (rows repeated for a group's samples), all turns batched:
+
+        for turn in 1 .. max_turns:  sample each active sequence's next turn (<= max_new_tokens, <= its budget)
+                                     env.step(turn text, turn ids) -> observation, reward, done
+                                     done, or the budget spent -> finished; else append the observation
+
+    The budget is spec.max_tokens tokens after the prompt (model and environment). An environment
+    that raises ends its trajectory (error recorded, reward 0); when every trajectory fails, so does
+    the step, with the first error."""
+    environments = [make_environment() for _ in rows]
+    trajectories = [Trajectory() for _ in rows]
+    try:
+        stops = stop_token_ids(tokenizer, tuple(environments[0].stop)) if environments else set()
+        first = answers([lambda e=e, r=r: e.reset(r) for e, r in zip(environments, rows, strict=True)])
+        active = []
+        for i, observation in enumerate(first):
+            if isinstance(observation, Exception):
+                fail(trajectories[i], observation)
+            elif append_observation(trajectories[i], observation, tokenizer, spec.max_tokens):
+                active.append(i)
+        for turn in range(spec.max_turns):
+            if not active:
+                break
+            budgets = [spec.max_tokens - len(trajectories[i].completion_token_ids) for i in active]
+            sequences = [prompt_ids[i] + trajectories[i].completion_token_ids for i in active]
+            sampled = sample_turn(sequences, min(max_new_tokens, max(budgets)), stops)
+            texts = []
+            for k, i in enumerate(active):
+                ids, logprobs = sampled.token_ids[k][: budgets[k]], sampled.logprobs[k][: budgets[k]]
+                trajectories[i].append(ids, logprobs)
+                texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+                trajectories[i].final_text = texts[-1]
+            steps = answers(
+                [
+                    lambda e=environments[i], t=t, ids=trajectories[i].last_turn(): e.step(t, ids)
+                    for i, t in zip(active, texts, strict=True)
+                ]
+            )
+            still = []
+            for i, step in zip(active, steps, strict=True):
+                trajectory = trajectories[i]
+                if isinstance(step, Exception):
+                    fail(trajectory, step)
+                    continue
+                trajectory.turn_rewards.append(float(step.reward))
+                trajectory.tool_calls += bool(step.info.get("tool_call"))
+                if step.done:
+                    trajectory.finish_reason = "stop"
+                elif turn == spec.max_turns - 1:
+                    trajectory.finish_reason = "turns"
+                elif append_observation(trajectory, step.observation, tokenizer, spec.max_tokens):
+                    still.append(i)
+            active = still
+        if rows and all(t.error for t in trajectories):
+            raise EnvironmentFailure(
+                f"rollout.environment {spec.type!r} failed on every trajectory of this step; the first: "
+                f"{trajectories[0].error}"
+            )
+    finally:
+        for environment in environments:
+            try:
+                environment.close()
+            except Exception:  # noqa: BLE001, S110 (a close that fails loses nothing)
+                pass
+    return trajectories
+
+
+def append_observation(trajectory: Trajectory, observation: str, tokenizer: Any, budget: int) -> bool:
+    """Append the observation's tokens (tokenized alone); False when they leave no room for a model
+    turn within `budget` (the trajectory then ends, finish_reason "length")."""
+    ids = tokenizer(observation, add_special_tokens=False)["input_ids"] if observation else []
+    if len(trajectory.completion_token_ids) + len(ids) >= budget:
+        trajectory.finish_reason = "length"
+        return False
+    trajectory.append(ids, None)
+    return True
+
+
+def fail(trajectory: Trajectory, err: Exception) -> None:
+    trajectory.error = f"{type(err).__name__}: {err}"
+    trajectory.finish_reason = "error"
+    trajectory.turn_rewards.append(0.0)
+
+
+from rlpipe.environments import remote, text_gym, tools  # noqa: E402 (the built-in environments)
+
+register_environment("calculator", tools.calculator_environment)
+register_environment("tools", tools.tool_environment)
+register_environment("remote", remote.remote_environment)
+register_environment("gymnasium", text_gym.gymnasium_environment)
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """rollout/turns_mean, tool_call_rate (the share of trajectories with a tool call), tool_calls_mean,
+    model_tokens_mean, environment_error_fraction."""
+    n = max(len(trajectories), 1)
+    return {
+        "rollout/turns_mean": sum(len(t.turn_offsets) for t in trajectories) / n,
+        "rollout/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
+        "rollout/tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        "rollout/model_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
+        "rollout/environment_error_fraction": sum(bool(t.error) for t in trajectories) / n,
+    }
