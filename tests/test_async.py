@@ -348,8 +348,16 @@ def test_a_service_killed_before_its_supervisor_saw_it_serve_is_restarted_not_fa
         servers.stop()
 
 
-@pytest.mark.slow  # 70 s: CI's slow step
-def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path):
+MULTI_TURN = {  # the calculator task: trajectories of tool calls and answers (rlpipe.environments)
+    "data": {"generator": "multiplication"},
+    "model": {"warm_start": {"max_steps": 5, "batch_size": 8, "validation_size": 8, "transcript": "demonstration"}},
+    "rollout": {"environment": {"type": "calculator", "max_turns": 3, "max_tokens": 20}, "max_new_tokens": 6},
+}
+
+
+@pytest.mark.slow  # 70 s each: CI's slow step
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path, multi_turn: bool):
     import pyarrow.parquet as pq
 
     from rlpipe.engines import prompt_indices
@@ -361,6 +369,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
         loop={"iterations": iterations, "iterations_per_run": 4, "eval_every": 4, "max_staleness": s},
         trainer={"resident": True},
         storage={"root": str(tmp_path / "runs"), "keep_versions": iterations},  # every consumed iteration kept
+        **(MULTI_TURN if multi_turn else {}),
     )
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(data))
@@ -421,7 +430,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
 
     _check_consistent(run_dir, iterations)  # weights versions move forward, one MLflow point per iteration
     groups: collections.Counter[int] = collections.Counter()
-    previous_version = -1
+    previous_version, environment_tokens = -1, 0
     for iteration in range(1, iterations + 1):
         used = Path(iteration_uri(str(run_dir), iteration, consumed=True))
         taken = json.loads((used / "taken.json").read_text())
@@ -430,6 +439,11 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
             assert hashlib.sha256(path.read_bytes()).hexdigest() == chunk["sha256"]  # the rows it trained on
             table = pq.read_table(path)
             assert set(table.column("weights_version").to_pylist()) == {chunk["version"]}
+            if multi_turn:  # whole trajectories, their environment tokens masked
+                assert min(table.column("turns").to_pylist()) >= 1
+                masks, tokens = table.column("loss_mask").to_pylist(), table.column("completion_token_ids").to_pylist()
+                assert [len(m) for m in masks] == [len(t) for t in tokens]
+                environment_tokens += sum(m.count(0) for m in masks)
             assert iteration - 1 - s <= chunk["version"] <= iteration - 1
             assert chunk["version"] >= previous_version  # rollout versions only move forward
             previous_version = chunk["version"]
@@ -440,3 +454,4 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     consumed_range = [i for n in range(1, iterations + 1) for i in prompt_indices(train_rows, 8, n, 0)]
     assert sorted(groups) == sorted(consumed_range)  # no prompt skipped
     assert set(groups.values()) == {1}  # none used twice
+    assert environment_tokens > 0 or not multi_turn  # the calculator answered some calls

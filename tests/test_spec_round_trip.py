@@ -28,6 +28,7 @@ CHOSEN = {
     ],
     "data.options": {"digits": 3, "scale": 2.0, "none": None, "nested": [1, 2.0, {"deep": None}]},
     "algorithm.name": "dapo",
+    "rollout.environment.type": "calculator",
     **{
         f"cluster.{pod}.{key}": value
         for pod in ("trainer", "step")
@@ -51,6 +52,7 @@ COMPANIONS = {
     "trainer.nodes": {"trainer.resident": True},
     "model.tiny.num_heads": {"model.tiny.hidden_size": 192, "model.tiny.num_kv_heads": 1},
     "reward.weights": {"reward.functions": CHOSEN["reward.functions"]},
+    "rollout.environment": {"rollout.environment.type": "calculator"},
 }
 
 

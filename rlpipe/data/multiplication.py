@@ -1,6 +1,7 @@
 """Multiplication with a calculator: prompt "37*48=", answer "1776". Too hard for the ~1M demo model to
-compute, easy with the calculator environment (rlpipe.environments.tools): the model restates the
-product, the calculator answers, the model copies the result.
+compute, easy with the calculator environment (rlpipe.environments.tools): the model calls it with
+" 37*48=" (a leading space marks a call, the tiny vocabulary's <tool_call>, so deciding to call and
+copying the expression are separate tokens), the calculator answers "1776 ", the model copies it.
 
 Each row carries a `demonstration` for the multi-turn warm start (model.warm_start.transcript): the
 calculator transcript for a `tool_fraction` of the rows, the bare answer for the rest, so the warm
@@ -29,7 +30,7 @@ def make_rows(rng: random.Random, n: int, digits: int = 2, tool_fraction: float 
         answer = str(a * b)
         turns = [{"role": "model", "text": answer}]
         if rng.random() < tool_fraction:
-            call = [{"role": "model", "text": f"{a}*{b}="}, {"role": "environment", "text": f"{answer} "}]
+            call = [{"role": "model", "text": f" {a}*{b}="}, {"role": "environment", "text": f"{answer} "}]
             turns = call + turns
         rows.append({"prompt": f"{a}*{b}=", "reference": answer, "demonstration": json.dumps(turns)})
     return rows

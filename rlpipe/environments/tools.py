@@ -5,8 +5,8 @@ is the final answer (done, reward 0: the answer is scored by reward.functions). 
   hermes      <tool_call>{"name": ..., "arguments": {...}}</tool_call>, as the Qwen2.5 / Hermes chat
               templates render tool calls; the result comes back as `observation` with {result}
               filled in (default: a ChatML user turn holding <tool_response>), stop "</tool_call>"
-  expression  the turn is an integer expression ending in "=" (the tiny char model's calculator):
-              the result and a space come back, stop "="
+  expression  the turn is an integer expression ending in "=" (the tiny char model's calculator; the
+              demo's calls start with a space): the result and a space come back, stop "="
 
     {type: tools, tools: [calculator, python, 'my.module:search'], format: hermes}
     {type: calculator}                       (= tools [calculator] in the expression format)
@@ -52,7 +52,7 @@ def parse_call(text: str, call_format: str) -> tuple[str, dict[str, Any]] | None
     """(tool name, arguments) of the turn's tool call, None when the turn calls no tool; ValueError
     for a call that does not parse."""
     if call_format == "expression":
-        stripped = text.rstrip()
+        stripped = text.strip()
         return ("calculator", {"expression": stripped[:-1]}) if stripped.endswith("=") else None
     match = TOOL_CALL.search(text)
     if match is None:
@@ -134,7 +134,7 @@ def tool_environment(options: dict[str, Any], key: str) -> Callable[[], Environm
 
 
 def calculator_environment(options: dict[str, Any], key: str) -> Callable[[], Environment]:
-    """The calculator in the expression format: "37*48=" is answered "1776 "."""
+    """The calculator in the expression format: " 37*48=" is answered "1776 "."""
     if options:
         raise ValueError(f"{key}.options: the calculator environment takes none, got {sorted(options)}")
     return tool_environment({"tools": ["calculator"], "format": "expression"}, key)
