@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from rlpipe.engines import generate_rollouts
+from rlpipe.environments.tools import calculator
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
 from .conftest import tiny_spec_dict
@@ -153,6 +154,44 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
         logits = model(ids).logits[0, len(row["prompt_token_ids"]) - 1 : -1].float() / spec.rollout.temperature
         expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(row["prompt_token_ids"]) :, None])[:, 0]
         assert torch.allclose(expected, torch.tensor(row["logprobs"]), atol=1e-4)
+
+
+def test_in_step_vllm_samples_multi_turn_trajectories_token_in_token_out(run, tmp_path: Path):
+    """engine: vllm with the calculator: each model turn ends at "=" or eos as sampled, the calculator's
+    answer is appended as its own tokens (masked), and the log-probs at the model's tokens are the
+    policy's, recomputed over the whole trajectory."""
+    import torch
+
+    from rlpipe.modeling import load_policy
+    from rlpipe.store.weights import read_ref
+    from rlpipe.training.batching import pack
+    from rlpipe.training.logprobs import completion_logits, token_logprobs
+
+    spec, run_root, cache = run
+    data = spec_to_dict(service_spec(spec, None, engine="vllm"))
+    data["rollout"]["environment"] = {"type": "calculator", "max_turns": 3, "max_tokens": 24}
+    multi_turn = parse_spec(data)
+    weights = read_ref(run_root, 0)
+    metrics = generate_rollouts(multi_turn, run_root, weights, 1, str(tmp_path / "m.parquet"), cache)
+    rows = rollouts(tmp_path / "m.parquet")
+    assert len(rows) == PROMPTS * SAMPLES and metrics["rollout/tool_call_rate"] > 0
+    model, tokenizer = load_policy(weights["uri"])
+    equals, eos = tokenizer.convert_tokens_to_ids("="), tokenizer.eos_token_id
+    called = [r for r in rows if r["tool_calls"]]
+    for row in called:
+        ids, mask, offsets = row["completion_token_ids"], row["loss_mask"], row["turn_offsets"]
+        first_turn = ids[: mask.index(0)]
+        assert first_turn[-1] == equals and eos not in first_turn  # the turn stopped at its stop id
+        answer = tokenizer.decode(first_turn, skip_special_tokens=True)
+        observation = tokenizer(f"{calculator(answer.strip()[:-1])} ", add_special_tokens=False)["input_ids"]
+        assert ids[len(first_turn) : len(first_turn) + len(observation)] == observation
+        assert mask[len(first_turn) : offsets[1]] == [0] * len(observation) and offsets[1] == len(first_turn) + len(
+            observation
+        )
+    mb = pack([{**r, "advantage": 0.0} for r in called[:16]], tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed = token_logprobs(completion_logits(model, mb), mb.targets, spec.rollout.temperature)
+    assert torch.allclose(recomputed * mb.completion_mask, mb.old_logprobs, atol=1e-4)
 
 
 def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Path):

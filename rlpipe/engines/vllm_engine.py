@@ -71,7 +71,37 @@ def sample_groups(llm, prompt_ids: list[list[int]], sampling: Sampling, seed: in
         for i in range(len(prompt_ids))
     ]
     requests = [{"prompt_token_ids": p} for p in prompt_ids]
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    return completions_of(llm.generate(requests, params, use_tqdm=False))
+
+
+def sample_turns(llm, sampling: Sampling, seed: int):
+    """A turn sampler for rlpipe.environments.run_trajectories: one completion per sequence, through
+    eos or a stop id, seeded seed + (turn's first sequence number) + k so no two draws share a stream."""
+    from vllm import SamplingParams
+
+    drawn = 0
+
+    def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
+        nonlocal drawn
+        params = [
+            SamplingParams(
+                max_tokens=max_new_tokens,
+                temperature=sampling.temperature,
+                logprobs=0,
+                seed=seed + drawn + k,
+                stop_token_ids=sorted(stop_ids),
+            )
+            for k in range(len(sequences))
+        ]
+        drawn += len(sequences)
+        outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        return completions_of(outputs)
+
+    return sample_turn
+
+
+def completions_of(outputs) -> Completions:
+    """vLLM's RequestOutputs as Completions, each request's samples in their order."""
     result = Completions([], [], [])
     for output in outputs:
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -90,24 +120,44 @@ def sample_prompts(
     prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
+    rows: list[dict] | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
-    adapter version: its base, with the adapter merged in)."""
+    adapter version: its base, with the adapter merged in); with rollout.environment, multi-turn
+    trajectories of `rows` (rlpipe.environments.run_trajectories)."""
     from rlpipe.clients.sampler_client import MERGE_METHOD
     from rlpipe.engines import sample_seed
+    from rlpipe.modeling import load_tokenizer
     from rlpipe.store.weights import adapter_base, local_path
 
     weights_dir = local_path(weights, cache_root)
     base = adapter_base(weights_dir)
-    if base is None:
-        llm = load_engine(weights_dir, spec.seed, gpu=False)
-    else:  # on CPU the adapter is merged into the base (rlpipe.vllm_environment.serves_adapters)
-        base_dir = local_path(base, cache_root)
-        llm = load_engine(base_dir, spec.seed, gpu=False)
-        llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": base_dir, "adapter_path": weights_dir})
-    tokenizer = llm.get_tokenizer()
+    model_dir = weights_dir if base is None else local_path(base, cache_root)
+    llm = load_engine(model_dir, spec.seed, gpu=False)
+    if base is not None:  # on CPU the adapter is merged into the base (rlpipe.vllm_environment.serves_adapters)
+        llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": model_dir, "adapter_path": weights_dir})
+    # rlpipe's loader, not vLLM's AutoTokenizer: that one reads the tiny model's character tokenizer as
+    # Qwen2's, which drops spaces, and observations must be tokenized as the policy's tokenizer does
+    tokenizer = load_tokenizer(model_dir)
     loaded = time.time()
     seed = sample_seed(spec.seed, iteration)
+    environment = spec.rollout.environment
+    if environment is not None:
+        from rlpipe.engines import sampled_trajectories
+        from rlpipe.environments import environment_factory, run_trajectories
+
+        sampling = Sampling.of(spec)
+        repeated = [row for row in rows or [] for _ in range(sampling.samples)]
+        trajectories = run_trajectories(
+            sample_turns(llm, sampling, seed),
+            environment_factory(environment),
+            repeated,
+            [list(row["prompt_token_ids"]) for row in repeated],
+            tokenizer,
+            environment,
+            sampling.max_new_tokens,
+        )
+        return sampled_trajectories(trajectories, tokenizer, loaded)
     completions = sample_groups(llm, prompt_ids, Sampling.of(spec), seed)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

@@ -66,10 +66,10 @@ class RunSpec:
                 "storage.optimizer_every > 1 is for whole-weight training: model.lora's optimizer state is the "
                 "adapters' (a few MB), written every version; set storage.optimizer_every: 1"
             )
-        if self.rollout.environment is not None and self.rollout.engine != "torch":
+        if self.rollout.environment is not None and self.rollout.engine == "sampler":
             raise ValueError(
-                f"rollout.environment runs multi-turn rollouts with rollout.engine torch for now; "
-                f"rollout.engine {self.rollout.engine} samples one turn: use rollout.engine: torch"
+                "rollout.environment runs multi-turn rollouts with rollout.engine torch or vllm for now; "
+                "the sampler service samples one turn: use rollout.engine: torch or vllm"
             )
         if self.rollout.environment is not None and self.algorithm.name == "dpo":
             raise ValueError(
