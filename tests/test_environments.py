@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rlpipe.environments import (
+    Codec,
     EnvironmentFailure,
     Step,
     environment_factory,
@@ -224,8 +225,8 @@ def test_environment_spec_errors_say_what_to_change(tmp_path: Path):
         environment_factory(EnvironmentSpec(type="calculater"))
     with pytest.raises(ValueError, match="options.tools: name at least one tool"):
         environment_factory(EnvironmentSpec(type="tools"))
-    with pytest.raises(ValueError, match="rollout.engine: torch or vllm"):
-        parse_spec(tiny_spec_dict(tmp_path, rollout={"engine": "sampler", "environment": {"type": "calculator"}}))
+    with pytest.raises(ValueError, match="use online_dpo"):
+        parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, rollout={"environment": {"type": "calculator"}}))
 
 
 class Flaky(Recorder):
@@ -342,7 +343,7 @@ def test_remote_environment_over_http():
             environment_factory(spec),
             rows,
             [r["prompt_token_ids"] for r in rows],
-            tokenizer,
+            Codec.of(tokenizer),
             spec,
             8,
         )
@@ -406,7 +407,13 @@ def test_remote_environment_failures_are_named_and_the_step_goes_on():
         rows = [{"mode": mode, "prompt_token_ids": [1, 5]} for mode in modes]
         started = time.monotonic()
         trajectories = run_trajectories(
-            _scripted_turns(tokenizer, ["12"]), environment_factory(spec), rows, [[1, 5]] * 5, tokenizer, spec, 4
+            _scripted_turns(tokenizer, ["12"]),
+            environment_factory(spec),
+            rows,
+            [[1, 5]] * 5,
+            Codec.of(tokenizer),
+            spec,
+            4,
         )
         errors = dict(zip(modes, (t.error for t in trajectories), strict=True))
         assert errors["ok"] == "" and errors["busy"] == ""  # retried after the 503
@@ -419,7 +426,13 @@ def test_remote_environment_failures_are_named_and_the_step_goes_on():
         dead = EnvironmentSpec(type="remote", options={"url": "http://127.0.0.1:9", "retries": 0, "stop": ["="]})
         with pytest.raises(EnvironmentFailure, match="every trajectory.*reset failed after 1 attempts"):
             run_trajectories(
-                _scripted_turns(tokenizer, ["1"]), environment_factory(dead), rows[:2], [[1, 5]] * 2, tokenizer, dead, 4
+                _scripted_turns(tokenizer, ["1"]),
+                environment_factory(dead),
+                rows[:2],
+                [[1, 5]] * 2,
+                Codec.of(tokenizer),
+                dead,
+                4,
             )
     finally:
         service.stop()

@@ -156,10 +156,11 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
         assert torch.allclose(expected, torch.tensor(row["logprobs"]), atol=1e-4)
 
 
-def test_in_step_vllm_samples_multi_turn_trajectories_token_in_token_out(run, tmp_path: Path):
-    """engine: vllm with the calculator: each model turn ends at "=" or eos as sampled, the calculator's
-    answer is appended as its own tokens (masked), and the log-probs at the model's tokens are the
-    policy's, recomputed over the whole trajectory."""
+@pytest.mark.parametrize("engine", ["vllm", "sampler"])
+def test_vllm_engines_sample_multi_turn_trajectories_token_in_token_out(run, request, engine: str, tmp_path: Path):
+    """In-step vLLM and the sampler service with the calculator: each model turn ends at "=" or eos as
+    sampled, the calculator's answer is appended as its own tokens (masked), and the log-probs at the
+    model's tokens are the policy's, recomputed over the whole trajectory."""
     import torch
 
     from rlpipe.modeling import load_policy
@@ -168,7 +169,8 @@ def test_in_step_vllm_samples_multi_turn_trajectories_token_in_token_out(run, tm
     from rlpipe.training.logprobs import completion_logits, token_logprobs
 
     spec, run_root, cache = run
-    data = spec_to_dict(service_spec(spec, None, engine="vllm"))
+    fleet = request.getfixturevalue("fleet") if engine == "sampler" else None
+    data = spec_to_dict(service_spec(spec, fleet, engine=engine))
     data["rollout"]["environment"] = {"type": "calculator", "max_turns": 3, "max_tokens": 24}
     multi_turn = parse_spec(data)
     weights = read_ref(run_root, 0)

@@ -25,7 +25,7 @@ from rlpipe.store.run_root import data_uri
 from rlpipe.store.weights import WeightRef, as_ref
 
 if TYPE_CHECKING:
-    from rlpipe.environments import Trajectory
+    from rlpipe.environments import Codec, Trajectory
     from rlpipe.spec import RunSpec
 
 ENGINES = {
@@ -77,7 +77,7 @@ class Sampled:
     columns: dict[str, list] = field(default_factory=dict)  # per completion: a trajectory's (TRAJECTORY_SCHEMA)
 
 
-def sampled_trajectories(trajectories: list[Trajectory], tokenizer: Any, loaded_at: float) -> Sampled:
+def sampled_trajectories(trajectories: list[Trajectory], codec: Codec, loaded_at: float) -> Sampled:
     """Trajectories as an engine's Sampled: the completions, the last turns' texts, the
     TRAJECTORY_SCHEMA columns, and the rollout/ metrics of turns and tool calls."""
     from rlpipe.environments import trajectory_metrics
@@ -95,7 +95,7 @@ def sampled_trajectories(trajectories: list[Trajectory], tokenizer: Any, loaded_
         "turns": [len(t.turn_offsets) for t in trajectories],
         "tool_calls": [t.tool_calls for t in trajectories],
         "environment_error": [t.error for t in trajectories],
-        "transcript": tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True),
+        "transcript": [codec.decode(ids) for ids in completions.token_ids],
     }
     columns = {field.name: pa.array(values[field.name], field.type) for field in TRAJECTORY_SCHEMA}
     return Sampled(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.engines import Policy, Sampled, sample_seed
+from rlpipe.rollouts import Completions
 from rlpipe.store.weights import stored_path
 
 if TYPE_CHECKING:
@@ -23,10 +24,12 @@ def sample_prompts(
     prompt_ids: list[list[int]],
     iteration: int,
     policy: Policy | None = None,
+    rows: list[dict] | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
     ready replica serves `weights` (reloaded in place when it does not; an adapter version's
-    requests name its adapter where the samplers serve adapters)."""
+    requests name its adapter where the samplers serve adapters); with rollout.environment,
+    multi-turn trajectories of `rows`, each turn one request per sequence."""
     from tokenizers import Tokenizer
 
     from rlpipe.clients.sampler_client import (
@@ -46,18 +49,69 @@ def sample_prompts(
     tokenizer = Tokenizer.from_file(str(Path(stored_path(weights, cache_root)) / "tokenizer.json"))  # a delta's too
     loaded = time.time()
     r = spec.rollout
+    model = adapter_name(weights_dir, weights["version"]) if adapters else None
+    seed = sample_seed(spec.seed, iteration)
+    if r.environment is not None:
+        return sample_trajectories(spec, urls, rows or [], seed, weights["version"], model, tokenizer, loaded, metrics)
     sampling = {"max_tokens": r.max_new_tokens, "temperature": r.temperature}
     completions, client_metrics = generate_groups(
         urls,
         prompt_ids,
         r.samples_per_prompt,
         sampling,
-        sample_seed(spec.seed, iteration),
+        seed,
         weights["version"],
         s.requests_per_replica,
         s.request_timeout_s,
-        adapter_name(weights_dir, weights["version"]) if adapters else None,
+        model,
     )
     texts = tokenizer.decode_batch(completions.token_ids, skip_special_tokens=True)
     metrics |= client_metrics | {"samplers/ready": float(len(urls))}
     return Sampled(completions, texts, loaded, metrics)
+
+
+def sample_trajectories(
+    spec: RunSpec,
+    urls: list[str],
+    rows: list[dict],
+    seed: int,
+    version: int,
+    model: str | None,
+    tokenizer,
+    loaded: float,
+    metrics: dict[str, float],
+) -> Sampled:
+    """rollout.samples_per_prompt trajectories per row against rollout.environment
+    (rlpipe.environments.run_trajectories), each turn's sequences fanned across the samplers as
+    generate_groups fans prompts; request k of the n-th sequence drawn is seeded seed + n."""
+    from rlpipe.clients.sampler_client import generate_groups
+    from rlpipe.engines import sampled_trajectories
+    from rlpipe.environments import Codec, environment_factory, run_trajectories
+
+    r, s = spec.rollout, spec.samplers
+    drawn = 0
+    client: dict[str, float] = {}
+
+    def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
+        nonlocal drawn
+        sampling = {"max_tokens": max_new_tokens, "temperature": r.temperature, "stop_token_ids": sorted(stop_ids)}
+        completions, turn = generate_groups(
+            urls, sequences, 1, sampling, seed + drawn, version, s.requests_per_replica, s.request_timeout_s, model
+        )
+        drawn += len(sequences)
+        for key, value in turn.items():
+            client[key] = client.get(key, 0.0) + value
+        return completions
+
+    codec = Codec(
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    repeated = [row for row in rows for _ in range(r.samples_per_prompt)]
+    prompts = [list(row["prompt_token_ids"]) for row in repeated]
+    trajectories = run_trajectories(
+        sample_turn, environment_factory(r.environment), repeated, prompts, codec, r.environment, r.max_new_tokens
+    )
+    sampled = sampled_trajectories(trajectories, codec, loaded)
+    sampled.metrics |= metrics | client | {"samplers/ready": float(len(urls))}
+    return sampled

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.engines import Policy, Sampled, Sampling, sampled_trajectories
+from rlpipe.environments import Codec, environment_factory, run_trajectories
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
@@ -169,8 +170,6 @@ def sample_trajectories(
 ) -> list[Trajectory]:
     """`sampling.samples` multi-turn trajectories per row (prompt-major) against `environment`, each
     turn drawn with `sample` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
-    from rlpipe.environments import environment_factory, run_trajectories
-
     model, tokenizer = policy.model, policy.tokenizer
     generator = torch.Generator(device=model.device).manual_seed(seed)
 
@@ -198,7 +197,7 @@ def sample_trajectories(
         environment_factory(environment),
         repeated,
         prompts,
-        tokenizer,
+        Codec.of(tokenizer),
         environment,
         sampling.max_new_tokens,
     )
@@ -230,7 +229,7 @@ def sample_prompts(
     if environment is not None:
         trajectories = sample_trajectories(policy, rows or [], Sampling.of(spec), seed, environment)
         model.train(was_training)
-        return sampled_trajectories(trajectories, tokenizer, loaded)
+        return sampled_trajectories(trajectories, Codec.of(tokenizer), loaded)
     completions = sample_groups(policy, prompt_ids, Sampling.of(spec), seed)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)

@@ -144,7 +144,7 @@ def sample_prompts(
     environment = spec.rollout.environment
     if environment is not None:
         from rlpipe.engines import sampled_trajectories
-        from rlpipe.environments import environment_factory, run_trajectories
+        from rlpipe.environments import Codec, environment_factory, run_trajectories
 
         sampling = Sampling.of(spec)
         repeated = [row for row in rows or [] for _ in range(sampling.samples)]
@@ -153,11 +153,11 @@ def sample_prompts(
             environment_factory(environment),
             repeated,
             [list(row["prompt_token_ids"]) for row in repeated],
-            tokenizer,
+            Codec.of(tokenizer),
             environment,
             sampling.max_new_tokens,
         )
-        return sampled_trajectories(trajectories, tokenizer, loaded)
+        return sampled_trajectories(trajectories, Codec.of(tokenizer), loaded)
     completions = sample_groups(llm, prompt_ids, Sampling.of(spec), seed)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     return Sampled(completions, texts, loaded, {})

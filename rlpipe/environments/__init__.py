@@ -114,11 +114,28 @@ class Trajectory:
         self.loss_mask += [1 if logprobs is not None else 0] * len(token_ids)
 
 
-def stop_token_ids(tokenizer: Any, stop: tuple[str, ...]) -> set[int]:
+@dataclass(frozen=True)
+class Codec:
+    """Text to token ids and back, as the policy's tokenizer does it, without special tokens added
+    (an observation is appended as is) and with them skipped in decoded text."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Codec:
+        """A Hugging Face tokenizer's (PreTrainedTokenizerBase)."""
+        return cls(
+            lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+
+def stop_token_ids(codec: Codec, stop: tuple[str, ...]) -> set[int]:
     """The token id of each stop string; each must be one token, since turns end on token ids."""
     ids = set()
     for text in stop:
-        encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+        encoded = codec.encode(text)
         if len(encoded) != 1:
             raise ValueError(
                 f"rollout.environment: stop string {text!r} is {len(encoded)} tokens of this tokenizer; "
@@ -151,7 +168,7 @@ def run_trajectories(
     make_environment: Callable[[], Environment],
     rows: list[dict[str, Any]],
     prompt_ids: list[list[int]],
-    tokenizer: Any,
+    codec: Codec,
     spec: EnvironmentSpec,
     max_new_tokens: int,
 ) -> list[Trajectory]:
@@ -167,13 +184,13 @@ def run_trajectories(
     environments = [make_environment() for _ in rows]
     trajectories = [Trajectory() for _ in rows]
     try:
-        stops = stop_token_ids(tokenizer, tuple(environments[0].stop)) if environments else set()
+        stops = stop_token_ids(codec, tuple(environments[0].stop)) if environments else set()
         first = answers([lambda e=e, r=r: e.reset(r) for e, r in zip(environments, rows, strict=True)])
         active = []
         for i, observation in enumerate(first):
             if isinstance(observation, Exception):
                 fail(trajectories[i], observation)
-            elif append_observation(trajectories[i], observation, tokenizer, spec.max_tokens):
+            elif append_observation(trajectories[i], observation, codec, spec.max_tokens):
                 active.append(i)
         for turn in range(spec.max_turns):
             if not active:
@@ -185,7 +202,7 @@ def run_trajectories(
             for k, i in enumerate(active):
                 ids, logprobs = sampled.token_ids[k][: budgets[k]], sampled.logprobs[k][: budgets[k]]
                 trajectories[i].append(ids, logprobs)
-                texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+                texts.append(codec.decode(ids))
                 trajectories[i].final_text = texts[-1]
             steps = answers(
                 [
@@ -205,7 +222,7 @@ def run_trajectories(
                     trajectory.finish_reason = "stop"
                 elif turn == spec.max_turns - 1:
                     trajectory.finish_reason = "turns"
-                elif append_observation(trajectory, step.observation, tokenizer, spec.max_tokens):
+                elif append_observation(trajectory, step.observation, codec, spec.max_tokens):
                     still.append(i)
             active = still
         if rows and all(t.error for t in trajectories):
@@ -222,10 +239,10 @@ def run_trajectories(
     return trajectories
 
 
-def append_observation(trajectory: Trajectory, observation: str, tokenizer: Any, budget: int) -> bool:
+def append_observation(trajectory: Trajectory, observation: str, codec: Codec, budget: int) -> bool:
     """Append the observation's tokens (tokenized alone); False when they leave no room for a model
     turn within `budget` (the trajectory then ends, finish_reason "length")."""
-    ids = tokenizer(observation, add_special_tokens=False)["input_ids"] if observation else []
+    ids = codec.encode(observation) if observation else []
     if len(trajectory.completion_token_ids) + len(ids) >= budget:
         trajectory.finish_reason = "length"
         return False

@@ -66,11 +66,6 @@ class RunSpec:
                 "storage.optimizer_every > 1 is for whole-weight training: model.lora's optimizer state is the "
                 "adapters' (a few MB), written every version; set storage.optimizer_every: 1"
             )
-        if self.rollout.environment is not None and self.rollout.engine == "sampler":
-            raise ValueError(
-                "rollout.environment runs multi-turn rollouts with rollout.engine torch or vllm for now; "
-                "the sampler service samples one turn: use rollout.engine: torch or vllm"
-            )
         if self.rollout.environment is not None and self.algorithm.name == "dpo":
             raise ValueError(
                 "rollout.environment samples trajectories, and algorithm.name dpo trains on a fixed preference "
