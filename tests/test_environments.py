@@ -73,15 +73,18 @@ def _changed(rows: list[dict], column: str, on_model: bool) -> list[dict]:
     return changed
 
 
-def _update(tmp_path: Path, name: str, rows: list[dict], algorithm: str, **trainer) -> tuple[dict, dict]:
+def _update(
+    tmp_path: Path, name: str, rows: list[dict], algorithm: str, options: dict | None = None, **trainer
+) -> tuple[dict, dict]:
     spec = parse_spec(
         tiny_spec_dict(
             tmp_path,
-            algorithm={"name": algorithm, "kl_coef": 0.05},
+            algorithm={"name": algorithm, "kl_coef": 0.05, **(options or {})},
             trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05, **trainer},
         )
     )
     trainer_ = _make(spec)
+    trainer_.weights = {"version": 0, "sha256": "-"}  # pi_prox computed here (nothing cached for these weights)
     metrics = train_on_batch(trainer_, _write(rows, tmp_path / f"{name}.parquet"), iteration=1)
     return metrics, _params(trainer_)
 
@@ -100,6 +103,22 @@ def test_environment_tokens_carry_no_loss_term(tmp_path: Path, algorithm: str):
             assert torch.equal(other[name], value), (column, name)
     moved_metrics, moved = _update(tmp_path, "model", _changed(rows, "token_advantages", on_model=True), algorithm)
     assert any(not torch.equal(moved[name], value) for name, value in params.items())  # the test can fail
+
+
+@pytest.mark.parametrize("correction, level", [("truncate", "token"), ("mask", "sequence"), ("truncate", "geometric")])
+def test_off_policy_weights_skip_environment_tokens(tmp_path: Path, correction: str, level: str):
+    """With an off-policy correction (pi_prox / pi_behaviour per token, or per sequence over the model's
+    tokens), the behaviour log-probs at environment positions change nothing either."""
+    rows = _multi_turn_rows()
+    options = {"off_policy_correction": correction, "is_level": level, "is_threshold": 1.5}
+    metrics, params = _update(tmp_path, "base", rows, "grpo", options)
+    assert "off_policy/is_weight_mean" in metrics
+    other_metrics, other = _update(tmp_path, "env", _changed(rows, "logprobs", on_model=False), "grpo", options)
+    assert other_metrics["policy/loss"] == metrics["policy/loss"]
+    assert other_metrics["off_policy/is_weight_mean"] == metrics["off_policy/is_weight_mean"]
+    assert all(torch.equal(other[name], value) for name, value in params.items())
+    moved_metrics, _ = _update(tmp_path, "model", _changed(rows, "logprobs", on_model=True), "grpo", options)
+    assert moved_metrics["off_policy/is_weight_mean"] != metrics["off_policy/is_weight_mean"]
 
 
 def test_micro_batches_of_trajectories_equal_the_one_pass_update(tmp_path: Path):
