@@ -250,6 +250,26 @@ def check_rewards(spec: RunSpec) -> str:
     return f"rewards {names} and verifier {spec.reward.verifier} score a sample"
 
 
+def check_environment(spec: RunSpec) -> str:
+    """rollout.environment builds, and each of its stop strings is one token of the model's tokenizer."""
+    environment = spec.rollout.environment
+    if environment is None:
+        return "environment: none (single-turn rollouts)"
+    from rlpipe.environments import Codec, environment_factory, stop_token_ids
+    from rlpipe.model_files import load_prompt_tokenizer
+
+    try:
+        built = environment_factory(environment)()
+        if _tokenizer_is_local(spec):
+            tokenizer = load_prompt_tokenizer(spec.model.path, spec.cache_root).tokenizer
+            codec = Codec(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.decode)
+            stop_token_ids(codec, tuple(built.stop))
+        built.close()
+    except ValueError as err:
+        raise CheckFailed(str(err)) from None
+    return f"environment {environment.type}: turns end at eos or {list(built.stop)}, at most {environment.max_turns}"
+
+
 def check_tracking(spec: RunSpec, run_root: str) -> str:
     """The MLflow tracking URI: a server answers /health; any other URI needs a store in MLflow's
     registry and, for a database (sqlite, postgresql, mysql, mssql), SQLAlchemy's driver for it
@@ -455,6 +475,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
         lambda: check_algorithm(spec),
         lambda: check_model(spec),
         lambda: check_rewards(spec),
+        lambda: check_environment(spec),
         lambda: check_tracking(spec, run_root),
     ]
     failures = []

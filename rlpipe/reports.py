@@ -102,7 +102,7 @@ def _samples_table(rows: list[dict[str, Any]], groups: list[int], per_group: int
                 [
                     f"{group} (mean {mean:.3g}, std {std:.3g})" if first else "",
                     cell(row["prompt"], PROMPT_CHARS, keep_end=True) if first else "〃",
-                    cell(row["completion"]),
+                    cell(row.get("transcript") or row["completion"]),  # a trajectory: observations too
                     f"{row['reward']:.4g}",
                     _advantage(row),
                 ]
@@ -122,6 +122,7 @@ def samples_report(scored_path: str, batch_path: str, groups: int = 2, per_group
     batch_file = pq.ParquetFile(batch_path)
     advantages = [name for name in ("advantage", "token_advantages") if name in batch_file.schema_arrow.names]
     columns = ["iteration", "group_id", "sample_index", "prompt", "completion", "reward", *advantages[:1]]
+    columns += [name for name in ("transcript",) if name in batch_file.schema_arrow.names]
     batch = batch_file.read(columns=columns).to_pylist()
     rewards = scored["reward"]
     iteration = batch[0]["iteration"] if batch else "?"
@@ -196,7 +197,7 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
         [
             str(s["index"]),
             cell(s["prompt"], PROMPT_CHARS, keep_end=True),
-            cell(s["completion"]),
+            cell(s.get("transcript") or s["completion"]),
             cell(s["answer"]),
             ("✓" if s["correct"] else "✗") + ("" if s["reward"] in (0.0, 1.0) else f" {s['reward']:.3g}"),
             *([("✓" if s.get("strict") else "✗")] if strict_column else []),

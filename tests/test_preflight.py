@@ -79,3 +79,13 @@ def test_every_data_problem_is_listed_at_once(tmp_path: Path):
 @pytest.mark.parametrize("template", ["{0} =", "{prompt.text} ="])
 def test_a_prompt_template_that_cannot_render_is_named_not_a_traceback(tmp_path: Path, template: str):
     _check_fails(_rlpipe("check", str(_spec(tmp_path, data={"prompt_template": template}))), "fix data.prompt_template")
+
+
+def test_an_environment_whose_turns_cannot_end_is_caught_before_any_step(tmp_path: Path):
+    """A tools environment in the Hermes format on the character tokenizer: "</tool_call>" is 12 tokens,
+    and turns end on one token id. `rlpipe check` says so; the calculator passes."""
+    hermes = {"type": "tools", "options": {"tools": ["calculator"]}}
+    result = _rlpipe("check", str(_spec(tmp_path, rollout={"environment": hermes})))
+    _check_fails(result, "stop string '</tool_call>' is 12 tokens of this tokenizer")
+    result = _rlpipe("check", str(_spec(tmp_path, rollout={"environment": {"type": "calculator"}})))
+    assert "ok  environment calculator: turns end at eos or ['=']" in result.stdout, result.stdout + result.stderr
