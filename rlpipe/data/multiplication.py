@@ -14,7 +14,7 @@ import json
 import random
 
 
-def make_rows(rng: random.Random, n: int, digits: int = 2, tool_fraction: float = 0.1) -> list[dict[str, str]]:
+def make_rows(rng: random.Random, n: int, digits: int = 2, tool_fraction: float = 0.2) -> list[dict[str, str]]:
     """n distinct problems a*b with 0 <= a, b < 10**digits."""
     limit = 10**digits
     if n > limit * limit:
