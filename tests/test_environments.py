@@ -569,3 +569,30 @@ def test_multi_turn_run_on_kfp_local_and_its_compiled_yaml(tmp_path: Path):
     generate = [executors[name] for name in executors if name.startswith("exec-generate")]
     assert generate and all(e["podMetadata"]["labels"] == {"rlpipe.dev/sandbox": "true"} for e in generate)
     assert "podMetadata" not in executors["exec-update"]  # only the step that runs model-written code
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_ppo_gae_steps_over_the_model_tokens_only(whiten: bool):
+    """PPO's GAE on a trajectory is GAE on its model tokens alone: the critic's values at observation
+    tokens change nothing, and those tokens get advantage and return 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rlpipe.algorithms.ppo import gae, ppo_advantages
+    from rlpipe.algorithms.registry import Scored
+
+    options = SimpleNamespace(gamma=1.0, lam=0.95, whiten_advantages=whiten)
+    mask = np.array([1, 1, 0, 0, 1, 1], dtype=bool)
+    rewards, groups = np.array([1.0, 0.0]), np.array([0, 0])
+    values = [np.array([0.1, 0.2, 9.0, 9.0, 0.3, 0.4]), np.array([0.5, 0.1, -3.0, 2.0, 0.2, 0.7])]
+    estimate = ppo_advantages(Scored(rewards, groups, values, [mask, mask]), options)
+    other = [v.copy() for v in values]
+    for v in other:
+        v[~mask] = -7.0
+    again = ppo_advantages(Scored(rewards, groups, other, [mask, mask]), options)
+    for a, b in zip(estimate.per_token + estimate.returns, again.per_token + again.returns, strict=True):
+        assert np.array_equal(a, b) and not a[~mask].any()
+    if not whiten:
+        alone, returns = gae(np.array([0.0, 0.0, 0.0, 1.0]), values[0][mask], 1.0, 0.95)
+        assert np.allclose(estimate.per_token[0][mask], alone) and np.allclose(estimate.returns[0][mask], returns)

@@ -115,7 +115,10 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
         table, group_ids, rewards = table.filter(keep), group_ids[keep], rewards[keep]
         metrics |= selection
     values = critic_values(algorithm, table, metrics) if "critic" in algorithm.needs else None
-    estimate = algorithm.advantages(Scored(rewards, group_ids, values), options)
+    masks = None
+    if "loss_mask" in table.column_names:  # trajectories: the model's tokens are the steps of a critic's GAE
+        masks = [np.asarray(m, dtype=bool) for m in table.column("loss_mask").to_pylist()]
+    estimate = algorithm.advantages(Scored(rewards, group_ids, values, masks), options)
     if estimate.per_sequence is not None:
         table = table.append_column("advantage", [np.asarray(estimate.per_sequence, dtype=np.float32)])
         metrics["advantage/abs_mean"] = float(np.abs(estimate.per_sequence).mean())

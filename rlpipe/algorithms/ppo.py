@@ -10,6 +10,9 @@ rewards and values into per-token advantages with GAE (numpy only):
     G_t     = A_t + V_t                                           (the critic's regression target)
     A_t    <- (A_t - mean A) / (std A + eps) over every token of the batch   (whiten_advantages)
 
+In a multi-turn trajectory t runs over the model's tokens only (its loss_mask): an observation is
+part of the step from one model token to the next, not a step of its own; A_t = G_t = 0 there.
+
 The update trains the policy on PPO's clipped surrogate with the per-token A_t
 (policy_gradient.clipped_policy_loss, token mean) and the critic on the clipped value loss
 
@@ -53,18 +56,20 @@ def ppo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
     if scored.values is None:
         raise ValueError("ppo's advantages need the values step's per-token values")
     advantages, returns = [], []
-    for reward, completion_values in zip(scored.rewards, scored.values, strict=True):
+    masks = scored.loss_masks or [np.ones(len(v), dtype=bool) for v in scored.values]  # the model's tokens
+    for reward, completion_values, model in zip(scored.rewards, scored.values, masks, strict=True):
         completion_values = np.asarray(completion_values, dtype=np.float64)
-        token_rewards = np.zeros(len(completion_values))
+        token_rewards = np.zeros(int(model.sum()))
         if len(token_rewards):
             token_rewards[-1] = reward
-        a, g = gae(token_rewards, completion_values, options.gamma, options.lam)
+        a, g = np.zeros(len(completion_values)), np.zeros(len(completion_values))
+        a[model], g[model] = gae(token_rewards, completion_values[model], options.gamma, options.lam)
         advantages.append(a)
         returns.append(g)
     if options.whiten_advantages:
-        every = np.concatenate(advantages) if advantages else np.zeros(0)
+        every = np.concatenate([a[m] for a, m in zip(advantages, masks, strict=True)]) if advantages else np.zeros(0)
         mean, std = (every.mean(), every.std()) if len(every) else (0.0, 1.0)
-        advantages = [(a - mean) / (std + STD_EPS) for a in advantages]
+        advantages = [np.where(m, (a - mean) / (std + STD_EPS), 0.0) for a, m in zip(advantages, masks, strict=True)]
     return Advantages(per_token=advantages, returns=returns)
 
 

@@ -68,6 +68,7 @@ class Scored:
     rewards: np.ndarray  # [N] float64
     group_ids: np.ndarray  # [N]: completions of one prompt share an id
     values: list[np.ndarray] | None = None  # the values step's V_t, one array per completion ("critic" only)
+    loss_masks: list[np.ndarray] | None = None  # multi-turn: 1 at the model's tokens (rlpipe.environments)
 
 
 @dataclass(frozen=True)
