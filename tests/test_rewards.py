@@ -102,6 +102,8 @@ def test_regex_and_dapo_length_penalty_by_hand():
     lengths = [3, 4, 5, 6, 8, 9]
     ids = [[0] * n for n in lengths]
     assert _call(penalty, ["x"] * 6, completion_token_ids=ids) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    # a trajectory's length is its model tokens: 6 tokens, 4 of them an observation, count 2
+    assert _call(penalty, ["x"], completion_token_ids=[[0] * 6], loss_mask=[[1, 0, 0, 0, 0, 1]]) == [0.0]
     with pytest.raises(RewardError, match="regex pattern '\\(' does not compile"):
         _call({"type": "regex", "pattern": "("}, ["x"])
     with pytest.raises(RewardError, match=r"length_penalty .*max_tokens"):

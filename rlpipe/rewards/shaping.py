@@ -60,7 +60,8 @@ def length_penalty(options: dict[str, Any], key: str) -> RewardFunction:
         R = 0                                   if L <= L_max - L_cache
         R = ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max   (0 down to -1)
         R = -1                                  if L > L_max
-    L counts the completion's sampled tokens (the completion_token_ids column)."""
+    L counts the completion's sampled tokens (the completion_token_ids column; of a multi-turn
+    trajectory, the model's: its loss_mask)."""
     options_of(
         options, {"max_tokens": int, "buffer_tokens": int}, ("max_tokens", "buffer_tokens"), key, "length_penalty"
     )
@@ -68,10 +69,12 @@ def length_penalty(options: dict[str, Any], key: str) -> RewardFunction:
     if not 0 < buffer <= limit:
         raise RewardError(f"{key}: length_penalty needs 0 < buffer_tokens <= max_tokens")
 
-    def penalty(prompts: list[str], completions: list[str], completion_token_ids: list, **_: Any) -> list[float]:
+    def penalty(
+        prompts: list[str], completions: list[str], completion_token_ids: list, loss_mask: list | None = None, **_: Any
+    ) -> list[float]:
         scores = []
-        for ids in completion_token_ids:
-            length = len(ids)
+        for ids, mask in zip(completion_token_ids, loss_mask or [None] * len(completion_token_ids), strict=True):
+            length = len(ids) if mask is None else sum(mask)
             scores.append(
                 0.0 if length <= limit - buffer else -1.0 if length > limit else (limit - buffer - length) / buffer
             )
