@@ -84,8 +84,8 @@ def environment_factory(spec: EnvironmentSpec) -> Callable[[], Environment]:
     return build(dict(spec.options), "rollout.environment")
 
 
-# sequences (prompt and everything so far) -> one more turn each: tokens through eos or a stop id
-Continue = Callable[[list[list[int]], int, set[int]], Completions]
+# (sequences: prompt and everything so far, max new tokens, stop ids) -> one more turn each, through eos or a stop id
+TurnSampler = Callable[[list[list[int]], int, set[int]], Completions]
 
 
 @dataclass
@@ -98,7 +98,8 @@ class Trajectory:
     turn_offsets: list[int] = field(default_factory=list)  # where each model turn starts
     turn_rewards: list[float] = field(default_factory=list)
     tool_calls: int = 0
-    finish_reason: str = "stop"  # stop: the environment ended it; length: token budget; turns: turn limit
+    finish_reason: str = "stop"  # stop: done after a turn that ended at eos or a stop id; length: a turn or the
+    # token budget ran out; turns: the turn limit; error: the environment failed
     final_text: str = ""  # the last model turn, decoded: what the verifier judges
     error: str = ""  # why the environment ended it early ("" if it did not)
 
@@ -164,7 +165,7 @@ def answers(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def run_trajectories(
-    sample_turn: Continue,
+    sample_turn: TurnSampler,
     make_environment: Callable[[], Environment],
     rows: list[dict[str, Any]],
     prompt_ids: list[list[int]],
@@ -198,12 +199,13 @@ def run_trajectories(
             budgets = [spec.max_tokens - len(trajectories[i].completion_token_ids) for i in active]
             sequences = [prompt_ids[i] + trajectories[i].completion_token_ids for i in active]
             sampled = sample_turn(sequences, min(max_new_tokens, max(budgets)), stops)
-            texts = []
+            texts, ended = [], {}
             for k, i in enumerate(active):
                 ids, logprobs = sampled.token_ids[k][: budgets[k]], sampled.logprobs[k][: budgets[k]]
                 trajectories[i].append(ids, logprobs)
                 texts.append(codec.decode(ids))
                 trajectories[i].final_text = texts[-1]
+                ended[i] = sampled.finish_reasons[k] == "stop" and len(ids) == len(sampled.token_ids[k])
             steps = answers(
                 [
                     lambda e=environments[i], t=t, ids=trajectories[i].last_turn(): e.step(t, ids)
@@ -219,7 +221,7 @@ def run_trajectories(
                 trajectory.turn_rewards.append(float(step.reward))
                 trajectory.tool_calls += bool(step.info.get("tool_call"))
                 if step.done:
-                    trajectory.finish_reason = "stop"
+                    trajectory.finish_reason = "stop" if ended[i] else "length"
                 elif turn == spec.max_turns - 1:
                     trajectory.finish_reason = "turns"
                 elif append_observation(trajectory, step.observation, codec, spec.max_tokens):
