@@ -20,11 +20,13 @@ model trained beside policy v{N} (rlpipe.training.critic).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypedDict
 
@@ -84,6 +86,20 @@ def weights_bytes(uri: str) -> int:
     return sum(info["size"] for path, info in fs.find(root, detail=True).items() if path.endswith(".safetensors"))
 
 
+@contextlib.contextmanager
+def staging_dir(run_root: str, version: int, cache_root: str | Path) -> Iterator[tuple[str, str]]:
+    """(the staging URI of `version`, a local directory to write it in): the staging directory itself for
+    a local run root; else one under the cache, uploaded to the URI when the block ends without error."""
+    staged = staging_uri(run_root, version)
+    fs, staged_path = filesystem(staged)
+    save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    yield staged, save_dir
+    if not is_local(staged):
+        fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+
 def stage_pretrained(
     run_root: str,
     version: int,
@@ -93,38 +109,27 @@ def stage_pretrained(
     state_dict: dict | None = None,
     base: WeightRef | None = None,
 ) -> str:
-    """`save_pretrained` model + tokenizer into a fresh staging dir (via a local dir for remote stores);
-    `state_dict`: the whole weights when the model itself holds only a shard (FSDP); `base`: the
-    sealed version an adapter-only model applies to (written as BASE_FILE)."""
-    staged = staging_uri(run_root, version)
-    fs, staged_path = filesystem(staged)
-    save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
-    model.save_pretrained(save_dir, state_dict=state_dict)  # a PeftModel saves only its adapters
-    tokenizer.save_pretrained(save_dir)
-    if base is not None:
-        Path(save_dir, BASE_FILE).write_text(json.dumps(base, sort_keys=True))
-        Path(save_dir, "README.md").unlink(missing_ok=True)  # peft's model-card template
-    if not is_local(staged):
-        fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
-        shutil.rmtree(save_dir, ignore_errors=True)
+    """`save_pretrained` model + tokenizer into a fresh staging dir (`staging_dir`); `state_dict`: the
+    whole weights when the model itself holds only a shard (FSDP); `base`: the sealed version an
+    adapter-only model applies to (written as BASE_FILE)."""
+    with staging_dir(run_root, version, cache_root) as (staged, save_dir):
+        model.save_pretrained(save_dir, state_dict=state_dict)  # a PeftModel saves only its adapters
+        tokenizer.save_pretrained(save_dir)
+        if base is not None:
+            Path(save_dir, BASE_FILE).write_text(json.dumps(base, sort_keys=True))
+            Path(save_dir, "README.md").unlink(missing_ok=True)  # peft's model-card template
     return staged
 
 
 def stage_delta(run_root: str, version: int, config, tokenizer, delta: dict, cache_root: str | Path) -> str:
-    """A delta version into a fresh staging dir: the model's config and tokenizer, and DELTA_FILE."""
+    """A delta version into a fresh staging dir (`staging_dir`): the model's config and tokenizer, and DELTA_FILE."""
     from rlpipe.store.weight_deltas import DELTA_FILE, write_safetensors
 
-    staged = staging_uri(run_root, version)
-    fs, staged_path = filesystem(staged)
-    save_dir = staged_path if is_local(staged) else str(Path(cache_root) / "staging" / staged.rsplit("/", 1)[-1])
-    Path(save_dir).mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
-    with open(Path(save_dir, DELTA_FILE), "wb") as f:
-        write_safetensors(delta, f, {"format": "rlpipe-delta"})
-    if not is_local(staged):
-        fs.put(save_dir.rstrip("/") + "/", staged_path, recursive=True)
-        shutil.rmtree(save_dir, ignore_errors=True)
+    with staging_dir(run_root, version, cache_root) as (staged, save_dir):
+        config.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+        with open(Path(save_dir, DELTA_FILE), "wb") as f:
+            write_safetensors(delta, f, {"format": "rlpipe-delta"})
     return staged
 
 
