@@ -118,6 +118,13 @@ def supervised_warm_start(
     batches = sft_batches(tokenizer, train, ws, random.Random(seed))
     recent: list[float] = []
     accuracy, step = float("nan"), 0
+
+    def validation_accuracy() -> float:
+        return greedy_accuracy(
+            model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s,
+            environment=environment,
+        )  # fmt: skip
+
     model.train()
     while step < ws.max_steps:
         input_ids, labels, attention = (t.to(model.device) for t in next(batches))
@@ -128,29 +135,11 @@ def supervised_warm_start(
         recent = (recent + [loss.item()])[-50:]
         step += 1
         if ws.target_accuracy is not None and (step % ws.check_every == 0 or step == ws.max_steps):
-            accuracy = greedy_accuracy(
-                model,
-                tokenizer,
-                validation,
-                reward.verifier,
-                max_new_tokens,
-                len(validation),
-                reward.timeout_s,
-                environment=environment,
-            )
+            accuracy = validation_accuracy()
             if accuracy >= ws.target_accuracy:
                 break
     if ws.target_accuracy is None:  # no stop check ran: measure where max_steps landed
-        accuracy = greedy_accuracy(
-            model,
-            tokenizer,
-            validation,
-            reward.verifier,
-            max_new_tokens,
-            len(validation),
-            reward.timeout_s,
-            environment=environment,
-        )
+        accuracy = validation_accuracy()
     model.eval()
     return {
         "warm_start/final_loss": sum(recent) / max(len(recent), 1),
