@@ -211,7 +211,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     import pyarrow as pa
 
     from rlpipe.engines import iteration_prompts, read_train_rows
-    from rlpipe.rollouts import read_table, write_table
+    from rlpipe.rollouts import length_metrics, read_table, write_table
 
     started = time.time()
     previous = read_json(join(iteration_uri(run_root, iteration - 1, consumed=True), "taken.json"))
@@ -264,9 +264,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
         "async/stale_rows_dropped": float(dropped),
         "async/buffer_depth": float(ahead),
         "async/wait_s": waited,
-        "rollout/completion_tokens_mean": sum(len(t) for t in rollouts.column("completion_token_ids").to_pylist())
-        / len(versions),
-    } | {
+    } | length_metrics([len(t) for t in rollouts.column("completion_token_ids").to_pylist()]) | {
         f"async/staleness_{k}_fraction": staleness.count(k) / len(staleness) for k in range(spec.loop.max_staleness + 1)
     }
     if previous and previous.get("producer_busy_s") is not None and beat.get("busy_s") is not None:

@@ -9,6 +9,7 @@ batch     + advantage                                       (advantages)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,19 @@ class Completions:
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
         self.finish_reasons += other.finish_reasons
+
+
+def length_metrics(lengths: list[int]) -> dict[str, float]:
+    """The completions' token counts: mean, p50, p99 (nearest rank) and max; the tail a batch decodes
+    through is the max, what the update trains on is the mean."""
+    ordered = sorted(lengths)
+    rank = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
+    return {
+        "rollout/completion_tokens_mean": sum(ordered) / len(ordered),
+        "rollout/completion_tokens_p50": float(rank(0.50)),
+        "rollout/completion_tokens_p99": float(rank(0.99)),
+        "rollout/completion_tokens_max": float(ordered[-1]),
+    }
 
 
 def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:

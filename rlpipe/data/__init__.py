@@ -7,7 +7,7 @@ every other column reaches the reward functions and the verifier as keyword list
 
 A generator makes rows:
     make_rows(rng: random.Random, n: int, **options) -> list[dict]
-`data.generator` is a registered name (`register_source`; built in: addition, multiplication), 'package.module:name'
+`data.generator` is a registered name (`register_source`; built in: addition, multiplication, sorting), 'package.module:name'
 for one that module registers, or 'module:function' naming the generator itself.
 """
 
@@ -129,7 +129,8 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
     return counts
 
 
-from rlpipe.data import addition, multiplication  # noqa: E402 (the built-in sources; needs register_source above)
+from rlpipe.data import addition, multiplication, sorting  # noqa: E402 (the built-in sources; needs register_source above)
 
 register_source("addition", addition.make_rows)
 register_source("multiplication", multiplication.make_rows)
+register_source("sorting", sorting.make_rows)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from rlpipe.rollouts import ROLLOUT_SCHEMA, TRAJECTORY_SCHEMA, Completions, read_table, write_table
+from rlpipe.rollouts import ROLLOUT_SCHEMA, TRAJECTORY_SCHEMA, Completions, length_metrics, read_table, write_table
 from rlpipe.store.run_root import data_uri
 from rlpipe.store.weights import WeightRef, as_ref
 
@@ -230,11 +230,14 @@ def sample_to_rollouts(
         out_path,
         ROLLOUT_SCHEMA,
     )
-    new_tokens = sum(len(t) for t in completions.token_ids)
-    return sampled.metrics | {
-        "overhead/generate_load_s": loaded - t0,
-        "time/generate_s": time.time() - loaded,
-        "throughput/generate_tokens_per_s": new_tokens / max(sampled_at - loaded, 1e-9),
-        "rollout/completion_tokens_mean": new_tokens / n,
-        "rollout/stop_fraction": sum(r == "stop" for r in completions.finish_reasons) / n,
-    }
+    lengths = [len(t) for t in completions.token_ids]
+    return (
+        sampled.metrics
+        | length_metrics(lengths)
+        | {
+            "overhead/generate_load_s": loaded - t0,
+            "time/generate_s": time.time() - loaded,
+            "throughput/generate_tokens_per_s": sum(lengths) / max(sampled_at - loaded, 1e-9),
+            "rollout/stop_fraction": sum(r == "stop" for r in completions.finish_reasons) / n,
+        }
+    )
