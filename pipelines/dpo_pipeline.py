@@ -85,4 +85,7 @@ def build_pipeline_for(spec: RunSpec, placement: RunSpec | None = None) -> Calla
     if is_offline_dpo(spec):
         check_dpo_spec(spec)
         return build_dpo_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement)
-    return build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement, iteration_steps(spec))
+    offset = spec.loop.max_staleness if spec.loop.overlap == "dag" else 0
+    return build_run_pipeline(
+        spec.loop.iterations_per_run, spec.loop.eval_every, placement, iteration_steps(spec), offset
+    )

@@ -28,6 +28,7 @@ from rlpipe.preflight import preflight
 from rlpipe.schedule import stopped_by_gate
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
+from rlpipe.steps import service_for
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -271,7 +272,7 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 
     producer = None
-    if spec.loop.max_staleness >= 1:  # asynchronous: generation runs ahead into the rollout buffer
+    if service_for("generate", spec) == "producer":  # asynchronous: generation runs ahead into the rollout buffer
         from rlpipe.services.rollout_producer import LocalProducer
 
         producer_spec = Path(run_root) / "producers" / "spec.json"

@@ -6,6 +6,8 @@
     rl_run (K unrolled):          prepare -> warm_start -> publish_warm_start -> plan, iterations_todo
                                   -> evaluate (if pending) -> iteration 1 -> ... -> iteration K
                                   (iteration k runs under If(iterations_todo >= k))
+    DAG-offset form (loop.overlap dag, s = loop.max_staleness): iteration k's generate and score
+                                  take v(k-1-s) and run beside update k-1 (`offset_iterations`)
                                   exit handler: track (MLflow), runs even if an iteration fails
 
 KFP v2 has no while loop: `plan` reads state.json, so every run of this pipeline (local
@@ -73,15 +75,60 @@ def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str,
         available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
         for step in steps:
             add_task(step, available, placement)
-        # sync_weights put the published v(N+1) in available["weights"]
-        with dsl.If(eval_phase == due_phase, name="eval-due"):
-            add_task("evaluate", dict(available), placement)
-        with dsl.Elif(iterations_left == position, name="last-iteration"):
-            add_task("evaluate", dict(available), placement)
+        add_evaluation(available, eval_phase == due_phase, iterations_left == position, placement)
         outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
         return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
 
     return rl_iteration
+
+
+def add_evaluation(available: dict[str, Any], due: Any, last: Any, placement: RunSpec | None) -> None:
+    """evaluate the version sync_weights published (available["weights"]) when an eval is `due` (its
+    phase) or the iteration is the loop's `last`: conditions on a nested pipeline's inputs."""
+    with dsl.If(due, name="eval-due"):
+        add_task("evaluate", dict(available), placement)
+    with dsl.Elif(last, name="last-iteration"):
+        add_task("evaluate", dict(available), placement)
+
+
+AHEAD = ("generate", "score")  # the DAG-offset form's steps that run ahead, beside the update before them
+
+
+def build_offset_update_pipeline(placement: RunSpec | None, steps: tuple[str, ...]) -> Callable:
+    """The rest of an iteration in the DAG-offset form (loop.overlap dag), as a pipeline: the steps after
+    AHEAD on rollouts scored ahead, then evaluate when due."""
+
+    @dsl.pipeline(name="rlpipe-offset-update", description="Train v(N) into v(N+1) on rollouts scored ahead.")
+    def rl_offset_update(
+        spec: str,
+        run_root: str,
+        weights: dict,
+        iteration: int,
+        scored: dsl.Input[dsl.Dataset],
+        generate_metrics: dict,
+        score_metrics: dict,
+        eval_phase: int,
+        due_phase: int,
+        iterations_left: int,
+        position: int,
+    ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
+        available: dict[str, Any] = {
+            "spec": spec,
+            "run_root": run_root,
+            "weights": weights,
+            "iteration": iteration,
+            "scored": scored,
+            "generate_metrics": generate_metrics,
+            "score_metrics": score_metrics,
+        }
+        for step in steps:
+            if step not in AHEAD:
+                add_task(step, available, placement)
+        add_evaluation(available, eval_phase == due_phase, iterations_left == position, placement)
+        outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
+        return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
+
+    return rl_offset_update
 
 
 def initialize(spec: str, run_root: str, placement: RunSpec | None) -> dsl.PipelineTask:
@@ -105,10 +152,17 @@ def unroll_iterations(
     iterations_per_run: int,
     eval_every: int,
     placement: RunSpec | None,
+    offset: tuple[int, Callable] | None = None,
 ) -> None:
     """After `after`: plan and iterations_todo read state.json, the starting version is evaluated if an
     eval of it is pending, then `iteration_pipeline` K = iterations_per_run times, iteration k under
-    If(todo >= k), each taking the weights the one before published."""
+    If(todo >= k), each taking the weights the one before published. `offset` (s, the offset update
+    pipeline): a run of K iterations takes the DAG-offset form instead (`offset_iterations`).
+
+    The offset form is not gated per iteration: a condition group starts only once every task it takes
+    an output from has finished, so iteration k+1 under If(todo >= k+1), taking update k's weights,
+    could not generate beside update k. Only a run of K whole iterations takes it; the run that ends
+    the loop with fewer goes in sequence."""
     start = place(COMPONENTS["plan"](spec=spec, run_root=run_root).after(after), "plan", placement)
     todo = place(COMPONENTS["iterations_todo"](spec=spec, run_root=run_root).after(after), "iterations_todo", placement)
     pending = place(
@@ -118,6 +172,29 @@ def unroll_iterations(
         "evaluate",
         placement,
     )
+    if offset:  # a whole pipeline run of K iterations in the offset form; fewer (the loop's end) as below
+        with dsl.If(todo.output >= iterations_per_run, name="offset-iterations"):
+            offset_iterations(spec, run_root, start, pending, offset, iterations_per_run, eval_every, placement)
+        with dsl.Else(name="last-iterations"):
+            sequence_iterations(
+                spec, run_root, iteration_pipeline, start, todo, pending, iterations_per_run, eval_every
+            )
+    else:
+        sequence_iterations(spec, run_root, iteration_pipeline, start, todo, pending, iterations_per_run, eval_every)
+
+
+def sequence_iterations(
+    spec: str,
+    run_root: str,
+    iteration_pipeline: Callable,
+    start: dsl.PipelineTask,
+    todo: dsl.PipelineTask,
+    pending: dsl.PipelineTask,
+    iterations_per_run: int,
+    eval_every: int,
+) -> None:
+    """`iteration_pipeline` K times, iteration k under If(todo >= k), each taking the weights the one
+    before published."""
     weights, iteration = start.outputs["weights"], start.outputs["next_iteration"]
     with ExitStack() as nested:
         for k in range(1, iterations_per_run + 1):
@@ -137,16 +214,68 @@ def unroll_iterations(
             weights, iteration = step.outputs["weights"], step.outputs["next_iteration"]
 
 
+def offset_iterations(
+    spec: str,
+    run_root: str,
+    start: dsl.PipelineTask,
+    pending: dsl.PipelineTask,
+    offset: tuple[int, Callable],
+    iterations_per_run: int,
+    eval_every: int,
+    placement: RunSpec | None,
+) -> None:
+    """K iterations in the DAG-offset form (loop.overlap dag, s = loop.max_staleness): iteration k's
+    AHEAD steps take v(k-1-s), the version published s iterations before its update (the start's for
+    k <= s), so they run beside update k-1 .. k-s as sibling tasks; its update pipeline takes v(k-1):
+
+        plan ─ generate 1 ─ score 1 ─ update 1 ─ update 2 ─ update 3 ...     (s = 1)
+             └ generate 2 ─ score 2 ──────────────┘         │
+                          update 1 ─ generate 3 ─ score 3 ──┘
+    """
+    staleness, update_pipeline = offset
+    published = [(start.outputs["weights"], start.outputs["next_iteration"])]  # v(N0 + j): after j iterations
+    for k in range(1, iterations_per_run + 1):
+        weights, iteration = published[max(0, k - 1 - staleness)]
+        ahead: dict[str, Any] = {
+            "spec": spec,
+            "run_root": run_root,
+            "weights": weights,
+            "iteration": iteration,  # the published version's next iteration: generate samples k's prompts
+            "ahead": min(k - 1, staleness),
+        }
+        for step in AHEAD:
+            task = add_task(step, ahead, placement)
+            if k == 1:  # the starting version is evaluated before any iteration can prune it
+                task.after(pending)
+        weights, iteration = published[k - 1]
+        trained = update_pipeline(
+            spec=spec,
+            run_root=run_root,
+            weights=weights,
+            iteration=iteration,
+            scored=ahead["scored"],
+            generate_metrics=ahead["generate_metrics"],
+            score_metrics=ahead["score_metrics"],
+            eval_phase=start.outputs["eval_phase"],
+            due_phase=-k % eval_every,  # (N0 + k) % eval_every == 0
+            iterations_left=start.outputs["iterations_left"],
+            position=k,
+        )
+        published.append((trained.outputs["weights"], trained.outputs["next_iteration"]))
+
+
 def build_run_pipeline(
     iterations_per_run: int,
     eval_every: int,
     placement: RunSpec | None = None,
     steps: tuple[str, ...] = EVERY_ITERATION,
+    max_staleness: int = 0,
 ) -> Callable:
     """The pipeline one run of which advances the loop by up to `iterations_per_run` iterations,
     evaluating every `eval_every` iterations (loop settings of the spec it is built for), each
-    iteration running `steps`."""
+    iteration running `steps`. `max_staleness` >= 1: the DAG-offset form (loop.overlap dag)."""
     rl_iteration = build_iteration_pipeline(placement, steps)
+    offset = (max_staleness, build_offset_update_pipeline(placement, steps)) if max_staleness else None
 
     @dsl.pipeline(
         name="rlpipe-run",
@@ -156,6 +285,8 @@ def build_run_pipeline(
         flush = place(COMPONENTS["track"](spec=spec, run_root=run_root), "track", placement)
         with dsl.ExitHandler(flush, name="iterations"):
             published = initialize(spec, run_root, placement)
-            unroll_iterations(spec, run_root, rl_iteration, published, iterations_per_run, eval_every, placement)
+            unroll_iterations(
+                spec, run_root, rl_iteration, published, iterations_per_run, eval_every, placement, offset
+            )
 
     return rl_run

@@ -96,7 +96,8 @@ def generate(
     """Sample rollout.samples_per_prompt completions for each of the iteration's prompts with
     v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`. Asynchronous runs
     (loop.max_staleness s >= 1) take them from the rollout buffer instead, sampled ahead by the producer
-    with v(N-s) .. v(N) (rlpipe.rollout_buffer)."""
+    with v(N-s) .. v(N) (rlpipe.rollout_buffer), or, in the DAG-offset form (loop.overlap dag), sample
+    them here with the version the pipeline hands over, s iterations old at most."""
     if service_for("generate", spec) == "producer":
         from rlpipe.rollout_buffer import take
 
@@ -107,7 +108,10 @@ def generate(
         return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
     from rlpipe.engines import generate_rollouts
 
-    return generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+    metrics = generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+    if spec.loop.max_staleness:  # the DAG-offset form: v(N-1-s) .. v(N-1) sample iteration N
+        metrics["async/staleness_mean"] = metrics["async/staleness_max"] = float(iteration - 1 - weights["version"])
+    return metrics
 
 
 def score(spec: RunSpec, rollouts_path: str, scored_path: str) -> dict[str, float]:
@@ -183,7 +187,7 @@ def sync_weights(
     metrics |= iteration_wall(spec, metrics.pop(STARTED_AT, None), metrics)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
     taken = None
-    if spec.loop.max_staleness and iteration:
+    if service_for("generate", spec) == "producer" and iteration:
         from rlpipe.rollout_buffer import taken_for_commit
 
         taken = taken_for_commit(run_root, iteration)
@@ -212,7 +216,7 @@ def prune_store(spec: RunSpec, run_root: str, version: int) -> None:
     from rlpipe.store.weights import prune, prune_optimizer_states
     from rlpipe.tracking import registered_versions
 
-    if spec.loop.max_staleness:
+    if service_for("generate", spec) == "producer":
         from rlpipe.rollout_buffer import retire
 
         retire(run_root, version, spec.storage.keep_versions)

@@ -258,15 +258,20 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
 
     versions = rollouts.column("weights_version").to_pylist()
     staleness = [iteration - 1 - v for v in versions]
-    metrics = {
-        "async/staleness_mean": sum(staleness) / len(staleness),
-        "async/staleness_max": float(max(staleness)),
-        "async/stale_rows_dropped": float(dropped),
-        "async/buffer_depth": float(ahead),
-        "async/wait_s": waited,
-    } | length_metrics([len(t) for t in rollouts.column("completion_token_ids").to_pylist()]) | {
-        f"async/staleness_{k}_fraction": staleness.count(k) / len(staleness) for k in range(spec.loop.max_staleness + 1)
-    }
+    metrics = (
+        {
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": float(max(staleness)),
+            "async/stale_rows_dropped": float(dropped),
+            "async/buffer_depth": float(ahead),
+            "async/wait_s": waited,
+        }
+        | length_metrics([len(t) for t in rollouts.column("completion_token_ids").to_pylist()])
+        | {
+            f"async/staleness_{k}_fraction": staleness.count(k) / len(staleness)
+            for k in range(spec.loop.max_staleness + 1)
+        }
+    )
     if previous and previous.get("producer_busy_s") is not None and beat.get("busy_s") is not None:
         span = taken["at"] - previous["at"]
         if span > 0:

@@ -103,9 +103,11 @@ def merged_steps(spec: RunSpec) -> tuple[str, ...]:
 def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "producer"] | None:
     """The long-lived service that computes `step` for this spec, or None: it computes in its own
     process. A step with a service is a thin client: no torch, the light image, no GPU. Asynchronous
-    runs (loop.max_staleness >= 1) take their rollouts from the producer's buffer (rlpipe.rollout_buffer)."""
+    runs (loop.max_staleness >= 1) take their rollouts from the producer's buffer (rlpipe.rollout_buffer), or,
+    in the DAG-offset form (loop.overlap dag), sample them in their own process."""
     if step == "generate" and spec.loop.max_staleness >= 1:
-        return "producer"
+        # the DAG-offset form samples with an older version than the resident trainer holds: in its own process
+        return "producer" if spec.loop.overlap == "producer" else None
     if step == "generate" and spec.rollout.engine == "sampler":
         return "sampler"
     if step in ("generate", "values", "update", "evaluate") and spec.trainer.resident:

@@ -105,6 +105,50 @@ def test_truncation_trains_on_stale_rollouts_and_reports_its_weights(initialized
     assert metrics["off_policy/truncated_fraction"] == 0.0
 
 
+def test_mismatch_metrics_by_hand():
+    """d = log pi_trainer - log pi_sampler: k3 = mean(e^d - 1 - d), max and p99 of |d|."""
+    from rlpipe.training.off_policy import mismatch_metrics
+
+    d = [0.1, -0.2, 0.0] + [0.01] * 97 + [-0.5]  # 101 tokens in two micro-batches
+    metrics = mismatch_metrics([torch.tensor(d[:50]), torch.tensor(d[50:])], torch.device("cpu"))
+    by_hand = sum(math.exp(x) - 1 - x for x in d) / len(d)
+    assert metrics["mismatch/k3_kl"] == pytest.approx(by_hand, rel=1e-5)
+    assert metrics["mismatch/abs_diff_max"] == pytest.approx(0.5)
+    assert metrics["mismatch/abs_diff_p99"] == pytest.approx(
+        torch.quantile(torch.tensor(d).abs().double(), 0.99).item()
+    )
+    assert metrics["mismatch/tokens"] == 101
+    assert mismatch_metrics([], torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize("correction", ["none", "truncate"])
+def test_the_update_measures_the_training_inference_mismatch_at_s0(initialized_run, tmp_path: Path, correction):
+    """Every update reports how far the sampler's log-probs are from the trainer's of the same weights, over
+    the tokens of its first optimizer step (all of them with one mini-batch); TIS works at s=0 as well.
+    The torch engine samples with the trainer's own model: a KV-cache decode against a full forward."""
+    from rlpipe import loop
+    from rlpipe.rollouts import read_table
+    from rlpipe.spec import spec_to_dict
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = initialized_run
+    data = spec_to_dict(spec)
+    data["algorithm"]["off_policy_correction"] = correction
+    data["trainer"]["mini_batches"] = 1
+    spec = parse_spec(data)
+    v0 = read_ref(run_root, 0)
+    rollouts, scored, batch = (str(tmp_path / f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
+    loop.generate(spec, run_root, v0, 1, rollouts, cache)
+    loop.score(spec, rollouts, scored)
+    loop.advantages(spec, scored, batch)
+    _, metrics = loop.update(spec, run_root, v0, batch, 1, cache)
+    tokens = sum(len(ids) for ids in read_table(rollouts).column("completion_token_ids").to_pylist())
+    assert metrics["mismatch/tokens"] == tokens
+    assert 0.0 <= metrics["mismatch/k3_kl"] < 1e-8
+    assert 0.0 < metrics["mismatch/abs_diff_max"] < 1e-3
+    assert metrics["mismatch/abs_diff_p99"] <= metrics["mismatch/abs_diff_max"]
+
+
 # --- the buffer -------------------------------------------------------------------------------
 
 
@@ -455,3 +499,81 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     assert sorted(groups) == sorted(consumed_range)  # no prompt skipped
     assert set(groups.values()) == {1}  # none used twice
     assert environment_tokens > 0 or not multi_turn  # the calculator answered some calls
+
+
+# --- the DAG-offset form ------------------------------------------------------------------------
+
+
+def _upstream(tasks: dict, name: str) -> set[str]:
+    """Every task `name` waits for in its DAG, transitively."""
+    seen, todo = set(), list(tasks[name].get("dependentTasks", []))
+    while todo:
+        task = todo.pop()
+        if task not in seen:
+            seen.add(task)
+            todo += tasks[task].get("dependentTasks", [])
+    return seen
+
+
+def test_the_dag_offset_form_compiles_generate_beside_update(tmp_path: Path):
+    """loop.overlap dag: the compiled YAML parses strictly into PipelineSpec, and in a run of K iterations
+    generate k+1 and the update of iteration k are siblings, neither waiting for the other."""
+    from google.protobuf import json_format
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    from rlpipe.pipelines.compile import compile_pipeline
+
+    loop = {"max_staleness": 1, "overlap": "dag", "iterations": 6, "iterations_per_run": 3}
+    spec = parse_spec(tiny_spec_dict(tmp_path, loop=loop, storage={"root": "gs://bucket/runs"}))
+    document = next(yaml.safe_load_all(compile_pipeline(spec, tmp_path / "dag.yaml").read_text()))
+    json_format.ParseDict(document, pipeline_spec_pb2.PipelineSpec())  # unknown fields raise
+    dags = [c["dag"]["tasks"] for c in document["components"].values() if "dag" in c]
+    offset = next(tasks for tasks in dags if "generate-3" in tasks)
+    updates = sorted(name for name in offset if name.startswith("rlpipe-offset-update"))
+    assert len(updates) == 3
+    for k, update in enumerate(updates, start=1):
+        generate = f"generate-{k + 1}"
+        if generate in offset:  # generate k+1 with v(k-1), update k on v(k-1): siblings
+            assert update not in _upstream(offset, generate) and generate not in _upstream(offset, update)
+        if k >= 2:  # update k waits for update k-1 (its weights) and its own scored rollouts
+            assert {updates[k - 2], f"score-{k}" if k > 1 else "score"} <= _upstream(offset, update)
+    inner = next(c["dag"]["tasks"] for name, c in document["components"].items() if name == "comp-rlpipe-offset-update")
+    assert {"advantages", "update", "sync-weights"} <= set(inner) and "generate" not in inner
+
+
+def test_the_dag_offset_form_runs_on_kfp_local(tmp_path: Path):
+    """`rlpipe run` with loop.overlap dag on KFP's local runner: a first pipeline run of K = 2 iterations
+    in the offset form (iteration 2 sampled by v0, one version stale, trained with TIS), then the loop's
+    last iteration in sequence; no producer, no rollout buffer."""
+    from rlpipe.store.run_root import list_metrics
+
+    loop = {"max_staleness": 1, "overlap": "dag", "iterations": 3, "iterations_per_run": 2, "eval_every": 2}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, loop=loop)))
+    run_dir = tmp_path / "run"
+    cli = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
+    result = subprocess.run(cli, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rollout producer" not in result.stdout and not (run_dir / "rollout_buffer").exists()
+    iterations = list_metrics(str(run_dir), "iter")
+    assert sorted(iterations) == [0, 1, 2, 3]
+    assert [iterations[i]["async/staleness_mean"] for i in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert all("off_policy/is_weight_mean" in iterations[i] for i in (1, 2, 3))
+    # the mismatch is measured on rows the trainer's weights sampled: none in iteration 2 (v0's rows, v1 trains)
+    assert [("mismatch/tokens" in iterations[i]) for i in (1, 2, 3)] == [True, False, True]
+    assert json.loads((run_dir / "state.json").read_text())["iteration"] == 3
+    assert sorted(list_metrics(str(run_dir), "eval")) == [0, 2, 3]
+
+
+def test_the_dag_offset_form_refuses_what_it_cannot_run(tmp_path: Path):
+    def spec(**loop_and_more):
+        sections = {"loop": {"overlap": "dag", **loop_and_more.pop("loop", {})}} | loop_and_more
+        return parse_spec(tiny_spec_dict(tmp_path, **sections))
+
+    with pytest.raises(ValueError, match="loop.overlap dag offsets iterations by loop.max_staleness"):
+        spec()
+    with pytest.raises(ValueError, match="use loop.overlap: producer with rollout.engine sampler"):
+        spec(loop={"max_staleness": 1}, rollout={"engine": "sampler"})
+    with pytest.raises(ValueError, match="storage.keep_versions must be at least max_staleness \\+ 1 = 3"):
+        spec(loop={"max_staleness": 2}, storage={"keep_versions": 2, "root": str(tmp_path)})
+    assert spec(loop={"max_staleness": 1}, rollout={"engine": "vllm"}).loop.overlap == "dag"

@@ -196,6 +196,43 @@ def test_vllm_engines_sample_multi_turn_trajectories_token_in_token_out(run, req
     assert torch.allclose(recomputed * mb.completion_mask, mb.old_logprobs, atol=1e-4)
 
 
+def test_the_update_measures_the_samplers_mismatch_as_recomputed_by_hand(run, fleet, tmp_path: Path):
+    """Rollouts from the vLLM sampler service, then an update at the weights that sampled them: its
+    mismatch/ metrics are those of d = log pi_trainer - log pi_vllm recomputed here, token by token."""
+    import torch
+
+    from rlpipe import loop
+    from rlpipe.modeling import load_policy
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = run
+    data = spec_to_dict(service_spec(spec, fleet))
+    data["trainer"]["mini_batches"] = 1  # the first optimizer step sees every row
+    sampler_spec = parse_spec(data)
+    weights = read_ref(run_root, 0)
+    paths = [str(tmp_path / f"{name}.parquet") for name in ("rollouts", "scored", "batch")]
+    generate_rollouts(sampler_spec, run_root, weights, 1, paths[0], cache)
+    loop.score(sampler_spec, paths[0], paths[1])
+    loop.advantages(sampler_spec, paths[1], paths[2])
+
+    model, _ = load_policy(weights["uri"])
+    differences = []
+    for row in rollouts(Path(paths[0])):
+        ids = torch.tensor([row["prompt_token_ids"] + row["completion_token_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(row["prompt_token_ids"]) - 1 : -1].float() / spec.rollout.temperature
+        trainer = torch.log_softmax(logits, -1).gather(-1, ids[0, len(row["prompt_token_ids"]) :, None])[:, 0]
+        differences += (trainer.double() - torch.tensor(row["logprobs"], dtype=torch.float64)).tolist()
+    d = torch.tensor(differences, dtype=torch.float64)
+
+    _, metrics = loop.update(sampler_spec, run_root, weights, paths[2], 1, cache)
+    assert metrics["mismatch/tokens"] == len(differences)
+    assert metrics["mismatch/abs_diff_max"] == pytest.approx(float(d.abs().max()), abs=2e-6)
+    assert metrics["mismatch/abs_diff_p99"] == pytest.approx(float(torch.quantile(d.abs(), 0.99)), abs=2e-6)
+    assert metrics["mismatch/k3_kl"] == pytest.approx(float((torch.expm1(d) - d).mean()), rel=0.05, abs=1e-12)
+    assert 0 < metrics["mismatch/abs_diff_max"] < 1e-3  # vLLM's kernels are not the trainer's, and close
+
+
 def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Path):
     from rlpipe.store.weights import read_ref
 

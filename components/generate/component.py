@@ -13,8 +13,10 @@ def generate(
     iteration: int,
     rollouts: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
+    ahead: int = 0,
 ) -> NamedTuple("Outputs", step_metrics=dict):
-    """Sample G completions per prompt with the policy `weights`; rollouts as Parquet (rlpipe.loop.generate)."""
+    """Sample G completions per prompt with the policy `weights`; rollouts as Parquet (rlpipe.loop.generate).
+    `ahead`: sample iteration + ahead's prompts (the DAG-offset form: a later iteration's, beside this update)."""
     import time
 
     entered = time.time()
@@ -23,7 +25,7 @@ def generate(
     run_spec, values = start("generate", spec, entered)
     from rlpipe import loop
 
-    values |= loop.generate(run_spec, run_root, weights, iteration, rollouts.path, run_spec.cache_root)
+    values |= loop.generate(run_spec, run_root, weights, iteration + ahead, rollouts.path, run_spec.cache_root)
     finish(metrics, values)
     from rlpipe.metric_keys import STARTED_AT
 

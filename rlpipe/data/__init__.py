@@ -7,8 +7,8 @@ every other column reaches the reward functions and the verifier as keyword list
 
 A generator makes rows:
     make_rows(rng: random.Random, n: int, **options) -> list[dict]
-`data.generator` is a registered name (`register_source`; built in: addition, multiplication, sorting), 'package.module:name'
-for one that module registers, or 'module:function' naming the generator itself.
+`data.generator` is a registered name (`register_source`; built in: addition, multiplication, sorting),
+'package.module:name' for one that module registers, or 'module:function' naming the generator itself.
 """
 
 from __future__ import annotations

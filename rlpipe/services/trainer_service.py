@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlpipe.services.local_servers import LocalServers, die_with_parent
 from rlpipe.spec import TRAINING_KEYS, RunSpec, parse_spec, pick, spec_to_dict
+from rlpipe.steps import service_for
 
 if TYPE_CHECKING:
     from rlpipe.training.trainer import Trainer
@@ -241,7 +242,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     from rlpipe.training.off_policy import policy_logprobs
 
     trainer = held.trainer
-    if trainer is None or not trainer.spec.loop.max_staleness:
+    if trainer is None or service_for("generate", trainer.spec) != "producer":
         return
     if resolve_options(trainer.spec).off_policy_correction == "none":
         return

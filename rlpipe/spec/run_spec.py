@@ -78,11 +78,29 @@ class RunSpec:
                 "which the update's importance ratio (full softmax at the temperature) does not match; "
                 "set rollout.top_k: 0 and rollout.top_p: 1.0, or use rollout.engine: torch"
             )
-        if self.loop.max_staleness and self.rollout.engine == "vllm":
+        producer = self.loop.max_staleness and self.loop.overlap == "producer"
+        if producer and self.rollout.engine == "vllm":
             raise ValueError(
                 "loop.max_staleness >= 1 samples ahead in a long-lived producer, and rollout.engine vllm loads an "
-                "engine per call; use rollout.engine: sampler (long-lived vLLM servers) or torch"
+                "engine per call; use rollout.engine: sampler (long-lived vLLM servers) or torch, or loop.overlap: "
+                "dag (each generate task loads its version)"
             )
+        if self.loop.overlap == "dag":
+            s = self.loop.max_staleness
+            if s == 0:
+                raise ValueError("loop.overlap dag offsets iterations by loop.max_staleness: set it to 1 or more")
+            if self.rollout.engine == "sampler":
+                raise ValueError(
+                    "loop.overlap dag: each generate task samples with its own version, and the samplers serve one "
+                    "at a time; use loop.overlap: producer with rollout.engine sampler (the producer reloads them), "
+                    "or rollout.engine torch or vllm"
+                )
+            if self.storage.keep_versions < s + 1:
+                raise ValueError(
+                    f"loop.overlap dag: iteration N generates with v(N-1-s) while v(N-1) is published, so "
+                    f"storage.keep_versions must be at least max_staleness + 1 = {s + 1}, got "
+                    f"{self.storage.keep_versions}"
+                )
         if self.loop.max_staleness and self.algorithm.name == "dpo":
             raise ValueError(
                 "algorithm dpo trains on a fixed preference set, with no rollouts; set loop.max_staleness: 0"

@@ -462,3 +462,11 @@ class LoopSpec:
         doc="Asynchronous RL: iteration N may train on rollouts from v(N-1-s) .. v(N-1) that a producer generated "
         "ahead, while the trainer updated (rlpipe.rollout_buffer). 0: the synchronous loop",
     )
+    overlap: Literal["producer", "dag"] = setting(
+        "producer",
+        doc="How generation runs ahead when max_staleness >= 1. producer: a long-lived producer samples into the "
+        "rollout buffer with the latest version (any engine but vllm). dag: the compiled pipeline offsets its "
+        "iterations instead, iteration N's generate and score taking v(N-1-s) and running beside update N-1 as "
+        "sibling tasks, each in its own pod (a KFP cluster; the local runner runs one task at a time); engines "
+        "torch and vllm, storage.keep_versions >= s + 1",
+    )

@@ -1,7 +1,10 @@
 """The decoupled loss for rollouts the update's starting weights did not sample (algorithm.off_policy_correction;
 asynchronous runs): one no-grad pass first computes pi_prox, the log-probs under the weights the update starts
 from; the clipped ratio is then taken to pi_prox, and the advantages are weighted by pi_prox / pi_behaviour
-(the sampler's log-probs; rlpipe.algorithms.policy_gradient.behaviour_weights)."""
+(the sampler's log-probs; rlpipe.algorithms.policy_gradient.behaviour_weights).
+
+Also the training-inference mismatch every update reports: how far the sampler's recorded log-probs are from
+the trainer's own of the same weights (`mismatch_differences`, `mismatch_metrics`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch
 
 from rlpipe.algorithms.policy_gradient import behaviour_weights
 from rlpipe.training.batching import MicroBatch, rank_parts
-from rlpipe.training.distributed import world
+from rlpipe.training.distributed import all_max, all_sum, world
 from rlpipe.training.logprobs import completion_logprobs, sequence_key
 
 if TYPE_CHECKING:
@@ -77,3 +80,34 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
             total += len(part)
             reused += len(part) - len(missing)
     return reused / max(total, 1)
+
+
+def mismatch_differences(logprobs: torch.Tensor, mb: MicroBatch, sampled_by_start: torch.Tensor) -> torch.Tensor:
+    """d = log pi_trainer - log pi_sampler at the model tokens of the rows the weights the trainer holds sampled
+    (`sampled_by_start`, [B] bool): the same weights on both sides, so d is numerics alone (the engine's
+    kernels, precision, batching), never staleness. 1-D, float32."""
+    keep = mb.completion_mask.bool() & sampled_by_start.to(mb.completion_mask.device).unsqueeze(-1)
+    return (logprobs.detach().float() - mb.old_logprobs.float())[keep]
+
+
+def mismatch_metrics(differences: list[torch.Tensor], device: torch.device) -> dict[str, float]:
+    """The training-inference mismatch over the measured tokens, d = log pi_trainer - log pi_sampler:
+        mismatch/k3_kl         mean of exp(d) - 1 - d: k3, the unbiased estimate of KL(sampler || trainer)
+                               from tokens the sampler drew (>= 0 per token)
+        mismatch/abs_diff_max  max |d|;  mismatch/abs_diff_p99: its 99th percentile (several processes: the
+                               largest process's)
+        mismatch/tokens        tokens measured
+    Nothing when no token was measured."""
+    d = torch.cat(differences) if differences else torch.zeros(0)
+    summed = all_sum({"k3": float((torch.expm1(d) - d).sum()), "tokens": float(d.numel())}, device)
+    if summed["tokens"] == 0:
+        return {}
+    magnitude = d.abs()
+    local_max = float(magnitude.max()) if d.numel() else 0.0
+    local_p99 = float(torch.quantile(magnitude.double(), 0.99)) if d.numel() else 0.0
+    return {
+        "mismatch/k3_kl": summed["k3"] / summed["tokens"],
+        "mismatch/abs_diff_max": all_max(local_max, device),
+        "mismatch/abs_diff_p99": all_max(local_p99, device),
+        "mismatch/tokens": summed["tokens"],
+    }

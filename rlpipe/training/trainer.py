@@ -41,7 +41,6 @@ from rlpipe.training.batching import (
 from rlpipe.training.checkpoints import load_sealed, matches_sealed, replay_plan, save_state
 from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
-    all_max,
     all_sum,
     clip_grad_norm,
     full_model_state,
@@ -52,17 +51,15 @@ from rlpipe.training.distributed import (
     world,
 )
 from rlpipe.training.logprobs import completion_logprobs_and_entropy
-from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled
+from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled, mismatch_differences
 from rlpipe.training.sealing import Served, load_masters, seal_new_version, served_from_version, stores_serving_copy
+from rlpipe.training.tally import Tally, update_metrics
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rlpipe.algorithms.policy_gradient import Aggregation
     from rlpipe.algorithms.registry import PolicyLoss, ValueLoss
-
-
-STANDARD_STATS = {"loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"}  # reported under their own names
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -209,33 +206,6 @@ class Objective:
         )
 
 
-@dataclass
-class Tally:
-    """What an update's metrics sum over its optimizer steps (each step's summed over processes)."""
-
-    totals: dict[str, float]
-    off_policy: tuple[str, ...]  # the correction's statistics, () without one
-    steps: int = 0
-    kl_steps: int = 0
-    micro_steps: int = 0
-    tokens: int = 0
-    padded: int = 0  # rows x width of every forward pass: tokens plus the padding computed beside them
-    weight_max: float = 0.0  # the largest importance weight before the correction
-
-    @classmethod
-    def start(cls, critic: bool, correction: Correction | None) -> Tally:
-        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"), 0.0)
-        if critic:
-            totals |= dict.fromkeys(("value_loss", "value_clip_fraction", "critic_grad_norm"), 0.0)
-        return cls(totals, ("is_weight_mean", correction.cut) if correction else ())
-
-    def add(self, step: dict[str, float], kl_measured: bool) -> None:
-        for key, value in step.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
-        self.kl_steps += int(kl_measured)
-        self.steps += 1
-
-
 def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[str, float]:
     """One iteration of mini-batch steps on the batch; the trainer's policy and optimizer move on
     in place. Each mini-batch is one optimizer step; within it, micro-batches of at most
@@ -295,7 +265,13 @@ def accumulate_gradients(
         mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
         share = present * float(mb.completion_mask.sum()) / max(completion_tokens, 1.0)  # of token means
-        added = micro_step(trainer, objective, mb, weight, share, use_reference)
+        # before the first optimizer step the policy is the weights that sampled this iteration's rows (all
+        # of them at s=0): their forward pass measures the training-inference mismatch at no extra cost
+        measure = None
+        if tally.steps == 0 and present and mb.old_logprobs is not None:
+            version = trainer.weights["version"]
+            measure = torch.tensor([row.get("weights_version", -1) == version for row in part])
+        added = micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
         tally.weight_max = max(tally.weight_max, added.pop("is_weight_max", 0.0))
         kl_measured |= "kl" in added
         for key, value in added.items():
@@ -307,12 +283,20 @@ def accumulate_gradients(
 
 
 def micro_step(
-    trainer: Trainer, objective: Objective, mb: MicroBatch, weight: float, share: float, use_reference: bool
+    trainer: Trainer,
+    objective: Objective,
+    mb: MicroBatch,
+    weight: float,
+    share: float,
+    use_reference: bool,
+    measure: torch.Tensor | None = None,
+    mismatch: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """One micro-batch's forward and backward passes: the policy's loss back-propagated with weight
     `weight`, the critic's (a token mean) with `share` = T_j / T, both times the number of processes.
     Returns what it adds to the step's metrics: token means by `share`, the loss and the algorithm's
-    own statistics by `weight`, is_weight_max as it is."""
+    own statistics by `weight`, is_weight_max as it is. `measure` ([B] bool): rows the policy's weights
+    sampled, whose log-prob differences to the sampler's are appended to `mismatch`."""
     processes = world()[1]
     logprobs, entropy = completion_logprobs_and_entropy(
         trainer.policy,
@@ -322,6 +306,8 @@ def micro_step(
         entropy_grad=objective.entropy_coef > 0,
         precision=autocast(trainer),
     )
+    if measure is not None and mismatch is not None:
+        mismatch.append(mismatch_differences(logprobs, mb, measure))
     ref_logprobs = mb.ref_logprobs  # computed once (offline DPO), else the reference's
     if use_reference and ref_logprobs is None:
         ref_logprobs = reference_logprobs(trainer, mb, objective.temperature)
@@ -379,48 +365,6 @@ def optimizer_step(trainer: Trainer, step: dict[str, float], iteration: int) -> 
     if trainer.critic is not None:
         trainer.critic.optimizer.step()
     step["grad_norm"] = float(grad_norm)
-
-
-def update_metrics(
-    trainer: Trainer, tally: Tally, started: float, proximal_s: float, prefetched: float
-) -> dict[str, float]:
-    """The update's metrics: means over its optimizer steps (kl/mean over those that measured it)."""
-    trained = time.time()
-    device = trainer.policy.device
-    summed = all_sum({"tokens": tally.tokens, "padded": tally.padded}, device)
-    tokens = int(summed["tokens"])
-    totals, steps = tally.totals, tally.steps
-    metrics = {}
-    if trainer.critic is not None:
-        metrics = {
-            "critic/value_loss": totals["value_loss"] / steps,
-            "critic/value_clip_fraction": totals["value_clip_fraction"] / steps,
-            "critic/grad_norm": totals["critic_grad_norm"] / steps,
-        }
-    if tally.off_policy:
-        metrics |= {f"off_policy/{key}": totals[key] / steps for key in tally.off_policy}
-        metrics |= {
-            "off_policy/is_weight_max": all_max(tally.weight_max, device),
-            "off_policy/proximal_pass_s": proximal_s,
-            "off_policy/proximal_prefetched_fraction": prefetched,
-        }
-    return (
-        metrics
-        | {
-            "policy/loss": totals["loss"] / steps,
-            "policy/clip_fraction": totals["clip_fraction"] / steps,
-            "policy/entropy": totals["entropy"] / steps,
-            "policy/grad_norm": totals["grad_norm"] / steps,
-            "policy/ratio_mean": totals["ratio"] / steps,
-            "kl/mean": totals["kl"] / max(tally.kl_steps, 1),
-            "policy/optimizer_steps": float(steps),
-            "policy/micro_batches": float(tally.micro_steps),
-            "policy/lr": trainer.optimizer.param_groups[0]["lr"],
-            "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
-            "policy/padding_share": 1.0 - tokens / max(summed["padded"], 1.0),  # of the forward passes' positions
-        }
-        | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - set(tally.off_policy)}
-    )
 
 
 def save_trained(
