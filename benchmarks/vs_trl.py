@@ -5,6 +5,10 @@
     python benchmarks/vs_trl.py --seeds 3        # the claim: 3 seeds per system
     python benchmarks/vs_trl.py --smoke          # tiny sizes (benchmarks/smoke.yaml), 1 seed: about a minute
 
+    # the generation-heavy workload, rlpipe synchronous and asynchronous (s=1) against TRL's same batch
+    python benchmarks/vs_trl.py --spec examples/sorting.yaml --iterations 20 --eval-every 5 \
+        --clock-includes-eval --trl same_batch --rlpipe colocated|async
+
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
 character tokenizer, the same addition data (rlpipe's prepare step), the same reward
 (`rlpipe.rewards.verifiers:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
@@ -20,6 +24,12 @@ is taken off both clocks.
 Writes benchmarks/results/vs_trl.{json,md} (--quick: vs_trl_quick; --smoke: vs_trl_smoke under
 runs/smoke/ unless --results-dir says). The batch sizes above are the demo's; with --smoke every
 count scales with the spec's completions per iteration (prompts x samples) and mini-batches.
+
+--spec runs another workload (its data, lengths, lr and batch structure on both sides; results
+vs_trl_<spec>_<rlpipe setting>; TRL's runs are read back, not re-run, when a later invocation asks
+for the same ones). --clock-includes-eval keeps the held-out evaluations on every clock (the same
+evaluator and cadence on both sides): an asynchronous rlpipe generates while it evaluates, and taking
+eval time off its clock would count that generation as free.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ RLPIPE_SETTINGS = {
     "colocated": {"rollout.engine": "torch", "trainer.resident": True},
     "samplers": {"rollout.engine": "sampler", "trainer.resident": True},
     "per-step": {"rollout.engine": "torch", "trainer.resident": False},
+    "async": {"rollout.engine": "torch", "trainer.resident": True, "loop.max_staleness": 1},
 }
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
@@ -72,9 +83,20 @@ def run_measured(command: list[str], **kwargs) -> float:
     return int(result.stderr.strip().splitlines()[-1]) / 1e6
 
 
-def demo_spec(seed: int, work: Path, overrides: dict | None = None) -> RunSpec:
+DEMO = REPO / "examples" / "addition.yaml"
+
+
+def demo_spec(seed: int, work: Path, overrides: dict | None = None, path: Path = DEMO) -> RunSpec:
     base = {"seed": seed, "storage.root": str(work / "runs"), "storage.cache": str(work / "cache")}
-    return load_spec(REPO / "examples" / "addition.yaml", base | (overrides or {}))
+    return load_spec(path, base | (overrides or {}))
+
+
+def prompt_tokens_mean(run_root: str) -> float:
+    """Prompt tokens per train row, as prepared (the demo's "<bos>ab+cd=": 7)."""
+    import pyarrow.parquet as pq
+
+    lengths = [len(ids) for ids in pq.read_table(f"{run_root}/data/train.parquet")["prompt_token_ids"].to_pylist()]
+    return sum(lengths) / len(lengths)
 
 
 def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
@@ -93,6 +115,7 @@ def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
 
 
 VERIFIER = "rlpipe.rewards.verifiers:exact_match"
+TRL_LABELS = {"trl": "TRL", "trl_same_batch": "TRL same batch"}
 
 
 def run_trl(args: argparse.Namespace) -> None:
@@ -128,7 +151,7 @@ def run_trl(args: argparse.Namespace) -> None:
                 return
             t = time.time()
             accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
-            HeldOut.eval_s += time.time() - t
+            HeldOut.eval_s += 0.0 if args.clock_includes_eval else time.time() - t
             curve.append(
                 {"samples": state.global_step * per_step, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
             )
@@ -142,7 +165,7 @@ def run_trl(args: argparse.Namespace) -> None:
         per_device_train_batch_size=per_step,  # completions per optimizer step
         steps_per_generation=args.trl_steps_per_generation,
         num_generations=args.trl_generations,
-        learning_rate=5e-4,
+        learning_rate=args.trl_lr,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
         max_grad_norm=1.0,
@@ -170,7 +193,7 @@ def run_trl(args: argparse.Namespace) -> None:
     t = time.time()
     accuracy = greedy_accuracy(model, tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
     curve.append({"samples": 0, "acc": accuracy})
-    HeldOut.eval_s = time.time() - t
+    HeldOut.eval_s = 0.0 if args.clock_includes_eval else time.time() - t
     trainer.train()
     finished = time.time()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -181,7 +204,7 @@ def run_trl(args: argparse.Namespace) -> None:
         "eval_s": HeldOut.eval_s,
         "samples": per_step * args.trl_steps,
         "completion_tokens": completion_tokens,
-        "prompt_tokens": 7 * per_step * args.trl_steps,  # "<bos>ab+cd=" is 7 tokens
+        "prompt_tokens": prompt_tokens_mean(run_root) * per_step * args.trl_steps,
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -195,17 +218,32 @@ def trl_batches(spec: RunSpec) -> dict[str, tuple[int, int]]:
     return {"trl": (per_iteration // 8, 1), "trl_same_batch": (per_iteration // mini_batches, mini_batches)}
 
 
-def trl_once(system: str, seed: int, spec: RunSpec, run_root: str, model_dir: str, samples: int, work: Path) -> dict:
-    """TRL on `samples` completions, evaluated every rlpipe iteration's worth (the demo: 4096)."""
+def trl_once(
+    system: str,
+    seed: int,
+    spec: RunSpec,
+    run_root: str,
+    model_dir: str,
+    samples: int,
+    work: Path,
+    eval_every: int = 1,
+    clock_includes_eval: bool = False,
+) -> dict:
+    """TRL on `samples` completions, evaluated every `eval_every` rlpipe iterations' worth (the demo: 4096).
+    A result of the same command in `work` is read back, not re-run."""
     per_step, per_generation = trl_batches(spec)[system]
     per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
-    steps, eval_every = samples // per_step, per_iteration // per_step
+    steps, eval_every = samples // per_step, eval_every * per_iteration // per_step
     out = work / f"{system}-seed{seed}.json"
+    kept = work / f"{system}-seed{seed}.result.json"
     command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
     command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
     command += ["--trl-per-step", str(per_step), "--trl-steps-per-generation", str(per_generation)]
     command += ["--trl-generations", str(spec.rollout.samples_per_prompt)]
-    command += ["--trl-new-tokens", str(spec.rollout.max_new_tokens), "--out", str(out)]
+    command += ["--trl-new-tokens", str(spec.rollout.max_new_tokens), "--trl-lr", str(spec.trainer.lr)]
+    command += ["--out", str(out), *(["--clock-includes-eval"] if clock_includes_eval else [])]
+    if kept.exists() and (previous := json.loads(kept.read_text())).get("command") == command:
+        return previous
     launched = time.time()  # both clocks start when the system's first process starts
     peak = run_measured(command, env={**os.environ, **THREADS_ENV})
     result = json.loads(out.read_text())
@@ -214,6 +252,7 @@ def trl_once(system: str, seed: int, spec: RunSpec, run_root: str, model_dir: st
     result["curve"][0]["wall_s"] = 0.0
     result["train_wall_s"] = result.pop("finished_at") - launched - result.pop("eval_s")
     result["peak_rss_gb"] = peak
+    kept.write_text(json.dumps(result | {"command": command}))
     return result
 
 
@@ -233,10 +272,19 @@ def evaluate_intervals(log_path: Path, day_start: float) -> list[tuple[float, fl
     return intervals
 
 
-def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, work: Path) -> dict:
-    """`rlpipe run` of the demo spec (warm start cached), evaluating every iteration; the curve from
-    its eval metrics files, with every evaluate task's wall time taken off the clock. `per_iteration`:
-    completions per iteration (the demo: 4096)."""
+def rlpipe_once(
+    seed: int,
+    iterations: int,
+    settings: dict,
+    per_iteration: int,
+    work: Path,
+    path: Path = DEMO,
+    eval_every: int = 1,
+    clock_includes_eval: bool = False,
+) -> dict:
+    """`rlpipe run` of the spec at `path` (warm start cached), evaluating every `eval_every` iterations;
+    the curve from its eval metrics files, with every evaluate task's wall time taken off the clock
+    (unless `clock_includes_eval`). `per_iteration`: completions per iteration (the demo: 4096)."""
     run_dir = work / f"rlpipe-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
     command = [
@@ -244,7 +292,7 @@ def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, 
         "-m",
         "rlpipe.pipelines.cli",
         "run",
-        str(REPO / "examples" / "addition.yaml"),
+        str(path),
         "--run-dir",
     ]
     command += [str(run_dir), "--iterations", str(iterations)]
@@ -252,7 +300,7 @@ def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, 
         **settings,
         "seed": seed,
         "storage.cache": str(work / "cache"),
-        "loop.eval_every": 1,
+        "loop.eval_every": eval_every,
         "loop.iterations_per_run": min(5, iterations),
     }.items():
         command += ["--set", f"{key}={json.dumps(value)}"]
@@ -260,7 +308,7 @@ def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, 
     peak = run_measured(command, cwd=REPO)
     wall = time.time() - started
     day_start = time.mktime(time.strptime(time.strftime("%Y-%m-%d", time.localtime(started)), "%Y-%m-%d"))
-    evaluating = evaluate_intervals(run_dir / "logs" / "kfp-local.log", day_start)
+    evaluating = [] if clock_includes_eval else evaluate_intervals(run_dir / "logs" / "kfp-local.log", day_start)
 
     def eval_s_before(at: float) -> float:
         return sum(min(end, at) - begin for begin, end in evaluating if begin < at)
@@ -280,7 +328,7 @@ def rlpipe_once(seed: int, iterations: int, settings: dict, per_iteration: int, 
         "train_wall_s": wall - eval_s_before(time.time()),
         "samples": per_iteration * iterations,
         "completion_tokens": sum(m["rollout/completion_tokens_mean"] * per_iteration for m in iters),
-        "prompt_tokens": 7 * per_iteration * iterations,
+        "prompt_tokens": prompt_tokens_mean(str(run_dir)) * per_iteration * iterations,
         "generate_s": sum(m["time/generate_s"] for m in iters),
         "update_s": sum(m["time/update_s"] for m in iters),
         "orchestration_s_per_iteration": statistics.fmean(m[ITERATION_OVERHEAD] for m in iters),
@@ -309,6 +357,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
     parser.add_argument("--smoke", action="store_true", help="1 seed at tiny sizes (benchmarks/smoke.yaml): ~a minute")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--spec", type=Path, default=DEMO, help="the workload (default examples/addition.yaml)")
+    parser.add_argument("--iterations", type=int, help="rlpipe's iterations (default 25; --quick 8; --smoke 2)")
+    parser.add_argument("--eval-every", type=int, default=1, help="held-out eval every this many iterations' worth")
+    parser.add_argument("--clock-includes-eval", action="store_true", help="keep eval time on every clock")
+    parser.add_argument(
+        "--trl", nargs="+", choices=["per_step", "same_batch"], default=["per_step", "same_batch"], help="TRL's runs"
+    )
     parser.add_argument("--target", type=float, default=None, help="held-out greedy accuracy to reach (absolute)")
     parser.add_argument(
         "--gain",
@@ -337,6 +392,7 @@ def main() -> None:
     parser.add_argument("--trl-steps-per-generation", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--trl-generations", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--trl-new-tokens", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-lr", type=float, default=5e-4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_trl:
         from rlpipe.optional_imports import hide_vision_and_audio
@@ -350,28 +406,36 @@ def main() -> None:
     # rlpipe's iterations, and TRL's in iterations' worth of completions: `trl` (an eighth of an
     # iteration per step) learns slower per sample, so it runs ~1.5x longer
     rl_iterations, trl_iterations = {"full": (25, 37), "quick": (8, 12), "smoke": (2, 3)}[length]
-    work = args.work or (SMOKE_ROOT / "vs-trl" if args.smoke else REPO / "runs" / "bench-vs-trl")
+    if args.iterations:
+        rl_iterations, trl_iterations = args.iterations, args.iterations * 3 // 2
+    workload = "" if args.spec.resolve() == DEMO else f"-{args.spec.stem}"
+    work = args.work or (SMOKE_ROOT / f"vs-trl{workload}" if args.smoke else REPO / "runs" / f"bench-vs-trl{workload}")
     sizes = SMOKE if args.smoke else {}
-    spec = demo_spec(0, work, sizes)
+    spec = demo_spec(0, work, sizes, args.spec)
     # equal granularity: both evaluate every rlpipe iteration (the demo: 4096 completions, 8 TRL steps)
     per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
         from rlpipe.preflight import check_installed
 
-        check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}))
+        check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}, args.spec))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    runs: dict[str, list[dict]] = {"rlpipe": [], "trl": [], "trl_same_batch": []}
+    trl_systems = [{"per_step": "trl", "same_batch": "trl_same_batch"}[name] for name in args.trl]
+    runs: dict[str, list[dict]] = {"rlpipe": [], **{system: [] for system in trl_systems}}
+    evals = {"eval_every": args.eval_every, "clock_includes_eval": args.clock_includes_eval}
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL
     # run only (prompt order, sampling, mini-batch shuffle), so the systems differ only in training.
     run_root, model_dir = prepare_reference(spec, work)
     shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "data.seed": 0}
     for seed in range(seeds):
-        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, sizes | settings | shared, per_iteration, work))
-        for system in ("trl", "trl_same_batch"):
+        rlpipe_settings = sizes | settings | shared
+        runs["rlpipe"].append(
+            rlpipe_once(seed, rl_iterations, rlpipe_settings, per_iteration, work, args.spec, **evals)
+        )
+        for system in trl_systems:
             samples = per_iteration * (trl_iterations if system == "trl" else rl_iterations)
-            runs[system].append(trl_once(system, seed, spec, run_root, model_dir, samples, work))
+            runs[system].append(trl_once(system, seed, spec, run_root, model_dir, samples, work, **evals))
     duration = time.time() - started
 
     budget = min(min(r["samples"] for r in runs[s]) for s in runs)
@@ -421,7 +485,7 @@ def main() -> None:
         *(["", args.note] if args.note else []),
         *(["", "--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more"] if args.smoke else []),
         "",
-        "rlpipe: `rlpipe run examples/addition.yaml` on kfp.local with "
+        f"rlpipe: `rlpipe run {args.spec.resolve().relative_to(REPO)}` on kfp.local with "
         + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
         + f" ({prompts} prompts x {group} per iteration, {spec.trainer.mini_batches} mini-batches); TRL: GRPOTrainer, "
         f"{trl_step // group} prompts x {group} per step; TRL same batch: GRPOTrainer with rlpipe's batch structure "
@@ -430,12 +494,16 @@ def main() -> None:
         "Clocks start when each system's first process starts.",
         "",
         f"target: held-out greedy accuracy >= {target}{target_note}; "
-        f"equal sample budget: {budget} completions; wall times "
-        "exclude held-out evaluation; throughputs are per second of training wall time (training tokens = "
-        "prompt + completion tokens of the sampled batches)",
+        f"equal sample budget: {budget} completions; held-out evaluation every {args.eval_every} iteration(s)' "
+        f"worth, its time {'kept on' if args.clock_includes_eval else 'taken off'} every clock; throughputs are "
+        "per second of training wall time (training tokens = prompt + completion tokens of the sampled batches)",
         "",
-        "| | rlpipe | TRL | TRL same batch | rlpipe / TRL | rlpipe / TRL same batch |",
-        "|---|---|---|---|---|---|",
+        "| | rlpipe | "
+        + " | ".join(TRL_LABELS[s] for s in trl_systems)
+        + " | "
+        + " | ".join(f"rlpipe / {TRL_LABELS[s]}" for s in trl_systems)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(trl_systems)),
     ]
     keys = [
         ("time_to_target_s", "wall time to target (s)"),
@@ -447,9 +515,9 @@ def main() -> None:
         ("peak_rss_gb", "peak RSS of the largest process (GB)"),
     ]
     for key, label in keys:
-        a, b, c = (summary[system][key] for system in runs)
-        ratios = [f"{a / other:.2f}x" if a is not None and other else "n/a" for other in (b, c)]
-        lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {_cell(c)} | {ratios[0]} | {ratios[1]} |")
+        a, *others = (summary[system][key] for system in runs)
+        ratios = [f"{a / other:.2f}x" if a is not None and other else "n/a" for other in others]
+        lines.append(f"| {label} | {_cell(a)} | {' | '.join(map(_cell, others))} | {' | '.join(ratios)} |")
     for key, label in (("time_to_target_s", "time to target (s)"), ("accuracy_at_budget", "accuracy at budget")):
         cells = {s: ", ".join(_cell(v) for v in per_seed[s][key]) for s in per_seed}
         lines.append(f"\nper seed, {label}: " + "; ".join(f"{s} {cells[s]}" for s in runs))
@@ -461,7 +529,8 @@ def main() -> None:
     ]
     curves = {system: [r["curve"] for r in results] for system, results in runs.items()}
     lines += ["", "held-out greedy accuracy by completions trained on (mean over seeds; wall s in brackets):", ""]
-    lines += ["| completions | rlpipe | TRL | TRL same batch |", "|---|---|---|---|"]
+    lines += ["| completions | rlpipe | " + " | ".join(TRL_LABELS[s] for s in trl_systems) + " |"]
+    lines += ["|---|---|" + "---|" * len(trl_systems)]
     evaluated = set.intersection(*({p["samples"] for c in curves[system] for p in c} for system in runs))
     for samples in sorted(evaluated):
         cells = []
@@ -475,6 +544,8 @@ def main() -> None:
     results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
     results.mkdir(parents=True, exist_ok=True)
     name = {"full": "vs_trl", "quick": "vs_trl_quick", "smoke": "vs_trl_smoke"}[length]
+    if workload:
+        name = name.replace("vs_trl", f"vs_trl_{args.spec.stem}_{args.rlpipe}")
     (results / f"{name}.md").write_text(report + "\n")
     record = {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings}
     record |= {"note": args.note, "commit": commit.stdout.strip()}

@@ -100,9 +100,12 @@ def test_dpo(tmp_path: Path):
 
 
 def test_async(tmp_path: Path):
-    """s = 0, 1, 2 (the s=1 run without a correction is the s=1 code path with one setting changed)."""
-    bench("async.py", "--smoke", "--uncorrected-seeds", "0", "--runs", tmp_path / "runs", "--results-dir", tmp_path)
-    record = json.loads((tmp_path / "async.json").read_text())
+    """s = 0, 1, 2 on the generation-heavy workload (the s=1 run without a correction and the s=0 run on two
+    threads are the same code paths with one setting changed)."""
+    runs = ("--runs", tmp_path / "runs", "--results-dir", tmp_path)
+    bench("async.py", "--smoke", "--uncorrected-seeds", "0", "--two-thread-seeds", "0", *runs)
+    record = json.loads((tmp_path / "async_sorting.json").read_text())
+    assert record["spec"] == "sorting.yaml"
     rows = {row["config"]: row for row in record["results"]}
     assert sorted(rows) == ["s=0", "s=1", "s=2"] and record["smoke"]
     for config, row in rows.items():
@@ -111,7 +114,10 @@ def test_async(tmp_path: Path):
         assert all(map(is_accuracy, row["evals"].values())) and "0" in row["evals"], config
     assert rows["s=0"]["staleness_mean"] == 0.0
     assert 0 <= rows["s=1"]["staleness_mean"] <= 1 and 0 <= rows["s=2"]["staleness_mean"] <= 2
-    assert "| s=2 | 0 |" in (tmp_path / "async.md").read_text()
+    for row in rows.values():
+        tokens = row["completion_tokens"]
+        assert 1 <= tokens["p50"] <= tokens["p99"] <= tokens["max"] <= 48
+    assert "| s=2 | 0 |" in (tmp_path / "async_sorting.md").read_text()
 
 
 def test_in_process_loop(tmp_path: Path):
@@ -183,6 +189,22 @@ def test_vs_trl(tmp_path: Path):
         assert [point["samples"] for point in run["curve"]][:3] == [0, 32, 64], system  # evaluated every iteration
         assert all(math.isfinite(point["wall_s"]) and is_accuracy(point["acc"]) for point in run["curve"]), system
     assert "| samples/s |" in (tmp_path / "vs_trl_smoke.md").read_text()
+
+
+def test_vs_trl_on_the_generation_heavy_workload_with_asynchronous_rlpipe(tmp_path: Path):
+    """--spec examples/sorting.yaml --rlpipe async: rlpipe at s=1 against TRL's same batch, the evaluations on
+    both clocks; a second invocation reads TRL's run back instead of running it again."""
+    args = ("--smoke", "--spec", "examples/sorting.yaml", "--trl", "same_batch", "--clock-includes-eval")
+    bench("vs_trl.py", *args, "--rlpipe", "async", "--work", tmp_path / "work", "--results-dir", tmp_path)
+    record = json.loads((tmp_path / "vs_trl_sorting_async_smoke.json").read_text())
+    assert sorted(record["summary"]) == ["rlpipe", "trl_same_batch"]
+    assert record["rlpipe_settings"]["loop.max_staleness"] == 1
+    assert all(record["summary"][system]["samples_per_s"] > 0 for system in record["summary"])
+    trl_run = record["runs"]["trl_same_batch"][0]
+    bench("vs_trl.py", *args, "--rlpipe", "colocated", "--work", tmp_path / "work", "--results-dir", tmp_path)
+    again = json.loads((tmp_path / "vs_trl_sorting_colocated_smoke.json").read_text())
+    assert again["runs"]["trl_same_batch"][0]["train_wall_s"] == trl_run["train_wall_s"]  # read back, not re-run
+    assert "| samples/s |" in (tmp_path / "vs_trl_sorting_colocated_smoke.md").read_text()
 
 
 def test_padding(tmp_path: Path):
