@@ -148,13 +148,58 @@ def generate_chunk(
     return metrics
 
 
+class LatestVersion:
+    """The producer's policy with the torch engine: the latest committed version, a delta written into the
+    model held in place. With loop.partial_rollouts the engine asks `newer()` between decode steps (it reads
+    state.json at most every CHECK_S seconds), so an unfinished completion goes on under a version
+    committed meanwhile (rlpipe.engines.torch_engine.sample)."""
+
+    CHECK_S = 0.25
+
+    def __init__(self, spec: RunSpec, run_root: str, cache_root: str) -> None:
+        self.spec, self.run_root, self.cache_root = spec, run_root, cache_root
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.held: WeightRef | None = None
+        self.version = -1
+        self.checked = 0.0
+
+    def load(self, weights: WeightRef) -> None:
+        from rlpipe.modeling import load_weights
+        from rlpipe.store.weight_deltas import advance_in_place
+
+        if self.held == weights:
+            return
+        if self.model is None or not advance_in_place(self.model, self.held, weights, self.cache_root):
+            trainer = self.spec.trainer
+            self.model, self.tokenizer = load_weights(weights, self.cache_root, trainer.threads, trainer.device)
+            self.model.eval()
+        self.held, self.version = weights, weights["version"]
+
+    def newer(self) -> tuple[Any, int] | None:
+        from rlpipe.store.weights import read_ref
+
+        if time.time() - self.checked < self.CHECK_S:
+            return None
+        self.checked = time.time()
+        published = (read_state(self.run_root) or {}).get("weights_version", self.version)
+        if published <= self.version:
+            return None
+        self.load(read_ref(self.run_root, published))
+        return self.model, self.version
+
+    def policy(self) -> Any:
+        from rlpipe.engines import Policy
+
+        return Policy(self.model, self.tokenizer, self if self.spec.loop.partial_rollouts else None)
+
+
 def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: dict[str, Any]) -> None:
     """Generate the buffer's chunks until `stop` is set, each with the latest committed version.
     `status` (read by the heartbeat) gets the version held, the busy seconds and the chunks written."""
-    from rlpipe.engines import Policy
     from rlpipe.store.weights import read_ref
 
-    policy, held = None, None
+    latest = LatestVersion(spec, run_root, cache_root) if spec.rollout.engine == "torch" else None
     clear_partial_writes(run_root)
     while not stop.is_set():
         state = read_state(run_root) or {}
@@ -168,13 +213,11 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
         iteration, chunk = todo
         started = time.time()
         weights = read_ref(run_root, state["weights_version"])
-        if spec.rollout.engine == "torch" and held != weights:
-            from rlpipe.modeling import load_weights
-            from rlpipe.store.weight_deltas import advance_in_place
-
-            if policy is None or not advance_in_place(policy.model, held, weights, cache_root):  # a delta: in place
-                policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
-            held = weights
+        policy = None
+        if latest is not None:
+            if latest.version < weights["version"]:  # a partial rollout may have loaded a newer one already
+                latest.load(weights)
+            weights, policy = latest.held, latest.policy()
         generate_chunk(spec, run_root, weights, iteration, chunk, cache_root, policy)
         status["busy_s"] = status.get("busy_s", 0.0) + time.time() - started
         status["chunks_written"] = status.get("chunks_written", 0) + 1
@@ -250,7 +293,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
             waited += POLL_S
         tables.append(table)
         record.append({"chunk": chunk, "rows": table.num_rows, "version": version, "sha256": file_sha256(uri)})
-    rollouts = pa.concat_tables(tables)
+    rollouts = pa.concat_tables(tables, promote_options="default")  # token_versions: partial rollouts only
     write_table(rollouts, out_path)
     beat = read_json(producer_uri(run_root)) or {}
     taken = {"iteration": iteration, "chunks": record, "at": time.time(), "producer_busy_s": beat.get("busy_s")}
@@ -267,6 +310,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
             "async/wait_s": waited,
         }
         | length_metrics([len(t) for t in rollouts.column("completion_token_ids").to_pylist()])
+        | partial_metrics(rollouts)
         | {
             f"async/staleness_{k}_fraction": staleness.count(k) / len(staleness)
             for k in range(spec.loop.max_staleness + 1)
@@ -277,6 +321,20 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
         if span > 0:
             metrics["async/generation_busy_share"] = (beat["busy_s"] - previous["producer_busy_s"]) / span
     return metrics | {"time/generate_s": time.time() - started - waited}
+
+
+def partial_metrics(rollouts: Any) -> dict[str, float]:
+    """How much of the iteration partial rollouts sampled across versions (loop.partial_rollouts):
+    async/partial_rows_fraction, rows whose tokens more than one version sampled, and
+    async/newer_version_tokens_fraction, tokens a version newer than their row's first sampled."""
+    if "token_versions" not in rollouts.column_names:
+        return {}
+    versions = [v for v in rollouts.column("token_versions").to_pylist() if v]
+    tokens = sum(map(len, versions))
+    return {
+        "async/partial_rows_fraction": sum(v[-1] != v[0] for v in versions) / max(len(versions), 1),
+        "async/newer_version_tokens_fraction": sum(t != v[0] for v in versions for t in v) / max(tokens, 1),
+    }
 
 
 # --- after the commit -----------------------------------------------------------------------

@@ -59,11 +59,14 @@ class Completions:
     token_ids: list[list[int]]  # through the first eos (inclusive) when one was sampled
     logprobs: list[list[float]]  # log pi_sampler(token | prefix) at the temperature, one per token
     finish_reasons: list[str]  # "stop" or "length"
+    token_versions: list[list[int]] | None = None  # a partial rollout's: the version that sampled each token
 
     def extend(self, other: "Completions") -> None:
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
         self.finish_reasons += other.finish_reasons
+        if other.token_versions is not None:
+            self.token_versions = (self.token_versions or []) + other.token_versions
 
 
 def length_metrics(lengths: list[int]) -> dict[str, float]:

@@ -41,6 +41,7 @@ class Policy:
 
     model: Any
     tokenizer: Any
+    refresh: Any = None  # a partial rollout's rlpipe.engines.torch_engine.Refresh (the rollout producer's)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,10 @@ def sample_to_rollouts(
             "logprobs": completions.logprobs,
             "finish_reason": completions.finish_reasons,
             "completion": texts,
-            "weights_version": [weights["version"]] * n,
+            # a partial rollout's row: the version of its first token, the oldest (token_versions has each's)
+            "weights_version": [v[0] for v in completions.token_versions]
+            if completions.token_versions
+            else [weights["version"]] * n,
             "iteration": [iteration] * n,
         }
         | sampled.columns

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -58,6 +58,7 @@ def sample(
     bf16: bool = False,
     samples: int = 1,
     stop_ids: set[int] | frozenset[int] = frozenset(),
+    refresh: Refresh | None = None,
 ) -> Completions:
     """Sample `samples` completions per prompt, prompt-major, each through its first eos or stop id
     (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt
@@ -66,7 +67,13 @@ def sample(
     The recorded log-prob is log softmax(logits / T) at the sampled token: the same distribution the
     update step recomputes (top-k/top-p only restrict which tokens can be drawn; with top_k=0,
     top_p=1 the two coincide exactly). `bf16`: forward passes autocast to bfloat16, as the update's
-    are with trainer.dtype bfloat16 (log-probs still taken in fp32)."""
+    are with trainer.dtype bfloat16 (log-probs still taken in fp32).
+
+    `refresh` (a partial rollout, asynchronous runs): called between decode steps; when it returns
+    (model, version), a newer version was published and loaded, and the unfinished rows go on under
+    it: their sequences so far are prefilled again with the new weights (so every later token's
+    log-prob is exactly the new version's, as AReaL's interruptible generation does) and each token's
+    version is recorded in `token_versions`."""
     batch = len(prompts)
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
@@ -87,6 +94,9 @@ def sample(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
+    version = refresh.version if refresh is not None else 0
+    step_versions: list[int] = []  # the version that sampled each decode step's tokens
+    prompt_ids = input_ids.repeat_interleave(samples, dim=0) if refresh is not None and samples > 1 else input_ids
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
@@ -97,24 +107,38 @@ def sample(
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logprobs.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+        step_versions.append(version)
         finished |= torch.isin(token, ends)
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
+        swapped = refresh.newer() if refresh is not None else None
         with autocast:
-            out = model(
-                input_ids=token.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=next_position,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            if swapped is not None:  # the sequences so far under the new weights: a fresh KV cache
+                model, version = swapped
+                sequences = torch.cat([prompt_ids, torch.stack(tokens, dim=1)], dim=-1)
+                positions = (attention.cumsum(-1) - 1).clamp(min=0)
+                out = model(
+                    input_ids=sequences,
+                    attention_mask=attention,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            else:
+                out = model(
+                    input_ids=token.unsqueeze(-1),
+                    attention_mask=attention,
+                    position_ids=next_position,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
 
     token_matrix = torch.stack(tokens, dim=1).tolist()
     logprob_matrix = torch.stack(logprobs, dim=1).tolist()
-    result = Completions([], [], [])
+    result = Completions([], [], [], [] if refresh is not None else None)
     end_ids = {eos_id, *stop_ids}
     for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
         end = next((k + 1 for k, token in enumerate(row_tokens) if token in end_ids), len(row_tokens))
@@ -122,7 +146,20 @@ def sample(
         result.token_ids.append(row_tokens[:end])
         result.logprobs.append(row_logprobs[:end])
         result.finish_reasons.append("stop" if stopped else "length")
+        if result.token_versions is not None:
+            result.token_versions.append(step_versions[:end])
     return result
+
+
+class Refresh(Protocol):
+    """A partial rollout's view of the published versions (rlpipe.rollout_buffer.LatestVersion): `model` at
+    `version`, the one held; `newer()`, between decode steps: (model, version) once it has loaded a newer
+    one, else None."""
+
+    model: PreTrainedModel
+    version: int
+
+    def newer(self) -> tuple[PreTrainedModel, int] | None: ...
 
 
 def sample_in_batches(
@@ -130,13 +167,15 @@ def sample_in_batches(
 ) -> Completions:
     """`samples` completions per prompt (prompt-major), `sample` over chunks of at most `batch_size`
     rows (bounds activation and KV-cache memory): whole groups when a batch holds one, else the
-    prompts repeated."""
+    prompts repeated. A batch after a `refresh` swapped the weights starts with the new model."""
     if samples > batch_size:
         prompts, samples = [ids for ids in prompts for _ in range(samples)], 1
     per_batch = batch_size // samples
-    result = Completions([], [], [])
+    refresh = kwargs.get("refresh")
+    result = Completions([], [], [], [] if refresh is not None else None)
     for start in range(0, len(prompts), per_batch):
-        result.extend(sample(model, prompts[start : start + per_batch], samples=samples, **kwargs))
+        current = refresh.model if refresh is not None else model
+        result.extend(sample(current, prompts[start : start + per_batch], samples=samples, **kwargs))
     return result
 
 
@@ -157,6 +196,7 @@ def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Samplin
         top_p=sampling.top_p,
         generator=torch.Generator(device=model.device).manual_seed(seed),
         bf16=sampling.bf16,
+        **({"refresh": policy.refresh} if policy.refresh is not None else {}),
     )
 
 
@@ -233,4 +273,6 @@ def sample_prompts(
     completions = sample_groups(policy, prompt_ids, Sampling.of(spec), seed)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
-    return Sampled(completions, texts, loaded, {})
+    if completions.token_versions is None:
+        return Sampled(completions, texts, loaded, {})
+    return Sampled(completions, texts, loaded, {}, {"token_versions": completions.token_versions})

@@ -85,6 +85,14 @@ class RunSpec:
                 "engine per call; use rollout.engine: sampler (long-lived vLLM servers) or torch, or loop.overlap: "
                 "dag (each generate task loads its version)"
             )
+        if self.loop.partial_rollouts and not (
+            producer and self.rollout.engine == "torch" and self.rollout.environment is None
+        ):
+            raise ValueError(
+                "loop.partial_rollouts continues a completion under a version committed while it is sampled: it "
+                "needs loop.max_staleness >= 1 with loop.overlap producer, rollout.engine torch and no "
+                "rollout.environment; set loop.partial_rollouts: false"
+            )
         if self.loop.overlap == "dag":
             s = self.loop.max_staleness
             if s == 0:

@@ -462,6 +462,13 @@ class LoopSpec:
         doc="Asynchronous RL: iteration N may train on rollouts from v(N-1-s) .. v(N-1) that a producer generated "
         "ahead, while the trainer updated (rlpipe.rollout_buffer). 0: the synchronous loop",
     )
+    partial_rollouts: bool = setting(
+        False,
+        doc="Asynchronous RL with the producer and the torch engine: a completion still being sampled when a new "
+        "version is committed goes on under it (its sequence so far prefilled again with the new weights), "
+        "each token's version recorded in the token_versions column and corrected for per token, instead of "
+        "finishing under the old one",
+    )
     overlap: Literal["producer", "dag"] = setting(
         "producer",
         doc="How generation runs ahead when max_staleness >= 1. producer: a long-lived producer samples into the "

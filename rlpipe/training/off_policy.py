@@ -82,6 +82,11 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
     return reused / max(total, 1)
 
 
+def sampled_by(rows: list[dict], version: int) -> torch.Tensor:
+    """[B] bool: the rows `version` sampled whole (every token's, a partial rollout's token_versions)."""
+    return torch.tensor([set(row.get("token_versions") or [row.get("weights_version")]) == {version} for row in rows])
+
+
 def mismatch_differences(logprobs: torch.Tensor, mb: MicroBatch, sampled_by_start: torch.Tensor) -> torch.Tensor:
     """d = log pi_trainer - log pi_sampler at the model tokens of the rows the weights the trainer holds sampled
     (`sampled_by_start`, [B] bool): the same weights on both sides, so d is numerics alone (the engine's

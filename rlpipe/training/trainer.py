@@ -51,7 +51,13 @@ from rlpipe.training.distributed import (
     world,
 )
 from rlpipe.training.logprobs import completion_logprobs_and_entropy
-from rlpipe.training.off_policy import Correction, attach_proximal_logprobs, decoupled, mismatch_differences
+from rlpipe.training.off_policy import (
+    Correction,
+    attach_proximal_logprobs,
+    decoupled,
+    mismatch_differences,
+    sampled_by,
+)
 from rlpipe.training.sealing import Served, load_masters, seal_new_version, served_from_version, stores_serving_copy
 from rlpipe.training.tally import Tally, update_metrics
 
@@ -269,8 +275,7 @@ def accumulate_gradients(
         # of them at s=0): their forward pass measures the training-inference mismatch at no extra cost
         measure = None
         if tally.steps == 0 and present and mb.old_logprobs is not None:
-            version = trainer.weights["version"]
-            measure = torch.tensor([row.get("weights_version", -1) == version for row in part])
+            measure = sampled_by(part, trainer.weights["version"])
         added = micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
         tally.weight_max = max(tally.weight_max, added.pop("is_weight_max", 0.0))
         kl_measured |= "kl" in added
