@@ -2,7 +2,9 @@
 on this machine, with the same spec, warm start, sample budget and hyperparameters. s >= 1 trains with
 truncated importance sampling (TIS, the asynchronous default); s=1 also without any correction (the
 clipped ratio to the stale behaviour policy), which shows why; s=0 also with trainer.threads 2 (both
-cores on the synchronous loop), which shows what the overlap gains over using both cores for each step.
+cores on the synchronous loop), which shows what the overlap gains over using both cores for each step;
+s=1 also with partial rollouts (loop.partial_rollouts: a completion goes on under a version committed
+while it is sampled).
 
 Two workloads:
   examples/sorting.yaml   generation-heavy (the default): long-tailed completions, 3-40 tokens, which
@@ -47,6 +49,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     "s=1": {"loop.max_staleness": 1},  # off_policy_correction: truncate (TIS), the asynchronous default
     "s=2": {"loop.max_staleness": 2},
     "s=1 no correction": {"loop.max_staleness": 1, "algorithm.off_policy_correction": "none"},
+    "s=1 partial rollouts": {"loop.max_staleness": 1, "loop.partial_rollouts": True},
 }
 
 
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--spec", type=Path, default=SPEC, help="the workload (default examples/sorting.yaml)")
     parser.add_argument("--uncorrected-seeds", type=int, default=1, help="seeds of the s=1 run without a correction")
     parser.add_argument("--two-thread-seeds", type=int, default=1, help="seeds of the s=0 run on 2 threads")
+    parser.add_argument("--partial-seeds", type=int, default=1, help="seeds of the s=1 run with partial rollouts")
     parser.add_argument("--runs", type=Path, help="default runs/async (--smoke: runs/smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
@@ -128,6 +132,7 @@ def main() -> None:
     plan = [(c, s) for s in range(seeds) for c in ("s=0", "s=1", "s=2")]
     plan += [("s=1 no correction", s) for s in range(args.uncorrected_seeds)]
     plan += [("s=0 2 threads", s) for s in range(args.two_thread_seeds)]
+    plan += [("s=1 partial rollouts", s) for s in range(args.partial_seeds)]
     results = []
     for config, seed in plan:
         run_dir = run_dir_for(root, config, seed)

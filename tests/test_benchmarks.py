@@ -103,7 +103,7 @@ def test_async(tmp_path: Path):
     """s = 0, 1, 2 on the generation-heavy workload (the s=1 run without a correction and the s=0 run on two
     threads are the same code paths with one setting changed)."""
     runs = ("--runs", tmp_path / "runs", "--results-dir", tmp_path)
-    bench("async.py", "--smoke", "--uncorrected-seeds", "0", "--two-thread-seeds", "0", *runs)
+    bench("async.py", "--smoke", "--uncorrected-seeds", "0", "--two-thread-seeds", "0", "--partial-seeds", "0", *runs)
     record = json.loads((tmp_path / "async_sorting.json").read_text())
     assert record["spec"] == "sorting.yaml"
     rows = {row["config"]: row for row in record["results"]}
@@ -116,7 +116,7 @@ def test_async(tmp_path: Path):
     assert 0 <= rows["s=1"]["staleness_mean"] <= 1 and 0 <= rows["s=2"]["staleness_mean"] <= 2
     for row in rows.values():
         tokens = row["completion_tokens"]
-        assert 1 <= tokens["p50"] <= tokens["p99"] <= tokens["max"] <= 48
+        assert 1 <= tokens["p50"] <= tokens["p99"] <= tokens["max"] <= 64
     assert "| s=2 | 0 |" in (tmp_path / "async_sorting.md").read_text()
 
 
