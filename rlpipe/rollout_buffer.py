@@ -14,7 +14,8 @@ The producer (`produce`: rlpipe.services.rollout_producer's process, beside the 
 chunks in iteration order with the latest committed version, read before each chunk: it picks a new
 version up as soon as it is committed, with no barrier. It starts iteration N's chunks only once
 iteration N-1-s is committed, so the buffer holds at most s iterations ahead of training (bounded on
-disk; in memory, one chunk).
+disk; in memory, one chunk). With loop.partial_rollouts (torch engine) it also picks one up between
+decode steps: the unfinished completions go on under it, each token's version recorded (LatestVersion).
 
 The generate step of iteration N (`take`) waits for its chunks while the producer is alive, drops a
 chunk older than s (counted in async/stale_rows_dropped; the producer generates it again with a newer
