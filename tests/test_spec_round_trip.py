@@ -53,6 +53,8 @@ COMPANIONS = {
     "model.tiny.num_heads": {"model.tiny.hidden_size": 192, "model.tiny.num_kv_heads": 1},
     "reward.weights": {"reward.functions": CHOSEN["reward.functions"]},
     "rollout.environment": {"rollout.environment.type": "calculator"},
+    "loop.overlap": {"loop.max_staleness": 1},
+    "loop.partial_rollouts": {"loop.max_staleness": 1},
 }
 
 

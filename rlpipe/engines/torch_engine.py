@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -69,11 +69,8 @@ def sample(
     top_p=1 the two coincide exactly). `bf16`: forward passes autocast to bfloat16, as the update's
     are with trainer.dtype bfloat16 (log-probs still taken in fp32).
 
-    `refresh` (a partial rollout, asynchronous runs): called between decode steps; when it returns
-    (model, version), a newer version was published and loaded, and the unfinished rows go on under
-    it: their sequences so far are prefilled again with the new weights (so every later token's
-    log-prob is exactly the new version's, as AReaL's interruptible generation does) and each token's
-    version is recorded in `token_versions`."""
+    `refresh` (partial rollouts): asked between decode steps; once it returns a newer version's (model,
+    version), the rows go on under it (`prefilled_again`), each token's version in `token_versions`."""
     batch = len(prompts)
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
@@ -96,7 +93,6 @@ def sample(
     logprobs: list[torch.Tensor] = []
     version = refresh.version if refresh is not None else 0
     step_versions: list[int] = []  # the version that sampled each decode step's tokens
-    prompt_ids = input_ids.repeat_interleave(samples, dim=0) if refresh is not None and samples > 1 else input_ids
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
@@ -114,17 +110,9 @@ def sample(
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
         swapped = refresh.newer() if refresh is not None else None
         with autocast:
-            if swapped is not None:  # the sequences so far under the new weights: a fresh KV cache
+            if swapped is not None:
                 model, version = swapped
-                sequences = torch.cat([prompt_ids, torch.stack(tokens, dim=1)], dim=-1)
-                positions = (attention.cumsum(-1) - 1).clamp(min=0)
-                out = model(
-                    input_ids=sequences,
-                    attention_mask=attention,
-                    position_ids=positions,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                out = prefilled_again(model, input_ids.repeat_interleave(samples, dim=0), tokens, attention)
             else:
                 out = model(
                     input_ids=token.unsqueeze(-1),
@@ -135,12 +123,28 @@ def sample(
                 )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
+    return completions_through_end(tokens, logprobs, {eos_id, *stop_ids}, step_versions if refresh else None)
 
-    token_matrix = torch.stack(tokens, dim=1).tolist()
-    logprob_matrix = torch.stack(logprobs, dim=1).tolist()
-    result = Completions([], [], [], [] if refresh is not None else None)
-    end_ids = {eos_id, *stop_ids}
-    for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
+
+def prefilled_again(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, tokens: list[torch.Tensor], attention: torch.Tensor
+) -> Any:
+    """The sequences so far (prompts, then the decode steps' tokens) through `model`, a newer version:
+    its KV cache and next-token logits, so every later token is that version's alone."""
+    sequences = torch.cat([prompt_ids, torch.stack(tokens, dim=1)], dim=-1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return model(
+        input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+
+
+def completions_through_end(
+    tokens: list[torch.Tensor], logprobs: list[torch.Tensor], end_ids: set[int], step_versions: list[int] | None
+) -> Completions:
+    """Each row's decode-step tokens (and log-probs, versions) through its first end id: "stop" when it
+    sampled one, else "length"."""
+    result = Completions([], [], [], [] if step_versions is not None else None)
+    for row_tokens, row_logprobs in zip(torch.stack(tokens, dim=1).tolist(), torch.stack(logprobs, dim=1).tolist()):
         end = next((k + 1 for k, token in enumerate(row_tokens) if token in end_ids), len(row_tokens))
         stopped = bool(row_tokens) and row_tokens[end - 1] in end_ids
         result.token_ids.append(row_tokens[:end])
