@@ -84,23 +84,30 @@ def test_pair_algorithms_refuse_an_off_policy_correction(tmp_path: Path):
         resolve_options(spec)
 
 
-def test_truncation_trains_on_stale_rollouts_and_reports_its_weights(initialized_run, tmp_path: Path):
-    """The update with off_policy_correction: pi_prox from one no-grad pass; at the weights that sampled
-    the batch every weight is 1 (up to the sampler's float rounding)."""
+def _first_update(initialized_run, tmp_path: Path, **sections: dict) -> tuple[str, dict[str, float]]:
+    """Iteration 1's generate, score, advantages and update at v0 with `sections` changed in the spec:
+    (the rollouts' path, the update's metrics)."""
     from rlpipe import loop
     from rlpipe.spec import spec_to_dict
     from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
-    data["algorithm"]["off_policy_correction"] = "truncate"
+    for section, values in sections.items():
+        data[section] |= values
     spec = parse_spec(data)
     v0 = read_ref(run_root, 0)
     rollouts, scored, batch = (str(tmp_path / f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
     loop.generate(spec, run_root, v0, 1, rollouts, cache)
     loop.score(spec, rollouts, scored)
     loop.advantages(spec, scored, batch)
-    _, metrics = loop.update(spec, run_root, v0, batch, 1, cache)
+    return rollouts, loop.update(spec, run_root, v0, batch, 1, cache)[1]
+
+
+def test_truncation_trains_on_stale_rollouts_and_reports_its_weights(initialized_run, tmp_path: Path):
+    """The update with off_policy_correction: pi_prox from one no-grad pass; at the weights that sampled
+    the batch every weight is 1 (up to the sampler's float rounding)."""
+    _, metrics = _first_update(initialized_run, tmp_path, algorithm={"off_policy_correction": "truncate"})
     assert metrics["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["off_policy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     assert metrics["off_policy/truncated_fraction"] == 0.0
@@ -127,22 +134,10 @@ def test_the_update_measures_the_training_inference_mismatch_at_s0(initialized_r
     """Every update reports how far the sampler's log-probs are from the trainer's of the same weights, over
     the tokens of its first optimizer step (all of them with one mini-batch); TIS works at s=0 as well.
     The torch engine samples with the trainer's own model: a KV-cache decode against a full forward."""
-    from rlpipe import loop
     from rlpipe.rollouts import read_table
-    from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
 
-    spec, run_root, cache = initialized_run
-    data = spec_to_dict(spec)
-    data["algorithm"]["off_policy_correction"] = correction
-    data["trainer"]["mini_batches"] = 1
-    spec = parse_spec(data)
-    v0 = read_ref(run_root, 0)
-    rollouts, scored, batch = (str(tmp_path / f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
-    loop.generate(spec, run_root, v0, 1, rollouts, cache)
-    loop.score(spec, rollouts, scored)
-    loop.advantages(spec, scored, batch)
-    _, metrics = loop.update(spec, run_root, v0, batch, 1, cache)
+    sections = {"algorithm": {"off_policy_correction": correction}, "trainer": {"mini_batches": 1}}
+    rollouts, metrics = _first_update(initialized_run, tmp_path, **sections)
     tokens = sum(len(ids) for ids in read_table(rollouts).column("completion_token_ids").to_pylist())
     assert metrics["mismatch/tokens"] == tokens
     assert 0.0 <= metrics["mismatch/k3_kl"] < 1e-8
