@@ -186,12 +186,12 @@ def sync_weights(
     metrics["time/sync_weights_s"] = time.time() - started
     metrics |= iteration_wall(spec, metrics.pop(STARTED_AT, None), metrics)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
-    taken = None
+    taken = consumed = None
     if service_for("generate", spec) == "producer" and iteration:
         from rlpipe.rollout_buffer import taken_for_commit
 
-        taken = taken_for_commit(run_root, iteration)
-    commit_iteration(run_root, iteration, published, taken)  # <- the commit point
+        taken, consumed = taken_for_commit(spec, run_root, iteration)
+    commit_iteration(run_root, iteration, published, taken, consumed)  # <- the commit point
     prune_store(spec, run_root, published["version"])
     return published, metrics
 

@@ -1,36 +1,42 @@
-"""The rollout buffer: generation running ahead of training (loop.max_staleness s >= 1).
+"""The rollout buffer: generation running ahead of training (loop.max_staleness s >= 1), a group at a time.
 
     <run root>/rollout_buffer/
-      iter_000007/chunk_000.parquet ...  rollout rows of iteration 7's prompts, a chunk at a time
-      iter_000007/taken.json             what iteration 7's generate step took (committed with state.json)
-      consumed/iter_000007/              the same, moved here once iteration 7 committed
-      producer.json                      the producer's heartbeat: pid, version held, busy seconds
+      groups/000000123-h000007-p00031-v000005.parquet   a finished group: the samples of prompt 31 of
+                                    iteration 7's slice of the data, sampled from v5, 123rd to finish
+      iter_000008/taken.json        what iteration 8's generate step took (committed with state.json)
+      consumed/iter_000008/         the same and the group files it names, moved here once 8 committed
+      producer.json                 the producer's heartbeat: pid, version held, busy seconds
 
-Iteration N trains v(N-1) into v(N) on its own prompts: the same slice of the data a synchronous run
-uses (rlpipe.engines.iteration_prompts), cut into CHUNKS chunks of groups. A chunk may come from any
-committed version v(N-1-s) .. v(N-1):
+Groups. The prompts come in a synchronous run's order: group (h, p) is position p of iteration h's
+slice of the data (rlpipe.engines.iteration_prompts), h its home. The producer (`produce`:
+rlpipe.services.rollout_producer's process, beside the trainer) samples the groups of homes up to
+committed + 1 + s that are neither consumed nor in the buffer, lowest first, rollout.batch_size rows at a
+time, with the latest committed version, read before each batch. It writes each group the moment it
+finishes: the torch engine hands over a group at the decode step its last completion ends, while the
+batch decodes on (other engines and multi-turn rollouts: at the end of the batch). With
+loop.partial_rollouts (torch engine) it also picks a newer version up between decode steps: the
+unfinished completions go on under it, each token's version recorded (LatestVersion).
+
+Consumption. The generate step of iteration N (`take`) takes the groups that finished first (lowest
+sequence number) and are at most s versions old,
     staleness = (N - 1) - version  in [0, s]
-The producer (`produce`: rlpipe.services.rollout_producer's process, beside the trainer) generates the
-chunks in iteration order with the latest committed version, read before each chunk: it picks a new
-version up as soon as it is committed, with no barrier. It starts iteration N's chunks only once
-iteration N-1-s is committed, so the buffer holds at most s iterations ahead of training (bounded on
-disk; in memory, one chunk). With loop.partial_rollouts (torch engine) it also picks one up between
-decode steps: the unfinished completions go on under it, each token's version recorded (LatestVersion).
+as many as its own slice holds; a straggler, a group with a long completion, stays buffered for a later
+iteration instead of holding the others back, its version recorded and corrected for like any other's.
+A group older than s is dropped (async/stale_rows_dropped) and sampled again with a newer version. The
+buffer holds at most s + 1 iterations' groups (bounded on disk; in memory, one batch).
 
-The generate step of iteration N (`take`) waits for its chunks while the producer is alive, drops a
-chunk older than s (counted in async/stale_rows_dropped; the producer generates it again with a newer
-version), and writes the rollouts artifact from the chunks, in order, plus `taken.json`: each chunk's
-rows, version and sha256. sync_weights copies that record into state.json with the commit and moves
-the iteration's directory to consumed/ (`retire`). A rerun of an uncommitted iteration takes the same
-chunks again; a committed one is never taken again, nor sampled again (the producer checks that the
-state it listed the buffer against is still the committed one). So each prompt of the consumed range
-is used exactly once, whatever is killed when.
+Exactly once. take writes the rollouts artifact and `taken.json`: each group's file, home, position,
+version and sha256. sync_weights commits that record into state.json with the set of consumed groups
+(`groups_consumed`: every group of homes <= `through`, and those listed in `beyond`), then moves the
+files to consumed/ (`retire`). A rerun of an uncommitted iteration takes the same groups again; the
+producer never samples a consumed group nor one in the buffer (it checks that the state it listed the
+buffer against is still the committed one), so each prompt of the consumed range is used exactly once,
+whatever is killed when.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,7 +49,7 @@ if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
 
-CHUNKS = 4  # per iteration: the producer picks up a newer version between chunks
+Group = tuple[int, int]  # (home iteration, position in its slice)
 HEARTBEAT_TIMEOUT_S = 60.0  # a producer silent this long is gone: the generate step stops waiting
 POLL_S = 0.05
 
@@ -52,22 +58,38 @@ def buffer_uri(run_root: str) -> str:
     return join(run_root, "rollout_buffer")
 
 
+def groups_uri(run_root: str) -> str:
+    return join(buffer_uri(run_root), "groups")
+
+
 def iteration_uri(run_root: str, iteration: int, consumed: bool = False) -> str:
     return join(buffer_uri(run_root), *(["consumed"] if consumed else []), f"iter_{iteration:06d}")
-
-
-def chunk_uri(run_root: str, iteration: int, chunk: int) -> str:
-    return join(iteration_uri(run_root, iteration), f"chunk_{chunk:03d}.parquet")
 
 
 def producer_uri(run_root: str) -> str:
     return join(buffer_uri(run_root), "producer.json")
 
 
-def chunk_orders(order: list[int]) -> list[list[int]]:
-    """The iteration's prompt rows cut into CHUNKS consecutive chunks (fewer when there are fewer rows)."""
-    size = math.ceil(len(order) / CHUNKS)
-    return [order[start : start + size] for start in range(0, len(order), size)]
+def group_file(sequence: int, group: Group, version: int) -> str:
+    return f"{sequence:09d}-h{group[0]:06d}-p{group[1]:05d}-v{version:06d}.parquet"
+
+
+def parse_group_file(name: str) -> tuple[int, Group, int] | None:
+    """(sequence, group, version) of a finished group's file name; None for anything else (a .tmp file)."""
+    parts = name.removesuffix(".parquet").split("-")
+    if not name.endswith(".parquet") or len(parts) != 4:
+        return None
+    return int(parts[0]), (int(parts[1][1:]), int(parts[2][1:])), int(parts[3][1:])
+
+
+def buffered(run_root: str) -> list[tuple[int, Group, int, str]]:
+    """The finished groups in the buffer, first finished first: (sequence, group, version, file name)."""
+    fs, directory = filesystem(groups_uri(run_root))
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)] if fs.exists(directory) else []
+    except FileNotFoundError:
+        names = []
+    return sorted((*parsed, name) for name in names if (parsed := parse_group_file(name)) is not None)
 
 
 def oldest_allowed(spec: RunSpec, iteration: int) -> int:
@@ -81,72 +103,106 @@ def file_sha256(uri: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+class Slices:
+    """Each home iteration's prompt rows (rlpipe.engines.iteration_prompts), computed once."""
+
+    def __init__(self, spec: RunSpec, run_root: str) -> None:
+        from rlpipe.engines import read_train_rows
+
+        self.spec, self.run_root, self.rows = spec, run_root, read_train_rows(run_root).num_rows
+        self.known: dict[int, list[int]] = {}
+
+    def __call__(self, home: int) -> list[int]:
+        from rlpipe.engines import iteration_prompts
+
+        if home not in self.known:
+            self.known[home] = iteration_prompts(self.spec, self.run_root, self.rows, home)
+        return self.known[home]
+
+
+def consumed_groups(state: dict[str, Any]) -> tuple[int, set[Group]]:
+    """(through, beyond): every group of homes <= through is consumed, and the groups in beyond."""
+    consumed = state.get("groups_consumed") or {"through": 0, "beyond": []}
+    return consumed["through"], {tuple(g) for g in consumed["beyond"]}
+
+
+def consumed_after(state: dict[str, Any], taken: dict[str, Any], slices: Slices) -> dict[str, Any]:
+    """state.json's groups_consumed once the groups `taken` names are consumed too."""
+    through, beyond = consumed_groups(state)
+    beyond |= {(g["home"], g["position"]) for g in taken["groups"]}
+    while beyond and all((through + 1, p) in beyond for p in range(len(slices(through + 1)))):
+        through += 1
+        beyond = {g for g in beyond if g[0] != through}
+    return {"through": through, "beyond": sorted(beyond)}
+
+
 # --- the producer ---------------------------------------------------------------------------
 
 
-def next_chunk(spec: RunSpec, run_root: str, committed: int) -> tuple[int, int] | None:
-    """(iteration, chunk) the producer generates next: the first missing chunk of iterations
-    committed+1 .. committed+1+s (and at most loop.iterations); None when they are all there, or when
-    state.json has moved past `committed` meanwhile (the caller reads it again).
-
-    `committed` was read before the listing: an iteration that commits in between is retired to
-    consumed/ and lists as missing. Sampling it again would write a stray iter_N beside its consumed
-    record (which retire used to move over the record, taken.json and all), so a listing only counts
-    when state.json is still at `committed` after it (state.json is written before retire moves)."""
-    from rlpipe.engines import iteration_prompts, read_train_rows
-
-    last = min(committed + 1 + spec.loop.max_staleness, spec.loop.iterations)
-    rows = None
-    todo = None
-    for iteration in range(committed + 1, last + 1):
-        fs, directory = filesystem(iteration_uri(run_root, iteration))
-        try:
-            present = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)} if fs.exists(directory) else set()
-        except FileNotFoundError:  # retired meanwhile: `committed` is out of date
-            return None
-        rows = rows if rows is not None else read_train_rows(run_root).num_rows
-        chunks = len(chunk_orders(iteration_prompts(spec, run_root, rows, iteration)))
-        todo = next(((iteration, c) for c in range(chunks) if f"chunk_{c:03d}.parquet" not in present), None)
-        if todo is not None:
+def next_groups(spec: RunSpec, run_root: str, state: dict[str, Any], slices: Slices, limit: int) -> list[Group] | None:
+    """The first `limit` groups the producer samples next: of homes up to committed + 1 + s (and at most
+    loop.iterations), neither consumed nor in the buffer. None when state.json has moved past `state`
+    meanwhile (the caller reads it again): a commit between reading the state and the listing would
+    show the groups it retired as neither."""
+    present = {group for _, group, _, _ in buffered(run_root)}
+    if (read_state(run_root) or {}).get("iteration") != state["iteration"]:
+        return None
+    through, beyond = consumed_groups(state)
+    last = min(state["iteration"] + 1 + spec.loop.max_staleness, spec.loop.iterations)
+    todo: list[Group] = []
+    for home in range(through + 1, last + 1):
+        todo += [(home, p) for p in range(len(slices(home))) if (home, p) not in beyond | present]
+        if len(todo) >= limit:
             break
-    if todo is not None and (read_state(run_root) or {}).get("iteration") != committed:
-        return None  # committed meanwhile: the listing may show a retired iteration as missing
-    return todo
+    return todo[:limit]
 
 
-def generate_chunk(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, chunk: int, cache_root: str, policy: Any
-) -> dict[str, float]:
-    """Sample chunk `chunk` of iteration N's prompts with `weights` and publish it atomically (a file
-    is there whole or not at all: a producer killed mid-write leaves only a .tmp file)."""
-    from rlpipe.engines import iteration_prompts, read_train_rows, sample_to_rollouts
+def generate_groups(
+    spec: RunSpec, run_root: str, weights: WeightRef, groups: list[Group], slices: Slices, cache_root: str, policy: Any
+) -> None:
+    """Sample `groups` with `weights` (`policy`: the producer's model at them) and write each to the buffer
+    as it finishes, atomically (a file is there whole or not at all: a producer killed mid-write leaves
+    only a .tmp file). A group's sequence number orders it among the finished."""
+    from dataclasses import replace
+
+    from rlpipe.engines import read_train_rows, rollout_table, sample_rows
+    from rlpipe.rollouts import write_table
     from rlpipe.store.run_root import move
 
-    started = time.time()
     table = read_train_rows(run_root)
-    orders = chunk_orders(iteration_prompts(spec, run_root, table.num_rows, iteration))
-    first_group = sum(len(order) for order in orders[:chunk])
-    final = chunk_uri(run_root, iteration, chunk)
-    tmp = f"{final}.tmp-{os.getpid()}"
-    fs, tmp_path = filesystem(tmp)
-    fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
-    stream = iteration * 1_000 + chunk + 1  # each chunk its own sampling stream
-    metrics = sample_to_rollouts(
-        spec,
-        run_root,
-        weights,
-        cache_root,
-        table,
-        orders[chunk],
-        first_group,
-        iteration,
-        stream,
-        tmp_path,
-        started,
-        policy,
-    )
-    move(tmp, final)
-    return metrics
+    order = [slices(home)[position] for home, position in groups]
+    samples = spec.rollout.samples_per_prompt
+    sequence = max((s for s, *_ in buffered(run_root)), default=-1) + 1
+    written: set[int] = set()
+    fs, directory = filesystem(groups_uri(run_root))
+    fs.makedirs(directory, exist_ok=True)
+
+    def write(indices: list[int], sampled: Any) -> None:
+        nonlocal sequence
+        for k, i in enumerate(indices):
+            one = sampled.select(list(range(k * samples, (k + 1) * samples)))
+            rows = rollout_table(spec, table, [order[i]], [groups[i][1]], groups[i][0], one, weights)
+            version = min(rows.column("weights_version").to_pylist())
+            final = join(groups_uri(run_root), group_file(sequence, groups[i], version))
+            tmp = f"{final}.tmp-{os.getpid()}"
+            write_table(rows, filesystem(tmp)[1])
+            move(tmp, final)
+            sequence += 1
+            written.add(i)
+
+    def publish(indices: list[int], completions: Any) -> None:  # the torch engine, mid-batch
+        from rlpipe.engines import Sampled
+
+        texts = policy.tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+        columns = {"token_versions": completions.token_versions} if completions.token_versions is not None else {}
+        write(indices, Sampled(completions, texts, time.time(), {}, columns))
+
+    single_turn_torch = policy is not None and spec.rollout.environment is None
+    stream = 1_000_000 + groups[0][0] * 10_000 + groups[0][1]  # each batch its own sampling stream
+    sampled = sample_rows(spec, run_root, weights, cache_root, table, order, stream,
+                          replace(policy, publish=publish) if single_turn_torch else policy)  # fmt: skip
+    rest = [i for i in range(len(groups)) if i not in written]  # every group (other engines, multi-turn), or none
+    write(rest, sampled.select([i * samples + k for i in rest for k in range(samples)]))
 
 
 class LatestVersion:
@@ -196,22 +252,24 @@ class LatestVersion:
 
 
 def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: dict[str, Any]) -> None:
-    """Generate the buffer's chunks until `stop` is set, each with the latest committed version.
-    `status` (read by the heartbeat) gets the version held, the busy seconds and the chunks written."""
+    """Sample the buffer's groups until `stop` is set, a batch at a time, each with the latest committed
+    version. `status` (read by the heartbeat) gets the version held, the busy seconds and the groups written."""
     from rlpipe.store.weights import read_ref
 
     latest = LatestVersion(spec, run_root, cache_root) if spec.rollout.engine == "torch" else None
+    per_batch = max(1, spec.rollout.batch_size // spec.rollout.samples_per_prompt)
+    slices: Slices | None = None
     clear_partial_writes(run_root)
     while not stop.is_set():
         state = read_state(run_root) or {}
         if "iteration" not in state:  # not initialized yet
             stop.wait(0.5)
             continue
-        todo = next_chunk(spec, run_root, state["iteration"])
-        if todo is None:
+        slices = slices or Slices(spec, run_root)
+        todo = next_groups(spec, run_root, state, slices, per_batch)
+        if not todo:
             stop.wait(POLL_S)
             continue
-        iteration, chunk = todo
         started = time.time()
         weights = read_ref(run_root, state["weights_version"])
         policy = None
@@ -219,10 +277,10 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
             if latest.version < weights["version"]:  # a partial rollout may have loaded a newer one already
                 latest.load(weights)
             weights, policy = latest.held, latest.policy()
-        generate_chunk(spec, run_root, weights, iteration, chunk, cache_root, policy)
+        generate_groups(spec, run_root, weights, todo, slices, cache_root, policy)
         status["busy_s"] = status.get("busy_s", 0.0) + time.time() - started
-        status["chunks_written"] = status.get("chunks_written", 0) + 1
-        status |= {"version": weights["version"], "iteration": iteration, "chunk": chunk}
+        status["groups_written"] = status.get("groups_written", 0) + len(todo)
+        status |= {"version": weights["version"], "group": list(todo[-1])}
         write_heartbeat(run_root, status)  # the generate step reads busy_s from it
 
 
@@ -248,66 +306,85 @@ def producer_alive(run_root: str) -> bool:
 # --- the generate step ----------------------------------------------------------------------
 
 
+def first_finished(spec: RunSpec, run_root: str, iteration: int, wanted: int) -> tuple[list[tuple], list[tuple]]:
+    """(the first `wanted` finished groups iteration N may train on, the groups too old for it), each as
+    `buffered` lists them; not those iteration N-1 took, until its commit retires them."""
+    oldest = oldest_allowed(spec, iteration)
+    before = {group["file"] for group in (taken_record(run_root, iteration - 1) or {"groups": []})["groups"]}
+    listed = [entry for entry in buffered(run_root) if entry[3] not in before]
+    return [g for g in listed if g[2] >= oldest][:wanted], [g for g in listed if g[2] < oldest]
+
+
 def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str) -> dict[str, float]:
-    """Iteration N's rollouts from the buffer (v(N-1) = `weights`, the version it trains): wait for each
-    chunk while the producer is alive, drop and await again one older than loop.max_staleness, then
-    write them in order to `out_path` and record what was taken in taken.json."""
+    """Iteration N's rollouts from the buffer (v(N-1) = `weights`, the version it trains): the first
+    finished groups at most loop.max_staleness versions old, as many as N's slice holds, waited for while
+    the producer is alive (older ones dropped: the producer samples them again); written in the order
+    they finished to `out_path`, group_id their rank, and recorded in taken.json. A rerun of an
+    uncommitted iteration takes what its taken.json names."""
     import pyarrow as pa
 
-    from rlpipe.engines import iteration_prompts, read_train_rows
     from rlpipe.rollouts import length_metrics, read_table, write_table
 
     started = time.time()
+    retire(run_root, iteration - 1, spec.storage.keep_versions)  # what a kill after N-1's commit left in groups/
     previous = read_json(join(iteration_uri(run_root, iteration - 1, consumed=True), "taken.json"))
-    ahead = sum(filesystem(iteration_uri(run_root, i))[0].exists(filesystem(iteration_uri(run_root, i))[1])
-                for i in range(iteration + 1, iteration + 1 + spec.loop.max_staleness))  # fmt: skip
-    chunks = len(chunk_orders(iteration_prompts(spec, run_root, read_train_rows(run_root).num_rows, iteration)))
-    oldest = oldest_allowed(spec, iteration)
-    tables: list[pa.Table] = []
-    record: list[dict[str, Any]] = []
+    record = taken_record(run_root, iteration)
     dropped, waited = 0, 0.0
-    waited_since = time.time()
-    for chunk in range(chunks):
-        uri = chunk_uri(run_root, iteration, chunk)
-        fs, path = filesystem(uri)
+    if record is None:
+        wanted = len(Slices(spec, run_root)(iteration))
+        waited_since = time.time()
         while True:
-            if fs.exists(path):
-                table = read_table(uri)
-                version = min(table.column("weights_version").to_pylist())
-                if version >= oldest:
-                    break
-                dropped += table.num_rows  # too stale for this run's s: the producer samples it again
+            chosen, stale = first_finished(spec, run_root, iteration, wanted)
+            for *_, name in stale:  # too old for this run's s: the producer samples the group again
+                fs, path = filesystem(join(groups_uri(run_root), name))
+                dropped += spec.rollout.samples_per_prompt
                 fs.rm(path)
-            elif why := failed_services(run_root, "producer"):
+            if len(chosen) == wanted:
+                break
+            if why := failed_services(run_root, "producer"):
                 raise RuntimeError(
                     f"iteration {iteration} waits for rollouts, but the rollout producer stopped: "
                     + "; ".join(why.values())
                 )
-            elif not producer_alive(run_root) and time.time() - waited_since > HEARTBEAT_TIMEOUT_S:
+            if not producer_alive(run_root) and time.time() - waited_since > HEARTBEAT_TIMEOUT_S:
                 raise RuntimeError(
-                    f"iteration {iteration} waits for rollout chunk {chunk} ({uri}), but no rollout producer has "
-                    f"written a heartbeat to {producer_uri(run_root)} for {HEARTBEAT_TIMEOUT_S:.0f} s. `rlpipe run` "
-                    "starts one when loop.max_staleness >= 1; on a cluster, deploy it (manifests/optional/"
-                    "rollout-producer.yaml, RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
+                    f"iteration {iteration} waits for {wanted - len(chosen)} more finished groups in "
+                    f"{groups_uri(run_root)}, but no rollout producer has written a heartbeat to "
+                    f"{producer_uri(run_root)} for {HEARTBEAT_TIMEOUT_S:.0f} s. `rlpipe run` starts one when "
+                    "loop.max_staleness >= 1; on a cluster, deploy it (manifests/optional/rollout-producer.yaml, "
+                    "RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
                 )
             time.sleep(POLL_S)
             waited += POLL_S
-        tables.append(table)
-        record.append({"chunk": chunk, "rows": table.num_rows, "version": version, "sha256": file_sha256(uri)})
+        files = [join(groups_uri(run_root), name) for *_, name in chosen]
+        record = {
+            "iteration": iteration,
+            "groups": [
+                {"file": name, "home": group[0], "position": group[1], "version": version, "sha256": file_sha256(uri)}
+                for (_, group, version, name), uri in zip(chosen, files)
+            ],
+        }
+    tables = []
+    for rank, group in enumerate(record["groups"]):
+        table = read_table(join(groups_uri(run_root), group["file"]))
+        tables.append(with_column(table, "group_id", rank))
     rollouts = pa.concat_tables(tables, promote_options="default")  # token_versions: partial rollouts only
+    rollouts = with_column(rollouts, "iteration", iteration)  # the iteration that trains on them
     write_table(rollouts, out_path)
     beat = read_json(producer_uri(run_root)) or {}
-    taken = {"iteration": iteration, "chunks": record, "at": time.time(), "producer_busy_s": beat.get("busy_s")}
-    write_json(join(iteration_uri(run_root, iteration), "taken.json"), taken)
+    record |= {"at": time.time(), "producer_busy_s": beat.get("busy_s")}
+    write_json(join(iteration_uri(run_root, iteration), "taken.json"), record)
 
     versions = rollouts.column("weights_version").to_pylist()
     staleness = [iteration - 1 - v for v in versions]
+    homes = [g["home"] for g in record["groups"]]
     metrics = (
         {
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
             "async/stale_rows_dropped": float(dropped),
-            "async/buffer_depth": float(ahead),
+            "async/buffer_groups": float(len(buffered(run_root)) - len(record["groups"])),
+            "async/straggler_groups": float(sum(home < iteration for home in homes)),
             "async/wait_s": waited,
         }
         | length_metrics([len(t) for t in rollouts.column("completion_token_ids").to_pylist()])
@@ -318,10 +395,20 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
         }
     )
     if previous and previous.get("producer_busy_s") is not None and beat.get("busy_s") is not None:
-        span = taken["at"] - previous["at"]
+        span = record["at"] - previous["at"]
         if span > 0:
             metrics["async/generation_busy_share"] = (beat["busy_s"] - previous["producer_busy_s"]) / span
     return metrics | {"time/generate_s": time.time() - started - waited}
+
+
+def with_column(table: Any, name: str, value: int) -> Any:
+    """`table` with column `name` set to `value` in every row, its type kept."""
+    import pyarrow as pa
+
+    index = table.schema.get_field_index(name)
+    return table.set_column(
+        index, table.schema.field(index), pa.array([value] * table.num_rows, table.schema.field(index).type)
+    )
 
 
 def partial_metrics(rollouts: Any) -> dict[str, float]:
@@ -342,29 +429,28 @@ def partial_metrics(rollouts: Any) -> dict[str, float]:
 
 
 def taken_record(run_root: str, iteration: int) -> dict[str, Any] | None:
-    """What iteration N's generate step took (None in a synchronous run)."""
+    """What iteration N's generate step took (None in a synchronous run, or before it took)."""
     return read_json(join(iteration_uri(run_root, iteration), "taken.json"))
 
 
-def taken_for_commit(run_root: str, iteration: int) -> dict[str, Any]:
-    """What asynchronous iteration N trained on, which its commit records; RuntimeError when the record
-    is gone (never commit without it: a rerun takes the chunks again)."""
+def taken_for_commit(spec: RunSpec, run_root: str, iteration: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What asynchronous iteration N trained on, and the groups consumed once it is committed, which its
+    commit records; RuntimeError when the record is gone (never commit without it: a rerun takes the
+    groups again)."""
     taken = taken_record(run_root, iteration)
     if taken is None:
         raise RuntimeError(
             f"iteration {iteration} took its rollouts from the buffer, but its record of them "
             f"({iteration_uri(run_root, iteration)}/taken.json) is gone: not committing it. "
-            "Rerun `rlpipe run`: the iteration takes its chunks again"
+            "Rerun `rlpipe run`: the iteration takes its groups again"
         )
-    return taken
+    return taken, consumed_after(read_state(run_root) or {}, taken, Slices(spec, run_root))
 
 
 def retire(run_root: str, committed: int, keep: int) -> None:
-    """Move the buffer's iterations <= `committed` to consumed/ (idempotent: also what a commit killed
-    before it retired leaves), and keep the last `keep` consumed iterations. Only sync_weights calls it,
-    once the commit is made. The producer does not write to an iteration <= committed (next_chunk checks
-    the state after its listing); a directory without taken.json, which no generate step took, is
-    deleted, never moved over the record of what the iteration trained on."""
+    """Move what the buffer's iterations <= `committed` took to consumed/ (idempotent: also what a commit
+    killed before it retired leaves): first the group files taken.json names, then the directory. Keep
+    the last `keep` consumed iterations. Only sync_weights calls it, once the commit is made."""
     from rlpipe.store.run_root import move
 
     fs, root = filesystem(buffer_uri(run_root))
@@ -372,18 +458,22 @@ def retire(run_root: str, committed: int, keep: int) -> None:
         return
     for path in fs.ls(root, detail=False):
         name = path.rsplit("/", 1)[-1]
-        if name.startswith("iter_") and int(name[5:]) <= committed:
-            if not fs.exists(join(path, "taken.json")):
-                # no generate step took it: chunks a producer wrote after the iteration committed (it
-                # read the state before the commit). Never moved over consumed/iter_N, N's record
-                fs.rm(path, recursive=True)
-                continue
-            target = iteration_uri(run_root, int(name[5:]), consumed=True)
-            target_fs, target_path = filesystem(target)
-            if target_fs.exists(target_path):
-                target_fs.rm(target_path, recursive=True)
-            target_fs.makedirs(target_path.rsplit("/", 1)[0], exist_ok=True)
-            move(join(buffer_uri(run_root), name), target)
+        if not (name.startswith("iter_") and int(name[5:]) <= committed):
+            continue
+        taken = read_json(join(buffer_uri(run_root), name, "taken.json"))
+        if taken is None:  # no generate step took anything: nothing to keep
+            fs.rm(path, recursive=True)
+            continue
+        for group in taken["groups"]:
+            source = join(groups_uri(run_root), group["file"])
+            if filesystem(source)[0].exists(filesystem(source)[1]):
+                move(source, join(buffer_uri(run_root), name, group["file"]))
+        target = iteration_uri(run_root, int(name[5:]), consumed=True)
+        target_fs, target_path = filesystem(target)
+        if target_fs.exists(target_path):
+            target_fs.rm(target_path, recursive=True)
+        target_fs.makedirs(target_path.rsplit("/", 1)[0], exist_ok=True)
+        move(join(buffer_uri(run_root), name), target)
     consumed_fs, consumed = filesystem(join(buffer_uri(run_root), "consumed"))
     if consumed_fs.exists(consumed):
         for path in consumed_fs.ls(consumed, detail=False):

@@ -68,6 +68,16 @@ class Completions:
         if other.token_versions is not None:
             self.token_versions = (self.token_versions or []) + other.token_versions
 
+    def select(self, rows: list[int]) -> "Completions":
+        """The completions at `rows`, in that order."""
+        versions = self.token_versions
+        return Completions(
+            [self.token_ids[r] for r in rows],
+            [self.logprobs[r] for r in rows],
+            [self.finish_reasons[r] for r in rows],
+            [versions[r] for r in rows] if versions is not None else None,
+        )
+
 
 def length_metrics(lengths: list[int]) -> dict[str, float]:
     """The completions' token counts: mean, p50, p99 (nearest rank) and max; the tail a batch decodes
@@ -82,16 +92,20 @@ def length_metrics(lengths: list[int]) -> dict[str, float]:
     }
 
 
-def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:
-    """Write columns (or a table) to Parquet; `schema`'s columns first, cast to it, then the rest."""
+def typed_table(rows: dict[str, list[Any]] | pa.Table, schema: pa.Schema) -> pa.Table:
+    """Columns (or a table) with `schema`'s columns first, cast to it, then the rest."""
     table = rows if isinstance(rows, pa.Table) else pa.table(rows)
-    if schema is not None:
-        rest = [name for name in table.column_names if name not in schema.names]
-        typed = table.select(schema.names).cast(schema)
-        for name in rest:
-            typed = typed.append_column(table.schema.field(name), table.column(name))
-        table = typed
-    pq.write_table(table, str(path))
+    rest = [name for name in table.column_names if name not in schema.names]
+    typed = table.select(schema.names).cast(schema)
+    for name in rest:
+        typed = typed.append_column(table.schema.field(name), table.column(name))
+    return typed
+
+
+def write_table(rows: dict[str, list[Any]] | pa.Table, path: str | Path, schema: pa.Schema | None = None) -> None:
+    """Write columns (or a table) to Parquet, typed by `schema` when one is given (`typed_table`)."""
+    table = rows if isinstance(rows, pa.Table) else pa.table(rows)
+    pq.write_table(typed_table(table, schema) if schema is not None else table, str(path))
 
 
 def read_table(path: str | Path) -> pa.Table:

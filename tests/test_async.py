@@ -201,6 +201,40 @@ def test_a_partial_rollout_goes_on_under_the_new_version_token_by_token(tmp_path
     }
 
 
+def test_the_engine_hands_over_each_group_at_the_decode_step_it_finishes(tmp_path: Path):
+    """The rollout producer's torch engine publishes a group the step its last completion ends (those that
+    reach max_new_tokens at the end): each group once, in the order they finish, with the completions the
+    batch returns; the decoding is the same as without the callback."""
+    from rlpipe.engines.torch_engine import sample
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(parse_spec(tiny_spec_dict(tmp_path)).model.tiny, tokenizer, 0).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in ("12+34=", "5+6=", "7+8=", "91+2=", "3+3=", "40+1=")]
+    calls: list = []
+
+    def run(**kwargs):
+        generator = torch.Generator().manual_seed(0)
+        return sample(
+            model, prompts, 30, tokenizer.eos_token_id, tokenizer.pad_token_id, generator=generator, samples=3, **kwargs
+        )
+
+    out = run(on_groups=lambda groups, completions: calls.append((groups, completions)))
+    assert sorted(g for groups, _ in calls for g in groups) == list(range(6))
+    finished_at = []
+    for groups, completions in calls:
+        rows = [g * 3 + k for g in groups for k in range(3)]
+        assert completions.token_ids == [out.token_ids[r] for r in rows]
+        assert completions.logprobs == [out.logprobs[r] for r in rows]
+        assert completions.finish_reasons == [out.finish_reasons[r] for r in rows]
+        steps = {max(len(out.token_ids[g * 3 + k]) for k in range(3)) for g in groups}
+        assert len(steps) == 1  # handed over together: the same step ended them
+        finished_at += steps
+    assert len(calls) > 1 and finished_at == sorted(finished_at)
+    again = run()
+    assert (again.token_ids, again.logprobs) == (out.token_ids, out.logprobs)
+
+
 def test_partial_rollouts_refuse_what_they_cannot_continue(tmp_path: Path):
     with pytest.raises(ValueError, match="loop.partial_rollouts continues a completion"):
         parse_spec(tiny_spec_dict(tmp_path, loop={"partial_rollouts": True}))  # s = 0
@@ -239,127 +273,191 @@ def _produce_until(spec, run_root, cache, done) -> dict:
     return status
 
 
+def _homes(run_root: str) -> collections.Counter[int]:
+    """How many finished groups of each home iteration the buffer holds."""
+    from rlpipe.rollout_buffer import buffered
+
+    return collections.Counter(group[0] for _, group, _, _ in buffered(run_root))
+
+
+def _all_of(run_root: str, *homes: int):
+    return lambda: all(_homes(run_root)[home] == 8 for home in homes)  # 8 prompts an iteration
+
+
 def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(initialized_run, tmp_path: Path):
     from rlpipe import loop
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, iteration_uri
+    from rlpipe.rollout_buffer import buffered, iteration_uri
     from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 2)
-    last_chunk = Path(chunk_uri(run_root, 3, CHUNKS - 1))
-    _produce_until(spec, run_root, cache, last_chunk.exists)  # iterations 1..1+s, with v0
+    _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2, 3))  # iterations 1..1+s, with v0
     time.sleep(0.3)
-    assert not Path(iteration_uri(run_root, 4)).exists()  # 4 needs v1 committed
+    assert set(_homes(run_root)) == {1, 2, 3}  # 4 needs v1 committed
+    assert {version for _, _, version, _ in buffered(run_root)} == {0}
 
     published, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path, cache)
     assert not Path(iteration_uri(run_root, 1)).exists()  # retired with the commit
-    taken = json.loads((Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())
+    used = Path(iteration_uri(run_root, 1, consumed=True))
+    taken = json.loads((used / "taken.json").read_text())
     state = json.loads((Path(run_root) / "state.json").read_text())
-    assert state["rollouts_taken"] == taken and [c["version"] for c in taken["chunks"]] == [0] * CHUNKS
-    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 4, CHUNKS - 1)).exists)
+    assert state["rollouts_taken"] == taken and len(taken["groups"]) == 8
+    assert sorted(p.name for p in used.glob("*.parquet")) == sorted(g["file"] for g in taken["groups"])
+    consumed = sorted([g["home"], g["position"]] for g in taken["groups"])
+    expected = {"through": 1, "beyond": []} if all(g[0] == 1 for g in consumed) else {"through": 0, "beyond": consumed}
+    assert state["groups_consumed"] == expected
+    _produce_until(spec, run_root, cache, lambda: _homes(run_root)[4] == 8)
     import pyarrow.parquet as pq
 
-    assert set(pq.read_table(chunk_uri(run_root, 4, 0)).column("weights_version").to_pylist()) == {1}
+    fourth = [name for _, group, _, name in buffered(run_root) if group[0] == 4]
+    assert {
+        pq.read_table(Path(run_root) / "rollout_buffer" / "groups" / n)["weights_version"][0].as_py() for n in fourth
+    } == {1}
     assert published["version"] == 1
 
 
-def test_a_chunk_older_than_s_is_dropped_counted_and_sampled_again(initialized_run, tmp_path: Path):
+def test_the_first_finished_groups_are_taken_and_a_straggler_waits_for_a_later_iteration(
+    initialized_run, tmp_path: Path
+):
+    """Iteration N takes the groups that finished first, whatever their home: a group of iteration 1
+    that finished last is taken by iteration 2, and the consumed set tracks it exactly."""
+    from rlpipe import loop
+    from rlpipe.rollout_buffer import buffered, group_file, groups_uri, iteration_uri
+
+    spec, run_root, cache = _async_spec(initialized_run, 1)
+    _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
+    listed = buffered(run_root)
+    straggler = next(entry for entry in listed if entry[1] == (1, 7))
+    late = group_file(listed[-1][0] + 1, straggler[1], straggler[2])
+    (Path(groups_uri(run_root)) / straggler[3]).rename(Path(groups_uri(run_root)) / late)  # it finished last
+    first_eight = [entry[1] for entry in buffered(run_root)[:8]]
+    assert (1, 7) not in first_eight
+
+    from rlpipe.store.weights import read_ref
+
+    (tmp_path / "1").mkdir()
+    v1, metrics = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "1", cache)
+    taken = json.loads((Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())
+    assert [(g["home"], g["position"]) for g in taken["groups"]] == first_eight
+    state = json.loads((Path(run_root) / "state.json").read_text())
+    assert state["groups_consumed"] == {"through": 0, "beyond": sorted(map(list, first_eight))}
+    assert metrics["async/straggler_groups"] == 0.0  # no group of an earlier iteration yet
+
+    (tmp_path / "2").mkdir()
+    _, metrics = loop.run_iteration(spec, run_root, v1, 2, tmp_path / "2", cache)
+    taken = json.loads((Path(iteration_uri(run_root, 2, consumed=True)) / "taken.json").read_text())
+    assert taken["groups"][0]["file"] != late and (1, 7) in [(g["home"], g["position"]) for g in taken["groups"]]
+    assert metrics["async/straggler_groups"] == 1.0  # the straggler, sampled by v0, trained by iteration 2
+    state = json.loads((Path(run_root) / "state.json").read_text())
+    assert state["groups_consumed"] == {"through": 2, "beyond": []}
+
+
+def test_a_group_older_than_s_is_dropped_counted_and_sampled_again(initialized_run, tmp_path: Path):
     """Rollouts made for s=2 are too stale once the run resumes with s=1: never used silently."""
     from rlpipe import loop
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, take
+    from rlpipe.rollout_buffer import buffered, take
     from rlpipe.store.weights import read_ref
 
     spec2, run_root, cache = _async_spec(initialized_run, 2)
-    _produce_until(spec2, run_root, cache, Path(chunk_uri(run_root, 3, CHUNKS - 1)).exists)
+    _produce_until(spec2, run_root, cache, _all_of(run_root, 1, 2, 3))
     weights = read_ref(run_root, 0)
     for iteration in (1, 2):
         (tmp_path / str(iteration)).mkdir()
         weights, _ = loop.run_iteration(spec2, run_root, weights, iteration, tmp_path / str(iteration), cache)
     spec1, _, _ = _async_spec(initialized_run, 1)
-    stale = [Path(chunk_uri(run_root, 3, k)).stat().st_mtime_ns for k in range(CHUNKS)]
+    stale = {name for _, _, _, name in buffered(run_root)}
+    assert len(stale) == 8
     result: dict = {}
     taking = threading.Thread(
         target=lambda: result.update(take(spec1, run_root, weights, 3, str(tmp_path / "r3.parquet")))
     )
-    taking.start()  # drops the v0 chunks (iteration 3 with s=1 takes v1 or v2), then waits for new ones
+    taking.start()  # drops the v0 groups (iteration 3 with s=1 takes v1 or v2), then waits for new ones
     _produce_until(spec1, run_root, cache, lambda: not taking.is_alive())
     taking.join()
     assert result["async/stale_rows_dropped"] == 32  # 8 prompts x 4 samples, all from v0
     assert result["async/staleness_max"] == 0.0  # sampled again with v2, committed meanwhile
-    assert all(Path(chunk_uri(run_root, 3, k)).stat().st_mtime_ns != stale[k] for k in range(CHUNKS))
+    assert not stale & {name for _, _, _, name in buffered(run_root)}
 
 
 def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_run):
-    """A chunk is written to <chunk>.tmp-<pid> and renamed: a kill mid-write leaves the temporary file,
-    which the next producer removes before it samples that chunk again."""
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
+    """A group is written to <file>.tmp-<pid> and renamed: a kill mid-write leaves the temporary file,
+    which the next producer removes before it samples that group again."""
+    from rlpipe.rollout_buffer import group_file, groups_uri
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
-    partial = Path(chunk_uri(run_root, 1, 2) + ".tmp-4242")
+    partial = Path(groups_uri(run_root)) / (group_file(0, (1, 2), 0) + ".tmp-4242")
     partial.parent.mkdir(parents=True)
     partial.write_bytes(b"PAR1 half a parquet file")
-    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
     assert not partial.exists()
     import pyarrow.parquet as pq
 
-    assert pq.read_table(chunk_uri(run_root, 1, 2)).num_rows == 8
+    assert {pq.read_metadata(p).num_rows for p in Path(groups_uri(run_root)).glob("*.parquet")} == {4}
 
 
-def test_a_producer_that_read_the_state_before_a_commit_never_writes_into_the_committed_iteration(
+def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed_group(
     initialized_run, tmp_path: Path, monkeypatch
 ):
-    """The producer reads state.json, then lists the buffer. If iteration N commits (and retires to
-    consumed/) in between, the listing finds no iter_N: a producer trusting its stale state sampled
-    iteration N again into a new iter_N, and the next commit's retire moved that stray over
-    consumed/iter_N, losing N's taken.json (what N trained on)."""
+    """The producer reads state.json, then lists the buffer. If iteration N commits (and retires its
+    groups to consumed/) in between, the listing finds neither them in the buffer nor them consumed in
+    the state it read: a producer trusting it would sample them again, and a later iteration train on
+    those prompts twice."""
     from rlpipe import loop
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri, iteration_uri
+    from rlpipe.rollout_buffer import buffered, iteration_uri
     from rlpipe.store import run_root as store
     from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
-    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
     (tmp_path / "1").mkdir()
     v1, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "1", cache)
-    assert not Path(iteration_uri(run_root, 1)).exists()  # committed and retired
+    taken_by_1 = {(g["home"], g["position"]) for g in json.loads(
+        (Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())["groups"]}  # fmt: skip
 
     before_the_commit = dict(store.read_state(run_root), iteration=0, weights_version=0)
+    before_the_commit.pop("groups_consumed")
     reads = iter([before_the_commit])  # the producer's first read: the state just before iteration 1 committed
     monkeypatch.setattr("rlpipe.rollout_buffer.read_state", lambda root: next(reads, None) or store.read_state(root))
-    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 3, CHUNKS - 1)).exists)
-    assert not Path(iteration_uri(run_root, 1)).exists()  # iteration 1 was not sampled again
+    _produce_until(spec, run_root, cache, lambda: sum(_homes(run_root).values()) == 16)  # 8 left + home 3
+    assert not taken_by_1 & {group for _, group, _, _ in buffered(run_root)}  # none sampled again
 
     (tmp_path / "2").mkdir()
     loop.run_iteration(spec, run_root, v1, 2, tmp_path / "2", cache)
+    seen: set = set()
     for iteration in (1, 2):
         used = Path(iteration_uri(run_root, iteration, consumed=True))
         taken = json.loads((used / "taken.json").read_text())
-        chunks = sorted(p.name for p in used.glob("chunk_*.parquet"))
-        assert chunks == [f"chunk_{c['chunk']:03d}.parquet" for c in taken["chunks"]]
+        assert sorted(p.name for p in used.glob("*.parquet")) == sorted(g["file"] for g in taken["groups"])
+        groups = {(g["home"], g["position"]) for g in taken["groups"]}
+        assert not groups & seen
+        seen |= groups
 
 
-def test_retire_drops_a_stray_chunk_of_a_committed_iteration_and_keeps_its_record(tmp_path: Path):
-    """A chunk that lands in iter_N after N committed (no taken.json: no generate step took it) is
-    deleted, never moved over consumed/iter_N."""
-    from rlpipe.rollout_buffer import iteration_uri, retire
+def test_retire_moves_the_taken_groups_with_their_record_and_is_idempotent(tmp_path: Path):
+    """retire(N) moves the group files iteration N's taken.json names, then the record, to consumed/;
+    what a kill between the two leaves is finished by the next call; the other groups stay."""
+    from rlpipe.rollout_buffer import group_file, groups_uri, iteration_uri, retire
 
     run_root = str(tmp_path)
-    used = Path(iteration_uri(run_root, 1, consumed=True))
-    used.mkdir(parents=True)
-    (used / "chunk_000.parquet").write_bytes(b"taken")
-    (used / "taken.json").write_text('{"iteration": 1}')
-    stray = Path(iteration_uri(run_root, 1))
-    stray.mkdir()
-    (stray / "chunk_000.parquet").write_bytes(b"stray")
-    taking = Path(iteration_uri(run_root, 2))
+    groups = Path(groups_uri(run_root))
+    groups.mkdir(parents=True)
+    taken_file, other = group_file(0, (1, 0), 0), group_file(1, (1, 1), 0)
+    moved_file = group_file(2, (1, 2), 0)
+    for name in (taken_file, other):
+        (groups / name).write_bytes(name.encode())
+    taking = Path(iteration_uri(run_root, 1))
     taking.mkdir()
-    (taking / "chunk_000.parquet").write_bytes(b"taken by 2")
-    (taking / "taken.json").write_text('{"iteration": 2}')
+    (taking / moved_file).write_bytes(b"moved before a kill")
+    record = {"iteration": 1, "groups": [{"file": taken_file}, {"file": moved_file}]}
+    (taking / "taken.json").write_text(json.dumps(record))
+    empty = Path(iteration_uri(run_root, 2))
+    empty.mkdir()  # no taken.json: nothing was taken
 
     retire(run_root, 2, keep=10)
-    assert not stray.exists() and not taking.exists()
-    assert (used / "taken.json").read_text() == '{"iteration": 1}'
-    assert (used / "chunk_000.parquet").read_bytes() == b"taken"
-    assert (Path(iteration_uri(run_root, 2, consumed=True)) / "taken.json").exists()
+    retire(run_root, 2, keep=10)
+    used = Path(iteration_uri(run_root, 1, consumed=True))
+    assert sorted(p.name for p in used.iterdir()) == sorted([taken_file, moved_file, "taken.json"])
+    assert [p.name for p in groups.iterdir()] == [other]
+    assert not taking.exists() and not empty.exists()
 
 
 def test_generate_says_what_to_do_when_no_producer_runs(initialized_run, tmp_path: Path, monkeypatch):
@@ -381,14 +479,13 @@ def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights
     from safetensors.torch import load_file
 
     from rlpipe import loop
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
     from rlpipe.services.trainer_service import make_server
     from rlpipe.spec import spec_to_dict
     from rlpipe.store.weights import read_ref
 
     varied = {"functions": [{"type": "tests.toy_plugins:length", "target": 2}]}  # advantages != 0: it learns
     spec, run_root, cache = _async_spec(initialized_run, 1, reward=varied)
-    _produce_until(spec, run_root, cache, Path(chunk_uri(run_root, 2, CHUNKS - 1)).exists)
+    _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
     per_step_root = str(tmp_path / "per-step")
     shutil.copytree(run_root, per_step_root)  # the same v0 and the same buffered rollouts
 
@@ -510,7 +607,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     driver.wait()
     assert committed() < iterations
 
-    # 2. the producer twice, each time once it is up (mid-chunk, or waiting for a commit), and 3. the
+    # 2. the producer twice, each time once it is up (mid-batch, or waiting for a commit), and 3. the
     # resident trainer mid-update; the rerun goes on through all of it
     killed = {producer_pid()}
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -523,7 +620,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
 
         _wait_for(beating, "a new producer's heartbeat")
         pid = producer_pid()
-        time.sleep(0.3)  # mid-way through a chunk, or waiting for a commit
+        time.sleep(0.3)  # mid-way through a batch, or waiting for a commit
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
     done = len(tasks())
@@ -537,16 +634,21 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     assert committed() == iterations, output.decode(errors="replace")
 
     _check_consistent(run_dir, iterations)  # weights versions move forward, one MLflow point per iteration
-    groups: collections.Counter[int] = collections.Counter()
-    previous_version, environment_tokens, partial_rows = -1, 0, 0
+    train_rows = pq.read_metadata(run_dir / "data" / "train.parquet").num_rows
+    used_groups: collections.Counter[tuple[int, int]] = collections.Counter()
+    environment_tokens, partial_rows, stragglers = 0, 0, 0
     for iteration in range(1, iterations + 1):
         used = Path(iteration_uri(str(run_dir), iteration, consumed=True))
         taken = json.loads((used / "taken.json").read_text())
-        for chunk in taken["chunks"]:
-            path = used / f"chunk_{chunk['chunk']:03d}.parquet"
-            assert hashlib.sha256(path.read_bytes()).hexdigest() == chunk["sha256"]  # the rows it trained on
+        assert len(taken["groups"]) == 8
+        for group in taken["groups"]:
+            path = used / group["file"]
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == group["sha256"]  # the rows it trained on
             table = pq.read_table(path)
-            assert min(table.column("weights_version").to_pylist()) == chunk["version"]
+            assert min(table.column("weights_version").to_pylist()) == group["version"]
+            assert set(table.column("prompt_id").to_pylist()) == {
+                prompt_indices(train_rows, 8, group["home"], 0)[group["position"]]
+            }
             if partial:  # each token's version: from the row's first on, never past the iteration's v(N-1)
                 for versions, first in zip(table.column("token_versions").to_pylist(), table["weights_version"]):
                     assert versions == sorted(versions) and versions[0] == first.as_py() <= versions[-1]
@@ -557,18 +659,16 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
                 masks, tokens = table.column("loss_mask").to_pylist(), table.column("completion_token_ids").to_pylist()
                 assert [len(m) for m in masks] == [len(t) for t in tokens]
                 environment_tokens += sum(m.count(0) for m in masks)
-            assert iteration - 1 - s <= chunk["version"] <= iteration - 1
-            assert chunk["version"] >= previous_version  # rollout versions only move forward
-            previous_version = chunk["version"]
-            rows = table.select(["prompt_id", "group_id"]).to_pylist()
-            groups.update({row["group_id"]: row["prompt_id"] for row in rows}.values())
-    assert json.loads((run_dir / "state.json").read_text())["rollouts_taken"]["iteration"] == iterations
-    train_rows = pq.read_metadata(run_dir / "data" / "train.parquet").num_rows
-    consumed_range = [i for n in range(1, iterations + 1) for i in prompt_indices(train_rows, 8, n, 0)]
-    assert sorted(groups) == sorted(consumed_range)  # no prompt skipped
-    assert set(groups.values()) == {1}  # none used twice
+            assert iteration - 1 - s <= group["version"] <= iteration - 1
+            used_groups[(group["home"], group["position"])] += 1
+            stragglers += group["home"] < iteration
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["rollouts_taken"]["iteration"] == iterations
+    assert state["groups_consumed"] == {"through": iterations, "beyond": []}
+    assert sorted(used_groups) == [(h, p) for h in range(1, iterations + 1) for p in range(8)]  # none skipped
+    assert set(used_groups.values()) == {1}  # none used twice
     assert environment_tokens > 0 or not multi_turn  # the calculator answered some calls
-    print(f"{form}: {partial_rows} rows went on under a newer version")
+    print(f"{form}: {partial_rows} rows went on under a newer version, {stragglers} groups trained after their home")
 
 
 # --- the DAG-offset form ------------------------------------------------------------------------

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from rlpipe.rollouts import ROLLOUT_SCHEMA, TRAJECTORY_SCHEMA, Completions, length_metrics, read_table, write_table
+from rlpipe.rollouts import (
+    ROLLOUT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    Completions,
+    length_metrics,
+    read_table,
+    typed_table,
+    write_table,
+)
 from rlpipe.store.run_root import data_uri
 from rlpipe.store.weights import WeightRef, as_ref
 
@@ -42,6 +50,7 @@ class Policy:
     model: Any
     tokenizer: Any
     refresh: Any = None  # a partial rollout's rlpipe.engines.torch_engine.Refresh (the rollout producer's)
+    publish: Any = None  # the rollout producer's: called with each group the decode step it finishes (torch)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,14 @@ class Sampled:
     loaded_at: float  # wall clock when the model was ready (load time = loaded_at - step start)
     metrics: dict[str, float]  # the engine's own (samplers/*)
     columns: dict[str, list] = field(default_factory=dict)  # per completion: a trajectory's (TRAJECTORY_SCHEMA)
+
+    def select(self, rows: list[int]) -> Sampled:
+        """The completions at `rows` (the engine's metrics left out)."""
+        columns = {
+            name: values.take(rows) if isinstance(values, pa.Array) else [values[r] for r in rows]
+            for name, values in self.columns.items()
+        }
+        return Sampled(self.completions.select(rows), [self.texts[r] for r in rows], self.loaded_at, {}, columns)
 
 
 def sampled_trajectories(trajectories: list[Trajectory], codec: Codec, loaded_at: float) -> Sampled:
@@ -169,10 +186,23 @@ def generate_rollouts(
     `policy`: sample with a model already in memory at `weights` (torch engine; the resident
     trainer's)."""
     t0 = time.time()
+    weights = as_ref(weights)
     table = read_train_rows(run_root)
     order = iteration_prompts(spec, run_root, table.num_rows, iteration)
-    return sample_to_rollouts(
-        spec, run_root, as_ref(weights), cache_root, table, order, 0, iteration, iteration, out_path, t0, policy
+    sampled = sample_rows(spec, run_root, weights, cache_root, table, order, iteration, policy)
+    sampled_at = time.time()
+    completions = sampled.completions
+    write_table(rollout_table(spec, table, order, list(range(len(order))), iteration, sampled, weights), out_path)
+    lengths = [len(t) for t in completions.token_ids]
+    return (
+        sampled.metrics
+        | length_metrics(lengths)
+        | {
+            "overhead/generate_load_s": sampled.loaded_at - t0,
+            "time/generate_s": time.time() - sampled.loaded_at,
+            "throughput/generate_tokens_per_s": sum(lengths) / max(sampled_at - sampled.loaded_at, 1e-9),
+            "rollout/stop_fraction": sum(r == "stop" for r in completions.finish_reasons) / len(lengths),
+        }
     )
 
 
@@ -181,48 +211,53 @@ def read_train_rows(run_root: str) -> pa.Table:
     return read_table(data_uri(run_root, "train"))
 
 
-def sample_to_rollouts(
+def sample_rows(
     spec: RunSpec,
     run_root: str,
     weights: WeightRef,
     cache_root: str,
     table: pa.Table,
     order: list[int],
-    first_group: int,
-    iteration: int,
     stream: int,
-    out_path: str,
-    t0: float,
     policy: Policy | None = None,
-) -> dict[str, float]:
-    """Sample rollout.samples_per_prompt completions of each train row in `order` with `weights` and write
-    them to `out_path`: groups first_group, first_group + 1, ... of `iteration` (a whole iteration, or a
-    chunk of one: rlpipe.rollout_buffer). `stream` seeds the sampling (the iteration, or its chunk's)."""
-    rows = table.take(order).to_pylist()
-    group = spec.rollout.samples_per_prompt
-    prompt_ids = [list(row["prompt_token_ids"]) for row in rows]
+) -> Sampled:
+    """rollout.samples_per_prompt completions of each train row in `order` with `weights` (the engine's
+    Sampled, prompt-major); `stream` seeds the sampling (the iteration, or a producer's batch)."""
+    prompt_ids = [list(ids) for ids in table.take(order).column("prompt_token_ids").to_pylist()]
     engine = importlib.import_module(ENGINES[spec.rollout.engine])
     if spec.rollout.environment is None:
-        sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
-    else:
-        sampled = engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy, rows=rows)
-    completions, texts, loaded = sampled.completions, sampled.texts, sampled.loaded_at
-    sampled_at = time.time()
+        return engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
+    rows = table.take(order).to_pylist()
+    return engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy, rows=rows)
 
+
+def rollout_table(
+    spec: RunSpec,
+    table: pa.Table,
+    order: list[int],
+    group_ids: list[int],
+    iteration: int,
+    sampled: Sampled,
+    weights: WeightRef,
+) -> pa.Table:
+    """The rollout rows (ROLLOUT_SCHEMA, then the data's and the engine's other columns) of `sampled`:
+    rollout.samples_per_prompt completions of each train row in `order`, group `group_ids[i]` for order[i]."""
+    completions, group = sampled.completions, spec.rollout.samples_per_prompt
     n = len(completions.token_ids)
+    rows = table.take(order).to_pylist()
     data_columns = [name for name in table.column_names if name not in ROLLOUT_SCHEMA.names]
     per_completion = table.take([order[i // group] for i in range(n)]).select(data_columns)  # arrow types kept
-    write_table(
+    return typed_table(
         {
             "prompt_id": [order[i // group] for i in range(n)],
-            "group_id": [first_group + i // group for i in range(n)],
+            "group_id": [group_ids[i // group] for i in range(n)],
             "sample_index": [i % group for i in range(n)],
             "prompt": [rows[i // group]["prompt"] for i in range(n)],
-            "prompt_token_ids": [prompt_ids[i // group] for i in range(n)],
+            "prompt_token_ids": [list(rows[i // group]["prompt_token_ids"]) for i in range(n)],
             "completion_token_ids": completions.token_ids,
             "logprobs": completions.logprobs,
             "finish_reason": completions.finish_reasons,
-            "completion": texts,
+            "completion": sampled.texts,
             # a partial rollout's row: the version of its first token, the oldest (token_versions has each's)
             "weights_version": [v[0] for v in completions.token_versions]
             if completions.token_versions
@@ -231,17 +266,5 @@ def sample_to_rollouts(
         }
         | sampled.columns
         | {name: per_completion.column(name) for name in data_columns if name not in sampled.columns},
-        out_path,
         ROLLOUT_SCHEMA,
-    )
-    lengths = [len(t) for t in completions.token_ids]
-    return (
-        sampled.metrics
-        | length_metrics(lengths)
-        | {
-            "overhead/generate_load_s": loaded - t0,
-            "time/generate_s": time.time() - loaded,
-            "throughput/generate_tokens_per_s": sum(lengths) / max(sampled_at - loaded, 1e-9),
-            "rollout/stop_fraction": sum(r == "stop" for r in completions.finish_reasons) / n,
-        }
     )

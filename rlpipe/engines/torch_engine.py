@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -59,6 +59,7 @@ def sample(
     samples: int = 1,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     refresh: Refresh | None = None,
+    on_groups: Callable[[list[int], Completions], None] | None = None,
 ) -> Completions:
     """Sample `samples` completions per prompt, prompt-major, each through its first eos or stop id
     (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt
@@ -93,6 +94,8 @@ def sample(
     logprobs: list[torch.Tensor] = []
     version = refresh.version if refresh is not None else 0
     step_versions: list[int] = []  # the version that sampled each decode step's tokens
+    ends_set = {eos_id, *stop_ids}
+    published = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
@@ -105,6 +108,10 @@ def sample(
         logprobs.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
         step_versions.append(version)
         finished |= torch.isin(token, ends)
+        if on_groups is not None:
+            published = publish_finished(
+                finished, published, samples, tokens, logprobs, ends_set, step_versions, refresh, on_groups
+            )
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
@@ -123,7 +130,35 @@ def sample(
                 )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
-    return completions_through_end(tokens, logprobs, {eos_id, *stop_ids}, step_versions if refresh else None)
+    if on_groups is not None:  # the groups that ran to max_new_tokens
+        publish_finished(
+            torch.ones_like(finished), published, samples, tokens, logprobs, ends_set, step_versions, refresh, on_groups
+        )
+    return completions_through_end(tokens, logprobs, ends_set, step_versions if refresh else None)
+
+
+def publish_finished(
+    finished: torch.Tensor,
+    published: torch.Tensor,
+    samples: int,
+    tokens: list[torch.Tensor],
+    logprobs: list[torch.Tensor],
+    end_ids: set[int],
+    step_versions: list[int],
+    refresh: Refresh | None,
+    on_groups: Callable[[list[int], Completions], None],
+) -> torch.Tensor:
+    """Hand `on_groups` the groups (`samples` consecutive rows) all of whose rows have `finished` and that
+    are not `published` yet; returns the groups published so far."""
+    done = finished.view(-1, samples).all(-1) & ~published
+    if bool(done.any()):
+        groups = done.nonzero().flatten().tolist()
+        rows = torch.tensor([g * samples + k for g in groups for k in range(samples)], device=finished.device)
+        completions = completions_through_end(
+            [t[rows] for t in tokens], [lp[rows] for lp in logprobs], end_ids, step_versions if refresh else None
+        )
+        on_groups(groups, completions)
+    return published | done
 
 
 def prefilled_again(
@@ -171,15 +206,18 @@ def sample_in_batches(
 ) -> Completions:
     """`samples` completions per prompt (prompt-major), `sample` over chunks of at most `batch_size`
     rows (bounds activation and KV-cache memory): whole groups when a batch holds one, else the
-    prompts repeated. A batch after a `refresh` swapped the weights starts with the new model."""
+    prompts repeated (and `on_groups` is not called: the caller takes the groups at the end). A batch
+    after a `refresh` swapped the weights starts with the new model."""
     if samples > batch_size:
+        kwargs.pop("on_groups", None)
         prompts, samples = [ids for ids in prompts for _ in range(samples)], 1
     per_batch = batch_size // samples
-    refresh = kwargs.get("refresh")
+    refresh, on_groups = kwargs.get("refresh"), kwargs.pop("on_groups", None)
     result = Completions([], [], [], [] if refresh is not None else None)
     for start in range(0, len(prompts), per_batch):
         current = refresh.model if refresh is not None else model
-        result.extend(sample(current, prompts[start : start + per_batch], samples=samples, **kwargs))
+        offset = (lambda s: lambda groups, done: on_groups([s + g for g in groups], done))(start) if on_groups else None
+        result.extend(sample(current, prompts[start : start + per_batch], samples=samples, on_groups=offset, **kwargs))
     return result
 
 
@@ -201,6 +239,7 @@ def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Samplin
         generator=torch.Generator(device=model.device).manual_seed(seed),
         bf16=sampling.bf16,
         **({"refresh": policy.refresh} if policy.refresh is not None else {}),
+        **({"on_groups": policy.publish} if policy.publish is not None else {}),
     )
 
 

@@ -10,7 +10,7 @@ samplers, reloaded in place by the same pull).
 
     python -m rlpipe.services.rollout_producer --run-root R [--spec R/spec.json] [--port 8002]
 
-GET /health answers 200 with the producer's status (version held, busy seconds, chunks written);
+GET /health answers 200 with the producer's status (version held, busy seconds, groups written);
 <run root>/rollout_buffer/producer.json carries the same as a heartbeat, every HEARTBEAT_S.
 """
 
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     os.nice(NICENESS)
     spec = parse_spec(read_json(args.spec or join(args.run_root, "spec.json")))
     cache_root = args.cache_root or cache_root_for(spec.storage.root, spec.storage.cache)
-    status: dict[str, Any] = {"busy_s": 0.0, "chunks_written": 0, "version": None}
+    status: dict[str, Any] = {"busy_s": 0.0, "groups_written": 0, "version": None}
     stop = threading.Event()
-    # SIGTERM keeps its default action: the kernel ends the process at once, mid-chunk too (a chunk lands
+    # SIGTERM keeps its default action: the kernel ends the process at once, mid-batch too (a group lands
     # by an atomic rename or not at all, as under kill -9). A Python handler would have to be scheduled
     # first, and at NICENESS beside a busy trainer that took up to 30 s: longer than `rlpipe run` waits.
     server = health_server(args.host, args.port, status)

@@ -231,12 +231,13 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     """After update N the trainer holds v(N) and its core idles while sync_weights, evaluate and the next
     iteration's light steps run. Asynchronous runs with an off_policy_correction need pi_prox = v(N)'s
     log-probs of iteration N+1's rollouts, most of which are already in the rollout buffer: compute
-    them now, a chunk at a time, each under the request lock (a request waits at most one chunk). One
-    process only: a sharded trainer's forward passes need every rank."""
+    them now, for the groups N+1 will take as they finish, a part at a time, each under the request lock
+    (a request waits at most one part). One process only: a sharded trainer's forward passes need every
+    rank."""
     from rlpipe.algorithms import resolve_options
-    from rlpipe.rollout_buffer import CHUNKS, chunk_uri
+    from rlpipe.rollout_buffer import Slices, first_finished, groups_uri
     from rlpipe.rollouts import read_table
-    from rlpipe.store.run_root import filesystem
+    from rlpipe.store.run_root import join
     from rlpipe.training.batching import micro_batches
     from rlpipe.training.logprobs import sequence_key
     from rlpipe.training.off_policy import policy_logprobs
@@ -259,13 +260,21 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
             flush=True,
         )
 
-    for chunk in range(CHUNKS):
-        fs, path = filesystem(chunk_uri(trainer.run_root, iteration + 1, chunk))
-        while not fs.exists(path):  # the producer is still sampling it: wait, unless a request is due
+    wanted, seen = len(Slices(trainer.spec, trainer.run_root)(iteration + 1)), set()
+    while len(seen) < wanted:  # the groups iteration N+1 takes if nothing finishes before them
+        chosen = first_finished(trainer.spec, trainer.run_root, iteration + 1, wanted)[0]
+        names = [name for *_, name in chosen if name not in seen]
+        if not names:  # the producer is still sampling them: wait, unless a request is due
             if held.waiting:
                 return computed_ahead()
             time.sleep(0.05)
-        rows = read_table(path).select(["prompt_token_ids", "completion_token_ids"]).to_pylist()
+            continue
+        try:
+            rows = [row for name in names for row in read_table(join(groups_uri(trainer.run_root), name))
+                    .select(["prompt_token_ids", "completion_token_ids"]).to_pylist()]  # fmt: skip
+        except FileNotFoundError:  # dropped as too stale, or taken and retired meanwhile
+            return computed_ahead()
+        seen |= set(names)
         groups = micro_batches(rows, trainer.spec.trainer.micro_batch_tokens)
         for part in (group[i : i + PREFETCH_ROWS] for group in groups for i in range(0, len(group), PREFETCH_ROWS)):
             if held.waiting:  # a request is due: it computes the rest (a lock is not fair to it)

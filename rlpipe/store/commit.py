@@ -46,10 +46,15 @@ def already_committed(run_root: str, iteration: int) -> WeightRef | None:
 
 
 def commit_iteration(
-    run_root: str, iteration: int, published: WeightRef, rollouts_taken: dict[str, Any] | None = None
+    run_root: str,
+    iteration: int,
+    published: WeightRef,
+    rollouts_taken: dict[str, Any] | None = None,
+    groups_consumed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Commit `iteration`: it published `published` (and, asynchronous, trained on `rollouts_taken`).
-    A kill before this redoes the iteration from v(N); after it, the iteration is done."""
+    """Commit `iteration`: it published `published` (and, asynchronous, trained on `rollouts_taken`, after
+    which the buffer's `groups_consumed` are consumed: rlpipe.rollout_buffer). A kill before this redoes
+    the iteration from v(N); after it, the iteration is done."""
     if already_committed(run_root, iteration) is not None:
         raise RuntimeError(f"iteration {iteration} is committed already: a second writer on {run_root}?")
     return _write_state(
@@ -58,6 +63,7 @@ def commit_iteration(
         weights_version=published["version"],
         weights_sha256=published["sha256"],
         **({"rollouts_taken": rollouts_taken} if rollouts_taken else {}),
+        **({"groups_consumed": groups_consumed} if groups_consumed else {}),
     )
 
 
