@@ -315,6 +315,46 @@ def first_finished(spec: RunSpec, run_root: str, iteration: int, wanted: int) ->
     return [g for g in listed if g[2] >= oldest][:wanted], [g for g in listed if g[2] < oldest]
 
 
+def wait_for_groups(spec: RunSpec, run_root: str, iteration: int) -> tuple[dict[str, Any], int, float]:
+    """(taken.json's record of the first-finished groups iteration N may train on, rows dropped as too
+    stale, seconds waited): wait for as many as N's slice holds while the producer is alive."""
+    dropped, waited = 0, 0.0
+    wanted = len(Slices(spec, run_root)(iteration))
+    waited_since = time.time()
+    while True:
+        chosen, stale = first_finished(spec, run_root, iteration, wanted)
+        for *_, name in stale:  # too old for this run's s: the producer samples the group again
+            fs, path = filesystem(join(groups_uri(run_root), name))
+            dropped += spec.rollout.samples_per_prompt
+            fs.rm(path)
+        if len(chosen) == wanted:
+            break
+        if why := failed_services(run_root, "producer"):
+            raise RuntimeError(
+                f"iteration {iteration} waits for rollouts, but the rollout producer stopped: "
+                + "; ".join(why.values())
+            )
+        if not producer_alive(run_root) and time.time() - waited_since > HEARTBEAT_TIMEOUT_S:
+            raise RuntimeError(
+                f"iteration {iteration} waits for {wanted - len(chosen)} more finished groups in "
+                f"{groups_uri(run_root)}, but no rollout producer has written a heartbeat to "
+                f"{producer_uri(run_root)} for {HEARTBEAT_TIMEOUT_S:.0f} s. `rlpipe run` starts one when "
+                "loop.max_staleness >= 1; on a cluster, deploy it (manifests/optional/rollout-producer.yaml, "
+                "RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
+            )
+        time.sleep(POLL_S)
+        waited += POLL_S
+    files = [join(groups_uri(run_root), name) for *_, name in chosen]
+    record = {
+        "iteration": iteration,
+        "groups": [
+            {"file": name, "home": group[0], "position": group[1], "version": version, "sha256": file_sha256(uri)}
+            for (_, group, version, name), uri in zip(chosen, files)
+        ],
+    }
+    return record, dropped, waited
+
+
 def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str) -> dict[str, float]:
     """Iteration N's rollouts from the buffer (v(N-1) = `weights`, the version it trains): the first
     finished groups at most loop.max_staleness versions old, as many as N's slice holds, waited for while
@@ -331,39 +371,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     record = taken_record(run_root, iteration)
     dropped, waited = 0, 0.0
     if record is None:
-        wanted = len(Slices(spec, run_root)(iteration))
-        waited_since = time.time()
-        while True:
-            chosen, stale = first_finished(spec, run_root, iteration, wanted)
-            for *_, name in stale:  # too old for this run's s: the producer samples the group again
-                fs, path = filesystem(join(groups_uri(run_root), name))
-                dropped += spec.rollout.samples_per_prompt
-                fs.rm(path)
-            if len(chosen) == wanted:
-                break
-            if why := failed_services(run_root, "producer"):
-                raise RuntimeError(
-                    f"iteration {iteration} waits for rollouts, but the rollout producer stopped: "
-                    + "; ".join(why.values())
-                )
-            if not producer_alive(run_root) and time.time() - waited_since > HEARTBEAT_TIMEOUT_S:
-                raise RuntimeError(
-                    f"iteration {iteration} waits for {wanted - len(chosen)} more finished groups in "
-                    f"{groups_uri(run_root)}, but no rollout producer has written a heartbeat to "
-                    f"{producer_uri(run_root)} for {HEARTBEAT_TIMEOUT_S:.0f} s. `rlpipe run` starts one when "
-                    "loop.max_staleness >= 1; on a cluster, deploy it (manifests/optional/rollout-producer.yaml, "
-                    "RLPIPE_RUN_ROOT set to this run root), or set loop.max_staleness: 0"
-                )
-            time.sleep(POLL_S)
-            waited += POLL_S
-        files = [join(groups_uri(run_root), name) for *_, name in chosen]
-        record = {
-            "iteration": iteration,
-            "groups": [
-                {"file": name, "home": group[0], "position": group[1], "version": version, "sha256": file_sha256(uri)}
-                for (_, group, version, name), uri in zip(chosen, files)
-            ],
-        }
+        record, dropped, waited = wait_for_groups(spec, run_root, iteration)
     tables = []
     for rank, group in enumerate(record["groups"]):
         table = read_table(join(groups_uri(run_root), group["file"]))

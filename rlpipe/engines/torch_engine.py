@@ -62,16 +62,14 @@ def sample(
     on_groups: Callable[[list[int], Completions], None] | None = None,
 ) -> Completions:
     """Sample `samples` completions per prompt, prompt-major, each through its first eos or stop id
-    (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt
-    token sits at the same column. Each prompt is prefilled once and its KV cache repeated for its
-    `samples` rows: prefill costs what the distinct prompts cost (a quarter at 4 samples).
-    The recorded log-prob is log softmax(logits / T) at the sampled token: the same distribution the
-    update step recomputes (top-k/top-p only restrict which tokens can be drawn; with top_k=0,
-    top_p=1 the two coincide exactly). `bf16`: forward passes autocast to bfloat16, as the update's
-    are with trainer.dtype bfloat16 (log-probs still taken in fp32).
-
+    (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt token
+    sits at the same column; each is prefilled once and its KV cache repeated for its `samples` rows.
+    The recorded log-prob is log softmax(logits / T) at the sampled token: the distribution the update
+    recomputes (top-k/top-p only restrict which tokens can be drawn). `bf16`: forward passes autocast
+    to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs still taken in fp32).
     `refresh` (partial rollouts): asked between decode steps; once it returns a newer version's (model,
-    version), the rows go on under it (`prefilled_again`), each token's version in `token_versions`."""
+    version), the rows go on under it (`prefilled_again`), each token's version in `token_versions`.
+    `on_groups` (the rollout producer's): each group handed over as it finishes (`GroupPublisher`)."""
     batch = len(prompts)
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
@@ -88,14 +86,13 @@ def sample(
         logits, attention, positions = (t.repeat_interleave(samples, dim=0) for t in (logits, attention, positions))
         batch *= samples
     next_position = positions[:, -1:] + 1
-    ends = torch.tensor(sorted({eos_id, *stop_ids}), device=device)
+    ends_set = {eos_id, *stop_ids}
+    ends = torch.tensor(sorted(ends_set), device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens: list[torch.Tensor] = []
-    logprobs: list[torch.Tensor] = []
+    tokens, logprobs = [], []  # per decode step: [rows]
     version = refresh.version if refresh is not None else 0
     step_versions: list[int] = []  # the version that sampled each decode step's tokens
-    ends_set = {eos_id, *stop_ids}
-    published = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    publish = GroupPublisher(on_groups, samples, ends_set, finished) if on_groups is not None else None
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
@@ -108,10 +105,8 @@ def sample(
         logprobs.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
         step_versions.append(version)
         finished |= torch.isin(token, ends)
-        if on_groups is not None:
-            published = publish_finished(
-                finished, published, samples, tokens, logprobs, ends_set, step_versions, refresh, on_groups
-            )
+        if publish is not None:
+            publish(finished, tokens, logprobs, step_versions if refresh else None)
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
@@ -121,44 +116,48 @@ def sample(
                 model, version = swapped
                 out = prefilled_again(model, input_ids.repeat_interleave(samples, dim=0), tokens, attention)
             else:
-                out = model(
-                    input_ids=token.unsqueeze(-1),
-                    attention_mask=attention,
-                    position_ids=next_position,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
+                step = {"attention_mask": attention, "position_ids": next_position, "past_key_values": cache}
+                out = model(input_ids=token.unsqueeze(-1), use_cache=True, **step)
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
-    if on_groups is not None:  # the groups that ran to max_new_tokens
-        publish_finished(
-            torch.ones_like(finished), published, samples, tokens, logprobs, ends_set, step_versions, refresh, on_groups
-        )
+    if publish is not None:  # the groups that ran to max_new_tokens
+        publish(torch.ones_like(finished), tokens, logprobs, step_versions if refresh else None)
     return completions_through_end(tokens, logprobs, ends_set, step_versions if refresh else None)
 
 
-def publish_finished(
-    finished: torch.Tensor,
-    published: torch.Tensor,
-    samples: int,
-    tokens: list[torch.Tensor],
-    logprobs: list[torch.Tensor],
-    end_ids: set[int],
-    step_versions: list[int],
-    refresh: Refresh | None,
-    on_groups: Callable[[list[int], Completions], None],
-) -> torch.Tensor:
-    """Hand `on_groups` the groups (`samples` consecutive rows) all of whose rows have `finished` and that
-    are not `published` yet; returns the groups published so far."""
-    done = finished.view(-1, samples).all(-1) & ~published
-    if bool(done.any()):
-        groups = done.nonzero().flatten().tolist()
-        rows = torch.tensor([g * samples + k for g in groups for k in range(samples)], device=finished.device)
-        completions = completions_through_end(
-            [t[rows] for t in tokens], [lp[rows] for lp in logprobs], end_ids, step_versions if refresh else None
-        )
-        on_groups(groups, completions)
-    return published | done
+class GroupPublisher:
+    """Hands `on_groups` the groups (`samples` consecutive rows) all of whose rows have ended, at the
+    decode step that ends the last of them: their indices and completions (the rollout producer writes
+    each to the buffer at once while the batch decodes on)."""
+
+    def __init__(
+        self,
+        on_groups: Callable[[list[int], Completions], None],
+        samples: int,
+        end_ids: set[int],
+        finished: torch.Tensor,
+    ) -> None:
+        self.on_groups, self.samples, self.end_ids = on_groups, samples, end_ids
+        self.published = torch.zeros(len(finished) // samples, dtype=torch.bool, device=finished.device)
+
+    def __call__(
+        self,
+        finished: torch.Tensor,
+        tokens: list[torch.Tensor],
+        logprobs: list[torch.Tensor],
+        versions: list[int] | None,
+    ) -> None:
+        done = finished.view(-1, self.samples).all(-1) & ~self.published
+        if bool(done.any()):
+            groups = done.nonzero().flatten().tolist()
+            rows = torch.tensor(
+                [g * self.samples + k for g in groups for k in range(self.samples)], device=finished.device
+            )
+            picked = completions_through_end(
+                [t[rows] for t in tokens], [lp[rows] for lp in logprobs], self.end_ids, versions
+            )
+            self.on_groups(groups, picked)
+            self.published |= done
 
 
 def prefilled_again(
