@@ -6,10 +6,11 @@ so the evaluate step skips cheaply); what this module computes imports torch.
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from typing import TYPE_CHECKING
 
-from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import (
@@ -146,29 +147,77 @@ def eval_samples(
     ]
 
 
-def evaluate_policy(
-    spec: RunSpec,
-    run_root: str,
-    weights: WeightRef,
-    iteration: int,
-    cache_root: str,
-    policy: Policy | None = None,
-    record: bool = True,
-) -> dict[str, float]:
-    """Greedy held-out accuracy (reward.verifier) of `weights` and its strict companion, recorded in
-    metrics/eval_N.json, and each row's completion and scores in metrics/eval_N_samples.jsonl, unless
-    `record` is False (the resident trainer's other processes). `policy`: a model already in memory
-    at `weights` (the resident trainer's)."""
-    t0 = time.time()
-    weights = as_ref(weights)
-    from rlpipe.modeling import load_weights
+def pass_at(samples: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from `samples` completions of which `correct` are (Chen et al., 2021):
+    1 - C(n - c, k) / C(n, k), the chance that k drawn without replacement hold a correct one."""
+    if samples - correct < k:
+        return 1.0
+    return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
 
-    if policy is None:
-        model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
-    else:
-        model, tokenizer = policy.model, policy.tokenizer
-    loaded = time.time()
-    rows = read_table(data_uri(run_root, "eval")).to_pylist()
+
+def vote_key(completion: str) -> str:
+    """What maj@k votes on: the completion's final answer (math_equivalence's rule), else its text."""
+    from rlpipe.rewards.verifiers import final_answer
+
+    answer = final_answer(completion)
+    return answer if answer is not None else completion.strip()
+
+
+def majority_score(completions: list[str], scores: list[float]) -> float:
+    """The verifier's score of the answer most completions give (ties: the one given first)."""
+    keys = [vote_key(c) for c in completions]
+    counts = collections.Counter(keys)
+    winner = next(key for key in keys if counts[key] == max(counts.values()))
+    return scores[keys.index(winner)]
+
+
+def sampled_metrics(completions: list[list[str]], scores: list[list[float]], prefix: str = "eval/") -> dict[str, float]:
+    """Over k sampled completions per prompt: mean_at_k, the verifier's mean (pass@1's unbiased estimate
+    with partial credit); pass_at_j for j = 1, 2, 4, .., k (correct: a score of 1.0); maj_at_k."""
+    k = len(scores[0])
+    metrics = {
+        f"{prefix}mean_at_{k}": sum(map(sum, scores)) / (k * len(scores)),
+        f"{prefix}maj_at_{k}": sum(map(majority_score, completions, scores)) / len(scores),
+    }
+    for j in sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}):
+        passed = [pass_at(k, sum(score >= 1.0 for score in row), j) for row in scores]
+        metrics[f"{prefix}pass_at_{j}"] = sum(passed) / len(passed)
+    return metrics
+
+
+def sampled_texts(model, tokenizer, rows: list[dict], k: int, spec: RunSpec, seed: int) -> list[list[str]]:
+    """k completions of each row sampled at evaluation.temperature (multi-turn: the last turns' texts)."""
+    from rlpipe.engines import Policy, Sampling
+    from rlpipe.engines.torch_engine import sample_groups, sample_trajectories
+
+    sampling = Sampling(
+        k,
+        spec.rollout.max_new_tokens,
+        spec.evaluation.temperature,
+        batch_size=spec.rollout.batch_size,
+        bf16=spec.trainer.dtype == "bfloat16",
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        environment = spec.rollout.environment
+        if environment is not None:
+            trajectories = sample_trajectories(Policy(model, tokenizer), rows, sampling, seed, environment)
+            texts = [t.final_text for t in trajectories]
+        else:
+            prompts = [list(row["prompt_token_ids"]) for row in rows]
+            completions = sample_groups(Policy(model, tokenizer), prompts, sampling, seed)
+            texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return [texts[i * k : (i + 1) * k] for i in range(len(rows))]
+
+
+def evaluate_set(
+    spec: RunSpec, model, tokenizer, rows: list[dict], verifier: str | dict, k: int, prefix: str, seed: int
+) -> tuple[dict[str, float], list[dict]]:
+    """(metrics, samples) of one held-out set: greedy accuracy and its strict companion, and with k > 0
+    the sampled metrics; each row's greedy completion and, with k > 0, its samples and their scores."""
     completions, trajectories = greedy_texts(
         model,
         tokenizer,
@@ -178,22 +227,74 @@ def evaluate_policy(
         spec.trainer.dtype == "bfloat16",
         spec.rollout.environment,
     )
-    scores = verified(rows, completions, spec.reward.verifier, spec.reward.timeout_s)
-    answer = answer_column(spec.reward.verifier)
+    scores = verified(rows, completions, verifier, spec.reward.timeout_s)
+    answer = answer_column(verifier)
     strict = strict_scores(rows, completions, answer)
     metrics = {
-        EVAL_ACCURACY: sum(scores) / len(scores),
-        **({} if strict is None else {EVAL_STRICT: sum(strict) / len(strict)}),
-        **({} if trajectories is None else eval_trajectory_metrics(trajectories)),
+        f"{prefix}accuracy_greedy": sum(scores) / len(scores),
+        **({} if strict is None else {f"{prefix}accuracy_strict": sum(strict) / len(strict)}),
+    }
+    if trajectories is not None:
+        metrics |= {key.replace("eval/", prefix): v for key, v in eval_trajectory_metrics(trajectories).items()}
+    samples = eval_samples(rows, completions, scores, answer, strict)
+    for sample, trajectory in zip(samples, trajectories or [], strict=False):
+        sample["transcript"] = tokenizer.decode(trajectory.completion_token_ids, skip_special_tokens=True)
+        sample["tool_calls"] = trajectory.tool_calls
+    if k:
+        texts = sampled_texts(model, tokenizer, rows, k, spec, seed)
+        repeated = [row for row in rows for _ in range(k)]
+        flat = verified(repeated, [t for row in texts for t in row], verifier, spec.reward.timeout_s)
+        sampled_scores = [flat[i * k : (i + 1) * k] for i in range(len(rows))]
+        metrics |= sampled_metrics(texts, sampled_scores, prefix)
+        for sample, row_texts, row_scores in zip(samples, texts, sampled_scores, strict=True):
+            sample["samples"] = [{"completion": t, "reward": float(r)} for t, r in zip(row_texts, row_scores)]
+    return metrics, samples
+
+
+def evaluate_policy(
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    cache_root: str,
+    policy: Policy | None = None,
+    record: bool = True,
+) -> dict[str, float]:
+    """Held-out metrics of `weights` (`evaluate_set`) on the data's held-out set and each evaluation.sets
+    entry due at iteration N, recorded in metrics/eval_N.json, and each row's completions and scores in
+    metrics/eval_N_samples.jsonl (a named set's: eval_N_<name>_samples.jsonl), unless `record` is False
+    (the resident trainer's other processes). `policy`: a model already in memory at `weights`."""
+    from rlpipe.modeling import load_weights
+    from rlpipe.schedule import eval_sets_due
+
+    t0 = time.time()
+    weights = as_ref(weights)
+    if policy is None:
+        model, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device)
+    else:
+        model, tokenizer = policy.model, policy.tokenizer
+    loaded = time.time()
+    seed = spec.seed * 1_000_003 + 777_777 + iteration  # apart from every rollout's sampling stream
+    k = spec.evaluation.samples
+    held_out = [(None, "eval", spec.reward.verifier, k)] + [
+        (s.name, f"eval_{s.name}", s.verifier or spec.reward.verifier, k if s.samples is None else s.samples)
+        for s in eval_sets_due(spec, iteration)
+    ]
+    metrics: dict[str, float] = {}
+    recorded: list[tuple[str | None, list[dict]]] = []
+    for name, split, verifier, k in held_out:
+        rows = read_table(data_uri(run_root, split)).to_pylist()
+        prefix = "eval/" if name is None else f"eval/{name}/"
+        set_metrics, samples = evaluate_set(spec, model, tokenizer, rows, verifier, k, prefix, seed)
+        metrics |= set_metrics
+        recorded.append((name, samples))
+    metrics |= {
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
     if record:  # the samples first: an eval whose metrics file exists has its samples
-        samples = eval_samples(rows, completions, scores, answer, strict)
-        for sample, trajectory in zip(samples, trajectories or [], strict=False):
-            sample["transcript"] = tokenizer.decode(trajectory.completion_token_ids, skip_special_tokens=True)
-            sample["tool_calls"] = trajectory.tool_calls
-        write_eval_samples(run_root, iteration, samples)
+        for name, samples in recorded:
+            write_eval_samples(run_root, iteration, samples, name)
         write_json(eval_metrics_uri(run_root, iteration), metrics)
     return metrics

@@ -188,6 +188,7 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
             f"**{metrics[EVAL_STRICT]:.4f}**",
         ]
     strict_column = any(s.get("strict") is not None for s in samples)
+    sampled_column = bool(samples) and "samples" in samples[0]  # evaluation.samples
     for key in sorted(metrics):
         if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, "eval/weights_version"):
             lines.append(f"\n`{key}`: {metrics[key]:.4g}")
@@ -201,11 +202,13 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
             cell(s["answer"]),
             ("✓" if s["correct"] else "✗") + ("" if s["reward"] in (0.0, 1.0) else f" {s['reward']:.3g}"),
             *([("✓" if s.get("strict") else "✗")] if strict_column else []),
+            *([f"{sum(x['reward'] >= 1.0 for x in s['samples'])}/{len(s['samples'])}"] if sampled_column else []),
         ]
         for s in samples[:max_rows]
     ]
     headers = ["#", "prompt", "greedy completion", "expected", "correct", *(["strict"] if strict_column else [])]
-    lines += ["", table(headers, rows, "rlllr" + "r" * strict_column)]
+    headers += ["sampled correct"] if sampled_column else []
+    lines += ["", table(headers, rows, "rlllr" + "r" * strict_column + "r" * sampled_column)]
     if len(samples) > max_rows:
         lines += [
             "",

@@ -54,12 +54,27 @@ def run_status(run_root: str) -> dict[str, Any]:
         "reward_mean": last.get(REWARD_MEAN),
         "evals": {n: m[EVAL_ACCURACY] for n, m in sorted(evals.items())},
         "evals_strict": {n: m[EVAL_STRICT] for n, m in sorted(evals.items()) if EVAL_STRICT in m},
+        "last_eval": last_eval(evals),
         "stopped": state.get("stopped"),
         "forked_from": state.get("forked_from"),
         "mlflow_run_id": state.get("mlflow_run_id"),
         "running": running,
         "last_activity_s": time.time() - max(state.get("updated_at", 0.0), log.stat().st_mtime if log.exists() else 0),
     }
+
+
+def last_eval(evals: dict[int, dict[str, float]]) -> dict[str, Any] | None:
+    """The last eval's held-out metrics beyond greedy accuracy (sampled: mean_at_k, pass_at_j, maj_at_k;
+    the evaluation.sets'), with its iteration; None before any."""
+    if not evals:
+        return None
+    iteration = max(evals)
+    shown = {
+        key: value
+        for key, value in sorted(evals[iteration].items())
+        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, "eval/weights_version")
+    }
+    return {"iteration": iteration, "metrics": shown}
 
 
 def describe(status: dict[str, Any]) -> str:
@@ -81,6 +96,9 @@ def describe(status: dict[str, Any]) -> str:
     if status["evals_strict"]:
         shown = ", ".join(f"{n}: {a:.3f}" for n, a in status["evals_strict"].items())
         lines.append(f"              strict accuracy by iteration  {shown}")
+    if status.get("last_eval") and status["last_eval"]["metrics"]:
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in status["last_eval"]["metrics"].items())
+        lines.append(f"              at iteration {status['last_eval']['iteration']}: {shown}")
     if status["stopped"]:
         lines.append(f"  stopped     at iteration {status['stopped']['iteration']}: {status['stopped']['reason']}")
     if status["forked_from"]:

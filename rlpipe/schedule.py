@@ -19,6 +19,18 @@ def eval_due(spec: RunSpec, iteration: int) -> bool:
     return iteration == 0 or iteration % spec.loop.eval_every == 0 or iteration == spec.loop.iterations
 
 
+def eval_sets_due(spec: RunSpec, iteration: int) -> list:
+    """The evaluation.sets evaluated at iteration N: every `every` iterations (default loop.eval_every),
+    and at the first and last."""
+    if not eval_due(spec, iteration):
+        return []
+    return [
+        held_out
+        for held_out in spec.evaluation.sets
+        if iteration in (0, spec.loop.iterations) or iteration % (held_out.every or spec.loop.eval_every) == 0
+    ]
+
+
 STOP_OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
 

@@ -9,6 +9,7 @@ was logged, so a flush killed halfway is simply repeated.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,7 +136,8 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
 
 def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
     """The spec (spec.yaml), and each committed eval's held-out samples as an MLflow table
-    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct, strict), unless the run has them."""
+    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct, strict, and with
+    evaluation.samples sampled_correct; a named set's eval_N_<name>.json), unless the run has them."""
     from rlpipe.store.run_root import read_eval_samples
 
     have = {a.path for a in client.list_artifacts(run_id)}
@@ -146,12 +148,18 @@ def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClien
         client.log_dict(run_id, spec_to_dict(spec), SPEC_ARTIFACT)
         logged.append(SPEC_ARTIFACT)
     committed = (read_state(run_root) or {}).get("iteration", -1)
-    for iteration in sorted(list_metrics(run_root, "eval")):
-        path = f"eval_samples/eval_{iteration:06d}.json"
-        if iteration > committed or path in have or not (samples := read_eval_samples(run_root, iteration)):
+    names = [None] + [held_out.name for held_out in spec.evaluation.sets]
+    for iteration, name in itertools.product(sorted(list_metrics(run_root, "eval")), names):
+        path = f"eval_samples/eval_{iteration:06d}{'' if name is None else '_' + name}.json"
+        if iteration > committed or path in have or not (samples := read_eval_samples(run_root, iteration, name)):
             continue
         columns = ["index", "prompt", "completion", "answer", "reward", "correct", "strict"]
-        log_table(client, run_id, columns, [[row.get(c) for c in columns] for row in samples], path)
+        rows = [[row.get(c) for c in columns] for row in samples]
+        if "samples" in samples[0]:  # evaluation.samples: how many of the k sampled were correct
+            columns.append("sampled_correct")
+            for row, sample in zip(rows, samples, strict=True):
+                row.append(f"{sum(s['reward'] >= 1.0 for s in sample['samples'])}/{len(sample['samples'])}")
+        log_table(client, run_id, columns, rows, path)
         logged.append(path)
     return logged
 

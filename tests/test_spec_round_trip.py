@@ -39,6 +39,12 @@ CHOSEN = {
     "model.tiny.num_heads": 3,
     "model.tiny.num_kv_heads": 1,
     "cluster.secrets": [{"secret": "hf", "key": "token", "env": "HF_TOKEN", "steps": ["track", "score"]}],
+    "evaluation.sets": [  # every field, as spec_to_dict writes them
+        {"name": "long", "path": None, "generator": "sorting", "options": {"min_digits": 20, "tail": None},
+         "size": 7, "verifier": {"type": "exact_match", "answer_column": "answer"}, "every": 10, "samples": 3},
+        {"name": "files", "path": "held_out.jsonl", "generator": None, "options": {}, "size": 200,
+         "verifier": None, "every": None, "samples": None},
+    ],  # fmt: skip
 }
 # Settings a field needs beside it (rules across fields, __post_init__).
 COMPANIONS = {

@@ -22,7 +22,7 @@ from rlpipe.plugins import look_up
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, move, write_json
 
 if TYPE_CHECKING:
-    from rlpipe.spec import DataSpec, RunSpec
+    from rlpipe.spec import DataSpec, EvalSetSpec, RunSpec
 
 Rows = list[dict[str, Any]]
 SOURCES: dict[str, Callable[..., Rows]] = {}
@@ -112,21 +112,50 @@ def prepared_rows(spec: RunSpec) -> tuple[Rows, Rows, dict[str, int]]:
 def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
     """Write data/train.parquet and data/eval.parquet with `datasets`, and data/counts.json (which
     the warm start records with iteration 0); skip if present."""
-    from datasets import Dataset
-
     train_uri, eval_uri = data_uri(run_root, "train"), data_uri(run_root, "eval")
     fs, _ = filesystem(run_root)
-    if fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1]):
-        return {}  # prepared by an earlier pipeline run
-    train, held_out, counts = prepared_rows(spec)
-    fs.makedirs(filesystem(train_uri)[1].rsplit("/", 1)[0], exist_ok=True)
-    for uri, part in ((eval_uri, held_out), (train_uri, train)):
-        tmp = f"{uri}.tmp"
-        with fs.open(filesystem(tmp)[1], "wb") as f:
-            Dataset.from_list(part).to_parquet(f)
-        move(tmp, uri)
-    write_json(data_counts_uri(run_root), counts)
+    counts: dict[str, int] = {}
+    if not (fs.exists(filesystem(train_uri)[1]) and fs.exists(filesystem(eval_uri)[1])):  # else an earlier run's
+        train, held_out, counts = prepared_rows(spec)
+        write_rows(eval_uri, held_out)
+        write_rows(train_uri, train)
+        write_json(data_counts_uri(run_root), counts)
+    for held_out in spec.evaluation.sets:  # each once, also when added on resume
+        uri = data_uri(run_root, f"eval_{held_out.name}")
+        if not fs.exists(filesystem(uri)[1]):
+            write_rows(uri, eval_set_rows(spec, held_out))
     return counts
+
+
+def write_rows(uri: str, rows: Rows) -> None:
+    """Rows to Parquet with `datasets`, atomically (written beside, then moved)."""
+    from datasets import Dataset
+
+    fs, path = filesystem(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(filesystem(f"{uri}.tmp")[1], "wb") as f:
+        Dataset.from_list(rows).to_parquet(f)
+    move(f"{uri}.tmp", uri)
+
+
+def eval_set_rows(spec: RunSpec, held_out: EvalSetSpec) -> Rows:
+    """A named held-out set's rows (evaluation.sets), prompts rendered and tokenized as the data's are;
+    a generator's are seeded apart from the training rows."""
+    from rlpipe.data.prompts import encode_prompts
+    from rlpipe.model_files import load_prompt_tokenizer
+
+    key = f"evaluation set {held_out.name!r}"
+    if held_out.generator is not None:
+        seeded = random.Random(f"{data_seed(spec)}-eval-{held_out.name}")
+        rows = get_source(held_out.generator)(seeded, held_out.size, **held_out.options)
+    else:
+        from rlpipe.data.files import read_rows
+
+        rows = read_rows(held_out.path, spec.data.format, spec.data.config, spec.data.split, f"{key} path")
+    rows, _ = encode_prompts(rows[: held_out.size], spec.data, load_prompt_tokenizer(spec.model.path, spec.cache_root))
+    if not rows:
+        raise ValueError(f"{key} has no rows (or data.max_prompt_tokens drops every prompt)")
+    return rows
 
 
 from rlpipe.data import addition, multiplication, sorting  # noqa: E402 (the built-in sources; needs register_source above)

@@ -114,6 +114,7 @@ RESUMABLE_KEYS = (
     "tracking.register",  # which evaluated versions the registry gets from now on
     "tracking.registered_model",
     "reward.timeout_s",  # how long a reward may take, not what it returns
+    "evaluation",  # what the held-out evals measure (a set added on resume is prepared then)
 )
 WARM_START_KEYS = (  # what makes v0
     "seed",

@@ -6,6 +6,7 @@ from rlpipe.spec.placement import ClusterSpec, StorageSpec, TrackingSpec
 from rlpipe.spec.schema import (
     AlgorithmSpec,
     DataSpec,
+    EvaluationSpec,
     LoopSpec,
     ModelSpec,
     PreferencesSpec,
@@ -30,6 +31,7 @@ class RunSpec:
     algorithm: AlgorithmSpec = setting(default_factory=AlgorithmSpec)
     trainer: TrainerSpec = setting(default_factory=TrainerSpec)
     loop: LoopSpec = setting(default_factory=LoopSpec)
+    evaluation: EvaluationSpec = setting(default_factory=EvaluationSpec)
     storage: StorageSpec = setting(default_factory=StorageSpec)
     tracking: TrackingSpec = setting(default_factory=TrackingSpec)
     cluster: ClusterSpec = setting(default_factory=ClusterSpec)
@@ -43,6 +45,12 @@ class RunSpec:
         return cache_root_for(self.storage.root, self.storage.cache)
 
     def __post_init__(self) -> None:
+        for held_out in self.evaluation.sets:
+            if held_out.every is not None and held_out.every % self.loop.eval_every:
+                raise ValueError(
+                    f"evaluation set {held_out.name!r}: every {held_out.every} must be a multiple of loop.eval_every "
+                    f"({self.loop.eval_every}), the iterations evaluated at all"
+                )
         sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if self.trainer.mini_batches > sequences:
             raise ValueError(

@@ -156,21 +156,23 @@ def eval_metrics_uri(run_root: str, iteration: int) -> str:
     return join(run_root, "metrics", f"eval_{iteration:06d}.json")
 
 
-def eval_samples_uri(run_root: str, iteration: int) -> str:
-    return join(run_root, "metrics", f"eval_{iteration:06d}_samples.jsonl")
+def eval_samples_uri(run_root: str, iteration: int, name: str | None = None) -> str:
+    """metrics/eval_N_samples.jsonl; a named evaluation set's: eval_N_<name>_samples.jsonl."""
+    return join(run_root, "metrics", f"eval_{iteration:06d}{'' if name is None else '_' + name}_samples.jsonl")
 
 
-def write_eval_samples(run_root: str, iteration: int, samples: list[dict[str, Any]]) -> None:
+def write_eval_samples(run_root: str, iteration: int, samples: list[dict[str, Any]], name: str | None = None) -> None:
     """One JSON object a line, written atomically like the metrics files."""
     text = "".join(json.dumps(sample, sort_keys=True) + "\n" for sample in samples)
-    atomic_write_text(eval_samples_uri(run_root, iteration), text)
+    atomic_write_text(eval_samples_uri(run_root, iteration, name), text)
 
 
-def read_eval_samples(run_root: str, iteration: int) -> list[dict[str, Any]]:
+def read_eval_samples(run_root: str, iteration: int, name: str | None = None) -> list[dict[str, Any]]:
     """The held-out rows of iteration N's eval (rlpipe.evaluation.evaluate_policy): dicts with index,
     prompt, completion, answer, reward (the verifier's score), correct and strict (absent in runs recorded
-    before it); [] when none were recorded."""
-    fs, path = filesystem(eval_samples_uri(run_root, iteration))
+    before it), and with evaluation.samples the sampled `samples` (completion, reward); [] when none were
+    recorded. `name`: an evaluation set's."""
+    fs, path = filesystem(eval_samples_uri(run_root, iteration, name))
     if not fs.exists(path):
         return []
     with fs.open(path, "r") as f:
