@@ -144,7 +144,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     _say_how_to_start_the_trainer(spec, args)
-    run = submit_run(spec, args.host, args.experiment, args.run_root, args.wait, args.token)
+    mlflow = None if args.no_mlflow_experiment else spec.tracking.experiment
+    run = submit_run(spec, args.host, args.experiment, args.run_root, args.wait, args.token, mlflow)
     print(f"run {run.id}: {run.url}")
     if run.state is not None:
         print(f"finished: {run.state}")
@@ -157,7 +158,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     _say_how_to_start_the_trainer(spec, args)
-    recurring = schedule_run(spec, args.host, args.experiment, args.cron, args.every, args.run_root, args.token)
+    mlflow = None if args.no_mlflow_experiment else spec.tracking.experiment
+    recurring = schedule_run(spec, args.host, args.experiment, args.cron, args.every, args.run_root, args.token, mlflow)
     print(f"recurring run {recurring.id}: {recurring.url}")
     print(f"each run continues {spec.name} by up to {spec.loop.iterations_per_run} iterations; no-op when done")
     return 0
@@ -206,6 +208,12 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", default="rlpipe", help="KFP experiment (created if missing)")
     parser.add_argument("--run-root", help="run root on the cluster (default: on cluster.pvc, or storage.root)")
     parser.add_argument("--token", help="bearer token (default: $KFP_BEARER_TOKEN, else kfp.Client's discovery)")
+    parser.add_argument(
+        "--no-mlflow-experiment",
+        action="store_true",
+        help="send no plugins_input.mlflow.experiment_name (KFP API servers before 2.17); by default it names "
+        "tracking.experiment, so KFP's MLflow integration files the pipeline run beside the RL run",
+    )
     parser.add_argument("--set", action="append", metavar="KEY=VALUE")
 
 

@@ -2,6 +2,12 @@
 
 Every run of the pipeline continues the loop from state.json on the cluster's storage and is a
 no-op once the loop is done, so a recurring run keeps the RL loop going with no driver.
+
+KFP 2.17's MLflow integration (KEP-12862) files each pipeline run's MLflow run under the experiment
+the run or recurring run names in `plugins_input.mlflow.experiment_name`; both are sent with the
+spec's tracking.experiment, so the pipeline runs land beside the RL run that rlpipe tracks
+(rlpipe.tracking). kfp 2.17's Client has no parameter for plugins_input, so the run body is built
+here as Client.run_pipeline / create_recurring_run build it (their job config), plugins_input added.
 """
 
 import os
@@ -60,6 +66,21 @@ def _compiled(spec: RunSpec, run_root: str | None, workdir: str) -> str:
     return str(compile_pipeline(spec, Path(workdir) / f"{spec.name}.yaml", run_root=run_root))
 
 
+def _job_config(client, spec: RunSpec, run_root: str | None):
+    """The compiled pipeline as kfp.Client puts it in a run body (pipeline_spec, runtime_config), caching off."""
+    with tempfile.TemporaryDirectory() as workdir:
+        return client._create_job_config(
+            params={}, pipeline_package_path=_compiled(spec, run_root, workdir), pipeline_id=None,
+            version_id=None, enable_caching=False, cache_key="", pipeline_root=None,
+        )  # fmt: skip
+
+
+def mlflow_plugin(experiment: str | None) -> dict | None:
+    """plugins_input naming the MLflow experiment of the KFP run's MLflow run; None sends none (a KFP
+    API server older than 2.17 may refuse the field)."""
+    return {"mlflow": {"experiment_name": experiment}} if experiment else None
+
+
 def submit_run(
     spec: RunSpec,
     host: str,
@@ -67,17 +88,22 @@ def submit_run(
     run_root: str | None = None,
     wait_s: int | None = None,
     token: str | None = None,
+    mlflow_experiment: str | None = None,
 ) -> Submitted:
     """One run: advances the loop by up to loop.iterations_per_run iterations."""
+    import kfp_server_api
+
     client = kfp_client(host, token)
-    with tempfile.TemporaryDirectory() as workdir:
-        result = client.create_run_from_pipeline_package(
-            _compiled(spec, run_root, workdir),
-            arguments={},
-            run_name=f"{spec.name}-run",
-            experiment_name=experiment,
-            enable_caching=False,
-        )
+    experiment_id = client.create_experiment(experiment).experiment_id
+    config = _job_config(client, spec, run_root)
+    body = kfp_server_api.V2beta1Run(
+        experiment_id=experiment_id,
+        display_name=f"{spec.name}-run",
+        pipeline_spec=config.pipeline_spec,
+        runtime_config=config.runtime_config,
+        plugins_input=mlflow_plugin(mlflow_experiment),
+    )
+    result = client._run_api.run_service_create_run(run=body)
     submitted = Submitted(result.run_id, f"{host.rstrip('/')}/#/runs/details/{result.run_id}")
     if wait_s:
         run = client.wait_for_run_completion(result.run_id, timeout=wait_s)
@@ -93,26 +119,36 @@ def schedule_run(
     every: str | None = None,
     run_root: str | None = None,
     token: str | None = None,
+    mlflow_experiment: str | None = None,
 ) -> Submitted:
     """A recurring run: max_concurrency=1 (iterations never overlap), no catch-up of missed slots."""
+    import kfp_server_api
+
     if (cron is None) == (every is None):
         raise ValueError("give exactly one of --cron EXPR or --every DURATION")
     cron_expression = cron_for_kfp(cron) if cron else None  # checked before any request
     every_s = interval_seconds(every) if every else None
     client = kfp_client(host, token)
     experiment_id = client.create_experiment(experiment).experiment_id
-    with tempfile.TemporaryDirectory() as workdir:
-        recurring = client.create_recurring_run(
-            experiment_id=experiment_id,
-            job_name=f"{spec.name}-loop",
-            description=f"rlpipe: continue {spec.name} by {spec.loop.iterations_per_run} iterations per run",
-            cron_expression=cron_expression,
-            interval_second=every_s,
-            max_concurrency=1,
-            no_catchup=True,
-            pipeline_package_path=_compiled(spec, run_root, workdir),
-            enable_caching=False,
-        )
+    config = _job_config(client, spec, run_root)
+    if cron_expression is not None:
+        trigger = kfp_server_api.V2beta1Trigger(cron_schedule=kfp_server_api.V2beta1CronSchedule(cron=cron_expression))
+    else:
+        schedule = kfp_server_api.V2beta1PeriodicSchedule(interval_second=every_s)
+        trigger = kfp_server_api.V2beta1Trigger(periodic_schedule=schedule)
+    body = kfp_server_api.V2beta1RecurringRun(
+        experiment_id=experiment_id,
+        mode=kfp_server_api.RecurringRunMode.ENABLE,
+        pipeline_spec=config.pipeline_spec,
+        runtime_config=config.runtime_config,
+        display_name=f"{spec.name}-loop",
+        description=f"rlpipe: continue {spec.name} by {spec.loop.iterations_per_run} iterations per run",
+        no_catchup=True,
+        trigger=trigger,
+        max_concurrency=1,
+        plugins_input=mlflow_plugin(mlflow_experiment),
+    )
+    recurring = client._recurring_run_api.recurring_run_service_create_recurring_run(recurring_run=body)
     return Submitted(
         recurring.recurring_run_id, f"{host.rstrip('/')}/#/recurringrun/details/{recurring.recurring_run_id}"
     )

@@ -97,12 +97,6 @@ def oldest_allowed(spec: RunSpec, iteration: int) -> int:
     return iteration - 1 - spec.loop.max_staleness
 
 
-def file_sha256(uri: str) -> str:
-    fs, path = filesystem(uri)
-    with fs.open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 class Slices:
     """Each home iteration's prompt rows (rlpipe.engines.iteration_prompts), computed once."""
 
@@ -179,9 +173,12 @@ def generate_groups(
 
     def write(indices: list[int], sampled: Any) -> None:
         nonlocal sequence
+        if not indices:
+            return
+        positions = [groups[i][1] for i in indices]
+        rollouts = rollout_table(spec, table, [order[i] for i in indices], positions, 0, sampled, weights)
         for k, i in enumerate(indices):
-            one = sampled.select(list(range(k * samples, (k + 1) * samples)))
-            rows = rollout_table(spec, table, [order[i]], [groups[i][1]], groups[i][0], one, weights)
+            rows = with_column(rollouts.slice(k * samples, samples), "iteration", groups[i][0])  # its home
             version = min(rows.column("weights_version").to_pylist())
             final = join(groups_uri(run_root), group_file(sequence, groups[i], version))
             tmp = f"{final}.tmp-{os.getpid()}"
@@ -344,15 +341,9 @@ def wait_for_groups(spec: RunSpec, run_root: str, iteration: int) -> tuple[dict[
             )
         time.sleep(POLL_S)
         waited += POLL_S
-    files = [join(groups_uri(run_root), name) for *_, name in chosen]
-    record = {
-        "iteration": iteration,
-        "groups": [
-            {"file": name, "home": group[0], "position": group[1], "version": version, "sha256": file_sha256(uri)}
-            for (_, group, version, name), uri in zip(chosen, files)
-        ],
-    }
-    return record, dropped, waited
+    groups = [{"file": name, "home": group[0], "position": group[1], "version": version}
+              for _, group, version, name in chosen]  # fmt: skip
+    return {"iteration": iteration, "groups": groups}, dropped, waited
 
 
 def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_path: str) -> dict[str, float]:
@@ -362,8 +353,9 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     they finished to `out_path`, group_id their rank, and recorded in taken.json. A rerun of an
     uncommitted iteration takes what its taken.json names."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    from rlpipe.rollouts import length_metrics, read_table, write_table
+    from rlpipe.rollouts import length_metrics, write_table
 
     started = time.time()
     retire(run_root, iteration - 1, spec.storage.keep_versions)  # what a kill after N-1's commit left in groups/
@@ -373,9 +365,13 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     if record is None:
         record, dropped, waited = wait_for_groups(spec, run_root, iteration)
     tables = []
-    for rank, group in enumerate(record["groups"]):
-        table = read_table(join(groups_uri(run_root), group["file"]))
-        tables.append(with_column(table, "group_id", rank))
+    for rank, group in enumerate(record["groups"]):  # each file read once: its rows and its sha256
+        fs, path = filesystem(join(groups_uri(run_root), group["file"]))
+        data = fs.cat_file(path)
+        digest = hashlib.sha256(data).hexdigest()
+        if group.setdefault("sha256", digest) != digest:
+            raise RuntimeError(f"{path} changed since iteration {iteration} took it: the buffer has another writer?")
+        tables.append(with_column(pq.ParquetFile(pa.BufferReader(data)).read(), "group_id", rank))
     rollouts = pa.concat_tables(tables, promote_options="default")  # token_versions: partial rollouts only
     rollouts = with_column(rollouts, "iteration", iteration)  # the iteration that trains on them
     write_table(rollouts, out_path)
@@ -473,9 +469,10 @@ def retire(run_root: str, committed: int, keep: int) -> None:
             fs.rm(path, recursive=True)
             continue
         for group in taken["groups"]:
-            source = join(groups_uri(run_root), group["file"])
-            if filesystem(source)[0].exists(filesystem(source)[1]):
-                move(source, join(buffer_uri(run_root), name, group["file"]))
+            try:
+                move(join(groups_uri(run_root), group["file"]), join(buffer_uri(run_root), name, group["file"]))
+            except FileNotFoundError:  # moved before a kill
+                pass
         target = iteration_uri(run_root, int(name[5:]), consumed=True)
         target_fs, target_path = filesystem(target)
         if target_fs.exists(target_path):

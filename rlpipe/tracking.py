@@ -5,12 +5,23 @@ Metrics are first written to the run root (metrics/*.json, by sync_weights and e
 `flush` copies every committed point MLflow does not yet have, registers the evaluated versions
 tracking.register asks for, and logs what the run's artifacts lack. MLflow is the record of what
 was logged, so a flush killed halfway is simply repeated.
+
+On a cluster with KFP 2.17's MLflow integration (KEP-12862) each pipeline run has an MLflow run of its
+own and each task one nested under it; the launcher logs the tasks' Metrics artifacts and inputs
+there. When a task sees the variables KFP injects (`kfp_mlflow`), rlpipe tracks into that server and
+the pipeline run's experiment (unless tracking.uri names another), tags the pipeline run's MLflow run
+and the RL run with each other (`link_pipeline_run`), and its steps leave their Metrics artifacts
+empty (rlpipe.components.finish): every metric is logged once, in the RL run, by iteration.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +43,26 @@ SPEC_ARTIFACT = "spec.yaml"
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
+KFP_MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
+
+
+def kfp_mlflow() -> dict[str, str] | None:
+    """What KFP 2.17's MLflow integration injects into this task (its API server's
+    settings.injectUserEnvVars: true): the server, the experiment of the pipeline run's MLflow run and
+    this task's run nested under it; None outside it. The MLflow client reads MLFLOW_WORKSPACE and the
+    auth variables (MLFLOW_TRACKING_TOKEN, ...) itself."""
+    if all(os.environ.get(name) for name in KFP_MLFLOW_VARIABLES):
+        return {name: os.environ[name] for name in KFP_MLFLOW_VARIABLES}
+    return None
+
+
 def tracking_uri(spec: RunSpec, run_root: str) -> str:
-    """The spec's URI, else sqlite:///<run root>/mlflow.db (MLflow 3 has no file store)."""
+    """The spec's URI, else the server KFP's MLflow integration names (`kfp_mlflow`), else
+    sqlite:///<run root>/mlflow.db (MLflow 3 has no file store)."""
     if spec.tracking.uri:
         return spec.tracking.uri
+    if kfp := kfp_mlflow():
+        return kfp["MLFLOW_TRACKING_URI"]
     if not is_local(run_root):
         raise ValueError("tracking.uri must be set when storage.root is remote (sqlite needs a local file)")
     return f"sqlite:///{Path(run_root.removeprefix('file://')) / 'mlflow.db'}"
@@ -57,7 +84,9 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
     uri = tracking_uri(spec, run_root)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient()
-    experiment = client.get_experiment_by_name(spec.tracking.experiment)
+    kfp = None if spec.tracking.uri else kfp_mlflow()
+    experiment = client.get_experiment(kfp["MLFLOW_EXPERIMENT_ID"]) if kfp else None  # the pipeline run's
+    experiment = experiment or client.get_experiment_by_name(spec.tracking.experiment)
     if experiment is None:
         # sqlite keeps artifacts beside the database (MLflow's default is ./mlruns of whichever process asks)
         location = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts" if uri.startswith("sqlite:") else None
@@ -94,7 +123,7 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
 def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
     """The track step: log what MLflow lacks of the committed run (metrics, the spec, eval samples)
     and register the evaluated versions tracking.register asks for. Returns what it did."""
-    run_id, logged = flush_metrics(spec, run_root)
+    run_id, logged, iterations = flush_metrics(spec, run_root)
     if not run_id:
         return {"run_id": "", "points": 0}
     from mlflow.tracking import MlflowClient
@@ -102,23 +131,63 @@ def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
     client = MlflowClient(tracking_uri(spec, run_root))
     artifacts = log_artifacts(spec, run_root, run_id, client)
     registered = register_versions(spec, run_root, run_id, client)
-    return {"run_id": run_id, "points": logged, "artifacts": artifacts, "registered": registered}
+    done = {"run_id": run_id, "points": logged, "artifacts": artifacts, "registered": registered}
+    if kfp_mlflow():
+        done["pipeline_run"] = link_pipeline_run(spec, run_root, run_id, iterations, client)
+    return done
 
 
-def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
-    """Log committed iteration and eval metrics MLflow lacks; returns (run id, points logged)."""
+def link_pipeline_run(
+    spec: RunSpec, run_root: str, run_id: str, iterations: list[int], client: MlflowClient
+) -> dict[str, str]:
+    """Tag the pipeline run's MLflow run (the parent of this task's, which KFP's MLflow integration made)
+    and the RL run `run_id` with each other: the parent gets rlpipe.rl_run_id, rlpipe.run_uid,
+    rlpipe.run_root and rlpipe.iterations (those this pipeline run committed, "first-last", or "none");
+    the RL run gets rlpipe.pipeline_run.<parent run id> (its KFP run id and URL and the iterations) and
+    rlpipe.last_pipeline_run. Idempotent: a repeated track step sets the same tags."""
+    from mlflow.tracking import MlflowClient
+
+    kfp = kfp_mlflow() or {}
+    pipeline_client = MlflowClient(kfp["MLFLOW_TRACKING_URI"])
+    task = pipeline_client.get_run(kfp["MLFLOW_RUN_ID"])
+    parent_id = task.data.tags.get("mlflow.parentRunId", task.info.run_id)
+    parent = pipeline_client.get_run(parent_id).data.tags
+    covered = f"{min(iterations)}-{max(iterations)}" if iterations else "none"
+    state = read_state(run_root) or {}
+    for key, value in {
+        "rlpipe.rl_run_id": run_id,
+        "rlpipe.run_uid": state.get("run_uid", ""),
+        "rlpipe.run_root": run_root,
+        "rlpipe.iterations": covered,
+        **({"rlpipe.rl_tracking_uri": spec.tracking.uri} if spec.tracking.uri else {}),
+    }.items():
+        pipeline_client.set_tag(parent_id, key, value)
+    link = {
+        "mlflow_run_id": parent_id,
+        "kfp_run_id": parent.get("kfp.pipeline_run_id", ""),
+        "kfp_run_url": parent.get("kfp.pipeline_run_url", ""),
+        "iterations": covered,
+    }
+    client.set_tag(run_id, f"rlpipe.pipeline_run.{parent_id}", json.dumps(link, sort_keys=True))
+    client.set_tag(run_id, "rlpipe.last_pipeline_run", parent_id)
+    return link
+
+
+def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int, list[int]]:
+    """Log committed iteration and eval metrics MLflow lacks; returns (run id, points logged, the
+    iterations whose metrics it logged)."""
     import mlflow
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     state = read_state(run_root)
     if state is None:  # initialization failed before state.json: nothing to log yet
-        return "", 0
+        return "", 0, []
     mlflow.set_tracking_uri(tracking_uri(spec, run_root))
     run_id = ensure_run(spec, run_root)
     client = MlflowClient()
     committed = state.get("iteration", -1)
-    logged = 0
+    logged, iterations = 0, []
     for kind, marker in (("iter", REWARD_MEAN), ("eval", EVAL_ACCURACY)):
         have = {m.step for m in client.get_metric_history(run_id, marker)}
         for iteration, values in sorted(list_metrics(run_root, kind).items()):
@@ -131,7 +200,8 @@ def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int]:
             for start in range(0, len(batch), 1000):
                 client.log_batch(run_id, metrics=batch[start : start + 1000])
             logged += 1
-    return run_id, logged
+            iterations += [iteration] if kind == "iter" else []
+    return run_id, logged, iterations
 
 
 def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
@@ -207,6 +277,20 @@ def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:
     return frozenset(eval_weights_version(n, m) for n, m in versions_to_register(spec, run_root).items())
 
 
+def registry_source(spec: RunSpec, weights_uri: str, tracking: str) -> str:
+    """A model version's source: the sealed version's URI in the weight store. A tracking server refuses a
+    local path (to the server it names its own files), so with one a run root on the cluster's volume
+    registers pvc://<cluster.pvc>/<path under cluster.mount_path>, any other local path
+    rlpipe-local://<host>/<path> (tag rlpipe.weights_uri keeps the path as the steps see it)."""
+    if urllib.parse.urlparse(weights_uri).scheme not in ("", "file") or not tracking.startswith(("http:", "https:")):
+        return weights_uri
+    path = weights_uri.removeprefix("file://")
+    mount = spec.cluster.mount_path.rstrip("/")
+    if spec.cluster.pvc and path.startswith(f"{mount}/"):
+        return f"pvc://{spec.cluster.pvc}{path[len(mount) :]}"
+    return f"rlpipe-local://{socket.gethostname()}{path}"
+
+
 def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[int]:
     """Register each version `versions_to_register` names that the registry lacks (a model version whose
     source is the sealed version in the weight store: nothing is copied; tags: iteration, eval accuracy,
@@ -244,8 +328,10 @@ def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowC
             "rlpipe.sha256": ref["sha256"],
             EVAL_ACCURACY: f"{metrics[EVAL_ACCURACY]:.4f}",
         }
+        source = registry_source(spec, ref["uri"], tracking_uri(spec, run_root))
+        tags |= {} if source == ref["uri"] else {"rlpipe.weights_uri": ref["uri"]}
         created = client.create_model_version(
-            name, source=ref["uri"], run_id=run_id, tags=tags, description=f"iteration {iteration}"
+            name, source=source, run_id=run_id, tags=tags, description=f"iteration {iteration}"
         )
         model_version[iteration] = created.version
         registered.append(iteration)

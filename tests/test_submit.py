@@ -44,6 +44,8 @@ def test_submit_creates_a_run_with_the_compiled_pipeline_and_waits():
     assert [e["display_name"] for e in _posts(stub, "experiments")] == ["rl-team"]
     (run,) = _posts(stub, "runs")
     assert run["experiment_id"] == "exp-1" and run["display_name"] == "addition-demo-run"
+    # KFP 2.17's MLflow integration files the pipeline run's MLflow run beside rlpipe's RL run
+    assert run["plugins_input"] == {"mlflow": {"experiment_name": "rlpipe"}}  # the spec's tracking.experiment
     # the full compiled pipeline travels in the body: PipelineSpec plus the kfp-kubernetes PlatformSpec
     assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlpipe-run"
     executors = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -60,6 +62,7 @@ def test_schedule_creates_a_recurring_run_that_never_overlaps():
         assert every.returncode == 0, every.stderr
     assert f"recurring run rr-1: {stub.host}/#/recurringrun/details/rr-1" in result.stdout
     cron_run, interval_run = _posts(stub, "recurringruns")
+    assert cron_run["plugins_input"] == {"mlflow": {"experiment_name": "rlpipe"}}
     assert cron_run["max_concurrency"] == "1" or cron_run["max_concurrency"] == 1
     assert cron_run["no_catchup"] is True and cron_run["mode"] == "ENABLE"
     assert cron_run["trigger"] == {"cron_schedule": {"cron": "0 0 */2 * * *"}}
@@ -70,6 +73,14 @@ def test_schedule_creates_a_recurring_run_that_never_overlaps():
         cron_run["pipeline_spec"]["pipeline_spec"]["root"]["inputDefinitions"]["parameters"]["run_root"]["defaultValue"]
         == "/mnt/rlpipe/runs/addition-demo"
     )
+
+
+def test_submit_can_leave_plugins_input_out_for_a_kfp_before_2_17():
+    with KfpApiStub() as stub:
+        result = _rlpipe("submit", GKE_SPEC, "--host", stub.host, "--no-mlflow-experiment")
+    assert result.returncode == 0, result.stderr
+    (run,) = _posts(stub, "runs")
+    assert "plugins_input" not in run
 
 
 def test_schedule_arguments_are_checked():

@@ -22,9 +22,9 @@ def test_flush_is_idempotent_and_skips_uncommitted(tmp_path: Path):
         write_json(iteration_metrics_uri(run_root, i), {"reward/mean": i / 10, "policy/loss": -i})
     set_state(run_root, iteration=2)  # iteration 3's file exists but is not committed
 
-    run_id, logged = flush_metrics(spec, run_root)
+    run_id, logged, _ = flush_metrics(spec, run_root)
     assert logged == 3  # eval 0, iterations 1 and 2
-    again_id, again = flush_metrics(spec, run_root)
+    again_id, again, _ = flush_metrics(spec, run_root)
     assert (again_id, again) == (run_id, 0)
     set_state(run_root, iteration=3)
     assert flush_metrics(spec, run_root)[1] == 1
@@ -42,7 +42,7 @@ def test_lost_run_id_finds_the_same_mlflow_run(tmp_path: Path):
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
     set_state(run_root, iteration=0, weights_version=0)
-    run_id, _ = flush_metrics(spec, run_root)
+    run_id, *_ = flush_metrics(spec, run_root)
     set_state(run_root, mlflow_run_id=None)
     assert flush_metrics(spec, run_root)[0] == run_id
 

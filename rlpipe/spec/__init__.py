@@ -31,6 +31,7 @@ from rlpipe.spec.encoding import (
     with_overrides,
     without,
 )
+from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec
 from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
 from rlpipe.spec.placement import CPU, MEMORY, ClusterSpec, PodSpec, SecretEnv, StorageSpec, Toleration, TrackingSpec
 from rlpipe.spec.run_spec import RunSpec
@@ -38,8 +39,6 @@ from rlpipe.spec.schema import (
     AlgorithmSpec,
     DataSpec,
     EnvironmentSpec,
-    EvalSetSpec,
-    EvaluationSpec,
     LoopSpec,
     LoraSpec,
     ModelSpec,

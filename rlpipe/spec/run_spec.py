@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from rlpipe.spec.held_out import EvaluationSpec
 from rlpipe.spec.placement import ClusterSpec, StorageSpec, TrackingSpec
 from rlpipe.spec.schema import (
     AlgorithmSpec,
     DataSpec,
-    EvaluationSpec,
     LoopSpec,
     ModelSpec,
     PreferencesSpec,
