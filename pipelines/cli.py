@@ -181,6 +181,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if status["initialized"] else 1
 
 
+def cmd_harness(args: argparse.Namespace) -> int:
+    from rlpipe.harness import harness_version
+    from rlpipe.spec import parse_spec, with_overrides
+    from rlpipe.store.run_root import read_json, read_state
+
+    run_root = _run_root(args.run)
+    stored = read_json(str(Path(run_root) / "spec.json"))
+    if stored is None:
+        print(f"rlpipe harness: {run_root} has no spec.json: not a run root", file=sys.stderr)
+        return 1
+    spec = parse_spec(with_overrides(stored, _overrides(args)), f"{run_root}/spec.json with --set")
+    version = read_state(run_root)["weights_version"] if args.version is None else args.version
+    metrics = harness_version(spec, run_root, version, spec.cache_root)
+    for key, value in sorted(metrics.items()):
+        print(f"v{version}  {key}  {value:.4f}")
+    print(f"recorded in {run_root}/metrics/harness_v{version:06d}.json and MLflow ({spec.tracking.experiment})")
+    return 0
+
+
 def cmd_fork(args: argparse.Namespace) -> int:
     from rlpipe.fork import fork_run
     from rlpipe.spec import spec_to_dict
@@ -258,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", help="the run's root (or its name under ./runs)")
     status.add_argument("--json", action="store_true", help="as JSON")
     status.set_defaults(func=cmd_status)
+
+    harness = sub.add_parser("harness", help="run evaluation.harness (lm-evaluation-harness) on a version of a run")
+    harness.add_argument("run", help="the run's root (or its name under ./runs)")
+    harness.add_argument("--version", type=int, help="the weights version (default: the latest committed)")
+    harness.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. evaluation.harness.limit=50")
+    harness.set_defaults(func=cmd_harness)
 
     fork = sub.add_parser("fork", help="start a new run from version N of another, to try other settings")
     fork.add_argument("run", help="the parent's run root (or its name under ./runs)")

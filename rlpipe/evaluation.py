@@ -261,9 +261,11 @@ def evaluate_policy(
     record: bool = True,
 ) -> dict[str, float]:
     """Held-out metrics of `weights` (`evaluate_set`) on the data's held-out set and each evaluation.sets
-    entry due at iteration N, recorded in metrics/eval_N.json, and each row's completions and scores in
+    entry due at iteration N (and evaluation.harness's tasks when due: rlpipe.harness), recorded in
+    metrics/eval_N.json, and each row's completions and scores in
     metrics/eval_N_samples.jsonl (a named set's: eval_N_<name>_samples.jsonl), unless `record` is False
     (the resident trainer's other processes). `policy`: a model already in memory at `weights`."""
+    from rlpipe.harness import harness_due
     from rlpipe.modeling import load_weights
     from rlpipe.schedule import eval_sets_due
 
@@ -288,6 +290,10 @@ def evaluate_policy(
         set_metrics, samples = evaluate_set(spec, model, tokenizer, rows, verifier, k, prefix, seed)
         metrics |= set_metrics
         recorded.append((name, samples))
+    if harness_due(spec, iteration):
+        from rlpipe.harness import run_harness
+
+        metrics |= run_harness(spec, model, tokenizer)
     metrics |= {
         "eval/weights_version": float(weights["version"]),
         "overhead/evaluate_load_s": loaded - t0,

@@ -277,6 +277,27 @@ def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:
     return frozenset(eval_weights_version(n, m) for n, m in versions_to_register(spec, run_root).items())
 
 
+def record_harness(spec: RunSpec, run_root: str, version: int, metrics: dict[str, float]) -> list[str]:
+    """A harness run on version N outside the loop (rlpipe.harness.harness_version): its metrics on the RL
+    run at step N, and as tags of each model version registered from vN. Returns those model versions."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    run_id = ensure_run(spec, run_root)
+    client = MlflowClient(tracking_uri(spec, run_root))
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(key, value, now, version) for key, value in sorted(metrics.items())])
+    name, uid = registered_model_name(spec), (read_state(run_root) or {}).get("run_uid")
+    tagged = []
+    for model_version in client.search_model_versions(f"name = '{name}'"):
+        tags = model_version.tags
+        if tags.get(RUN_TAG) == uid and tags.get("rlpipe.weights_version") == str(version):
+            for key, value in metrics.items():
+                client.set_model_version_tag(name, model_version.version, key, f"{value:.4f}")
+            tagged.append(model_version.version)
+    return tagged
+
+
 def registry_source(spec: RunSpec, weights_uri: str, tracking: str) -> str:
     """A model version's source: the sealed version's URI in the weight store. A tracking server refuses a
     local path (to the server it names its own files), so with one a run root on the cluster's volume
@@ -327,7 +348,7 @@ def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowC
             "rlpipe.weights_version": str(version),
             "rlpipe.sha256": ref["sha256"],
             EVAL_ACCURACY: f"{metrics[EVAL_ACCURACY]:.4f}",
-        }
+        } | {key: f"{value:.4f}" for key, value in metrics.items() if key.startswith("harness/")}
         source = registry_source(spec, ref["uri"], tracking_uri(spec, run_root))
         tags |= {} if source == ref["uri"] else {"rlpipe.weights_uri": ref["uri"]}
         created = client.create_model_version(

@@ -31,7 +31,7 @@ from rlpipe.spec.encoding import (
     with_overrides,
     without,
 )
-from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec
+from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec, HarnessSpec
 from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
 from rlpipe.spec.placement import CPU, MEMORY, ClusterSpec, PodSpec, SecretEnv, StorageSpec, Toleration, TrackingSpec
 from rlpipe.spec.run_spec import RunSpec
@@ -67,6 +67,7 @@ __all__ = [
     "EnvironmentSpec",
     "EvalSetSpec",
     "EvaluationSpec",
+    "HarnessSpec",
     "LoraSpec",
     "ModelSpec",
     "PodSpec",

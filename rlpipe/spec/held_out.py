@@ -32,6 +32,25 @@ class EvalSetSpec:
 
 
 @section
+class HarnessSpec:
+    """EleutherAI's lm-evaluation-harness on evaluated versions (rlpipe.harness; the `harness` extra)."""
+
+    tasks: list[str] = setting(
+        min_length=1, doc="lm_eval task names: its registry's (they download their data) or include_path's"
+    )
+    include_path: str | None = setting(
+        None, doc="A directory of lm_eval task YAML files (a task on local files runs offline)"
+    )
+    every: int | None = setting(
+        None, ge=1, doc="Run with the evals every this many iterations (a multiple of loop.eval_every); null: the last"
+    )
+    limit: int | None = setting(None, ge=1, doc="Documents per task at most")
+    num_fewshot: int | None = setting(None, ge=0, doc="Few-shot examples (null: each task's own)")
+    batch_size: int = setting(16, ge=1)
+    max_gen_toks: int = setting(256, ge=1, doc="Tokens a generate_until task may produce at most")
+
+
+@section
 class EvaluationSpec:
     """What each held-out eval measures beyond greedy accuracy (rlpipe.evaluation)."""
 
@@ -45,6 +64,9 @@ class EvaluationSpec:
     temperature: float = setting(1.0, gt=0, doc="Of the sampled completions")
     sets: list[EvalSetSpec] = setting(
         default_factory=list, doc="More held-out sets, each named, with its own rows, verifier and cadence"
+    )
+    harness: HarnessSpec | None = setting(
+        None, doc="lm-evaluation-harness tasks run with the evals: metrics harness/<task>/<metric>"
     )
 
     def __post_init__(self) -> None:
