@@ -259,7 +259,7 @@ def _async_spec(initialized_run, s: int, **sections):
 
 
 def _produce_until(spec, run_root, cache, done) -> dict:
-    from rlpipe.rollout_buffer import produce
+    from rlpipe.buffer_producer import produce
 
     stop, status = threading.Event(), {}
     worker = threading.Thread(target=produce, args=(spec, run_root, cache, stop, status))
@@ -286,7 +286,7 @@ def _all_of(run_root: str, *homes: int):
 
 def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(initialized_run, tmp_path: Path):
     from rlpipe import loop
-    from rlpipe.rollout_buffer import buffered, iteration_uri
+    from rlpipe.rollout_buffer import buffered, group_bytes, iteration_uri, read_group
     from rlpipe.store.weights import read_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 2)
@@ -301,17 +301,14 @@ def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(i
     taken = json.loads((used / "taken.json").read_text())
     state = json.loads((Path(run_root) / "state.json").read_text())
     assert state["rollouts_taken"] == taken and len(taken["groups"]) == 8
-    assert sorted(p.name for p in used.glob("*.parquet")) == sorted(g["file"] for g in taken["groups"])
+    assert sorted(p.name for p in used.glob("*.arrow")) == sorted(g["file"] for g in taken["groups"])
     consumed = sorted([g["home"], g["position"]] for g in taken["groups"])
     expected = {"through": 1, "beyond": []} if all(g[0] == 1 for g in consumed) else {"through": 0, "beyond": consumed}
     assert state["groups_consumed"] == expected
     _produce_until(spec, run_root, cache, lambda: _homes(run_root)[4] == 8)
-    import pyarrow.parquet as pq
-
     fourth = [name for _, group, _, name in buffered(run_root) if group[0] == 4]
-    assert {
-        pq.read_table(Path(run_root) / "rollout_buffer" / "groups" / n)["weights_version"][0].as_py() for n in fourth
-    } == {1}
+    versions = {read_group(group_bytes(run_root, n))["weights_version"][0].as_py() for n in fourth}
+    assert versions == {1}
     assert published["version"] == 1
 
 
@@ -381,7 +378,7 @@ def test_a_group_older_than_s_is_dropped_counted_and_sampled_again(initialized_r
 def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_run):
     """A group is written to <file>.tmp-<pid> and renamed: a kill mid-write leaves the temporary file,
     which the next producer removes before it samples that group again."""
-    from rlpipe.rollout_buffer import group_file, groups_uri
+    from rlpipe.rollout_buffer import group_file, groups_uri, read_group
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
     partial = Path(groups_uri(run_root)) / (group_file(0, (1, 2), 0) + ".tmp-4242")
@@ -389,9 +386,8 @@ def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_ru
     partial.write_bytes(b"PAR1 half a parquet file")
     _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
     assert not partial.exists()
-    import pyarrow.parquet as pq
-
-    assert {pq.read_metadata(p).num_rows for p in Path(groups_uri(run_root)).glob("*.parquet")} == {4}
+    rows = {read_group(p.read_bytes()).num_rows for p in Path(groups_uri(run_root)).glob("*.arrow")}
+    assert rows == {4}
 
 
 def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed_group(
@@ -416,7 +412,7 @@ def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed
     before_the_commit = dict(store.read_state(run_root), iteration=0, weights_version=0)
     before_the_commit.pop("groups_consumed")
     reads = iter([before_the_commit])  # the producer's first read: the state just before iteration 1 committed
-    monkeypatch.setattr("rlpipe.rollout_buffer.read_state", lambda root: next(reads, None) or store.read_state(root))
+    monkeypatch.setattr("rlpipe.buffer_producer.read_state", lambda root: next(reads, None) or store.read_state(root))
     _produce_until(spec, run_root, cache, lambda: sum(_homes(run_root).values()) == 16)  # 8 left + home 3
     assert not taken_by_1 & {group for _, group, _, _ in buffered(run_root)}  # none sampled again
 
@@ -426,7 +422,7 @@ def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed
     for iteration in (1, 2):
         used = Path(iteration_uri(run_root, iteration, consumed=True))
         taken = json.loads((used / "taken.json").read_text())
-        assert sorted(p.name for p in used.glob("*.parquet")) == sorted(g["file"] for g in taken["groups"])
+        assert sorted(p.name for p in used.glob("*.arrow")) == sorted(g["file"] for g in taken["groups"])
         groups = {(g["home"], g["position"]) for g in taken["groups"]}
         assert not groups & seen
         seen |= groups
@@ -564,7 +560,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     import pyarrow.parquet as pq
 
     from rlpipe.engines import prompt_indices
-    from rlpipe.rollout_buffer import iteration_uri
+    from rlpipe.rollout_buffer import iteration_uri, read_group
 
     iterations, s = 16, 1
     multi_turn, partial = form == "multi-turn", form == "partial-rollouts"
@@ -644,7 +640,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
         for group in taken["groups"]:
             path = used / group["file"]
             assert hashlib.sha256(path.read_bytes()).hexdigest() == group["sha256"]  # the rows it trained on
-            table = pq.read_table(path)
+            table = read_group(path.read_bytes())
             assert min(table.column("weights_version").to_pylist()) == group["version"]
             assert set(table.column("prompt_id").to_pylist()) == {
                 prompt_indices(train_rows, 8, group["home"], 0)[group["position"]]

@@ -190,7 +190,7 @@ def completions_through_end(
 
 
 class Refresh(Protocol):
-    """A partial rollout's view of the published versions (rlpipe.rollout_buffer.LatestVersion): `model` at
+    """A partial rollout's view of the published versions (rlpipe.buffer_producer.LatestVersion): `model` at
     `version`, the one held; `newer()`, between decode steps: (model, version) once it has loaded a newer
     one, else None."""
 

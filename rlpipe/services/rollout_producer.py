@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run_root:
         parser.error("--run-root (or RLPIPE_RUN_ROOT) is required: the run root the pipeline's steps use")
 
-    from rlpipe.rollout_buffer import produce, write_heartbeat
+    from rlpipe.buffer_producer import produce, write_heartbeat
     from rlpipe.spec import parse_spec
     from rlpipe.store.run_root import cache_root_for, join, read_json
 

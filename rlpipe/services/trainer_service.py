@@ -235,9 +235,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     (a request waits at most one part). One process only: a sharded trainer's forward passes need every
     rank."""
     from rlpipe.algorithms import resolve_options
-    from rlpipe.rollout_buffer import Slices, first_finished, groups_uri
-    from rlpipe.rollouts import read_table
-    from rlpipe.store.run_root import join
+    from rlpipe.rollout_buffer import Slices, first_finished, group_bytes, read_group
     from rlpipe.training.batching import micro_batches
     from rlpipe.training.logprobs import sequence_key
     from rlpipe.training.off_policy import policy_logprobs
@@ -270,8 +268,8 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
             time.sleep(0.05)
             continue
         try:
-            rows = [row for name in names for row in read_table(join(groups_uri(trainer.run_root), name))
-                    .select(["prompt_token_ids", "completion_token_ids"]).to_pylist()]  # fmt: skip
+            tables = [read_group(group_bytes(trainer.run_root, name)) for name in names]
+            rows = [row for t in tables for row in t.select(["prompt_token_ids", "completion_token_ids"]).to_pylist()]
         except FileNotFoundError:  # dropped as too stale, or taken and retired meanwhile
             return computed_ahead()
         seen |= set(names)
