@@ -302,6 +302,8 @@ def rlpipe_once(
         "storage.cache": str(work / "cache"),
         "loop.eval_every": eval_every,
         "loop.iterations_per_run": min(5, iterations),
+        "evaluation.samples": 0,  # greedy accuracy only, as TRL's side evaluates
+        "evaluation.sets": [],
     }.items():
         command += ["--set", f"{key}={json.dumps(value)}"]
     started = time.time()

@@ -140,6 +140,17 @@ def test_an_eval_records_sampled_metrics_that_its_samples_recompute(sampled_run)
     assert [s["answer"] for s in doubles] == [str(2 * a) for a in range(12)]
     assert "eval/doubles/accuracy_greedy" in metrics and "eval/doubles/pass_at_4" in metrics  # evaluation.samples
 
+    # `rlpipe status` and the evaluate step's KFP report show them
+    from rlpipe.reports import eval_report
+    from rlpipe.run_status import describe, run_status
+
+    status = run_status(run_root)
+    assert status["last_eval"]["metrics"]["eval/pass_at_4"] == metrics["eval/pass_at_4"]
+    assert f"pass_at_4 {metrics['eval/pass_at_4']:.3f}" in describe(status)
+    assert "sorting/accuracy_greedy" in describe(status)
+    report = eval_report(run_root, 0)
+    assert "`eval/maj_at_4`" in report and "sampled correct" in report
+
     # the named sets' cadence: sorting every 4 (and at the first and last), doubles at every eval (2)
     from rlpipe.schedule import eval_sets_due
 
