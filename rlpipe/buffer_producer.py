@@ -40,10 +40,11 @@ def next_groups(spec: RunSpec, run_root: str, state: dict[str, Any], slices: Sli
     if (read_state(run_root) or {}).get("iteration") != state["iteration"]:
         return None
     through, beyond = consumed_groups(state)
+    done = beyond | present
     last = min(state["iteration"] + 1 + spec.loop.max_staleness, spec.loop.iterations)
     todo: list[Group] = []
     for home in range(through + 1, last + 1):
-        todo += [(home, p) for p in range(len(slices(home))) if (home, p) not in beyond | present]
+        todo += [(home, p) for p in range(len(slices(home))) if (home, p) not in done]
         if len(todo) >= limit:
             break
     return todo[:limit]
