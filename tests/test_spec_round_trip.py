@@ -39,11 +39,28 @@ CHOSEN = {
     "model.tiny.num_heads": 3,
     "model.tiny.num_kv_heads": 1,
     "cluster.secrets": [{"secret": "hf", "key": "token", "env": "HF_TOKEN", "steps": ["track", "score"]}],
+    "evaluation.harness.every": 10,  # a multiple of loop.eval_every
     "evaluation.sets": [  # every field, as spec_to_dict writes them
-        {"name": "long", "path": None, "generator": "sorting", "options": {"min_digits": 20, "tail": None},
-         "size": 7, "verifier": {"type": "exact_match", "answer_column": "answer"}, "every": 10, "samples": 3},
-        {"name": "files", "path": "held_out.jsonl", "generator": None, "options": {}, "size": 200,
-         "verifier": None, "every": None, "samples": None},
+        {
+            "name": "long",
+            "path": None,
+            "generator": "sorting",
+            "options": {"min_digits": 20, "tail": None},
+            "size": 7,
+            "verifier": {"type": "exact_match", "answer_column": "answer"},
+            "every": 10,
+            "samples": 3,
+        },
+        {
+            "name": "files",
+            "path": "held_out.jsonl",
+            "generator": None,
+            "options": {},
+            "size": 200,
+            "verifier": None,
+            "every": None,
+            "samples": None,
+        },
     ],  # fmt: skip
 }
 # Settings a field needs beside it (rules across fields, __post_init__).
@@ -61,6 +78,10 @@ COMPANIONS = {
     "rollout.environment": {"rollout.environment.type": "calculator"},
     "loop.overlap": {"loop.max_staleness": 1},
     "loop.partial_rollouts": {"loop.max_staleness": 1},
+    **{  # the harness section needs its tasks
+        f"evaluation.harness{key}": {"evaluation.harness.tasks": ["local_task"]}
+        for key in ("", ".include_path", ".every", ".limit", ".num_fewshot", ".batch_size", ".max_gen_toks")
+    },
 }
 
 

@@ -6,6 +6,7 @@ and they import in this order (each only the ones above it):
 - schema:     `section` and `setting` (how a section and its fields are declared), and the sections
               of what a run computes: model, data, reward, rollout, samplers, algorithm,
               preferences, trainer, loop
+- held_out:   what the held-out evals measure: sampled metrics, named sets, the evaluation harness
 - placement:  where it runs and stores: storage, tracking, cluster and its pods
 - run_spec:   RunSpec, the sections together, with the rules across sections
 - migration:  keys older versions read, refused with what to write instead
