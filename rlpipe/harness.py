@@ -20,7 +20,7 @@ NOT_SCORES = ("sample_len", "alias", "samples")  # what lm_eval's results hold b
 
 
 def harness_due(spec: RunSpec, iteration: int) -> bool:
-    """evaluation.harness runs with iteration N's eval: at the last iteration, and every `every`."""
+    """evaluation.harness runs with iteration N's eval: at the last iteration, and where `every` divides N."""
     harness = spec.evaluation.harness
     if harness is None:
         return False

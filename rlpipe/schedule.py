@@ -20,8 +20,8 @@ def eval_due(spec: RunSpec, iteration: int) -> bool:
 
 
 def eval_sets_due(spec: RunSpec, iteration: int) -> list:
-    """The evaluation.sets evaluated at iteration N: every `every` iterations (default loop.eval_every),
-    and at the first and last."""
+    """The evaluation.sets evaluated at iteration N, an eval's: those whose `every` divides N (all when
+    null), and every set at the first and last."""
     if not eval_due(spec, iteration):
         return []
     return [

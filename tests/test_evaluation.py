@@ -53,10 +53,6 @@ def test_majority_votes_on_the_final_answer_and_scores_it():
 def test_evaluation_sets_are_checked(tmp_path: Path):
     with pytest.raises(SpecError, match="needs one of `path`"):
         parse_spec(tiny_spec_dict(tmp_path, evaluation={"sets": [{"name": "long"}]}))
-    with pytest.raises(SpecError, match="must be a multiple of loop.eval_every"):
-        parse_spec(
-            tiny_spec_dict(tmp_path, evaluation={"sets": [{"name": "long", "generator": "addition", "every": 3}]})
-        )
     with pytest.raises(SpecError, match="names must differ"):
         two = [{"name": "a", "generator": "addition"}, {"name": "a", "generator": "sorting"}]
         parse_spec(tiny_spec_dict(tmp_path, evaluation={"sets": two}))

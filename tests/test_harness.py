@@ -45,12 +45,16 @@ def test_lm_eval_results_become_metrics():
     }
 
 
-def test_the_harness_cadence_is_checked(tmp_path: Path):
-    harness = {"tasks": ["x"], "every": 3}
-    with pytest.raises(SpecError, match="evaluation.harness: every 3 must be a multiple of loop.eval_every"):
-        parse_spec(tiny_spec_dict(tmp_path, evaluation={"harness": harness}))
+def test_the_harness_needs_tasks_and_runs_at_the_last_eval_and_every_n(tmp_path: Path):
+    from rlpipe.harness import harness_due
+
     with pytest.raises(SpecError, match="evaluation.harness.tasks: must not be empty"):
         parse_spec(tiny_spec_dict(tmp_path, evaluation={"harness": {"tasks": []}}))
+    loop = {"iterations": 12, "eval_every": 2}
+    every_4 = parse_spec(tiny_spec_dict(tmp_path, loop=loop, evaluation={"harness": {"tasks": ["x"], "every": 4}}))
+    assert [n for n in range(13) if harness_due(every_4, n)] == [0, 4, 8, 12]
+    last = parse_spec(tiny_spec_dict(tmp_path, loop=loop, evaluation={"harness": {"tasks": ["x"]}}))
+    assert [n for n in range(13) if harness_due(last, n)] == [12]
 
 
 def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_the_registry_and_the_gate(tmp_path: Path):

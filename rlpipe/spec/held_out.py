@@ -22,7 +22,10 @@ class EvalSetSpec:
     size: int = setting(200, ge=1, doc="Rows at most")
     verifier: str | dict[str, Any] | None = setting(None, doc="Scores it (as reward.verifier; null: reward.verifier)")
     every: int | None = setting(
-        None, ge=1, doc="Evaluated every this many iterations, a multiple of loop.eval_every (null: loop.eval_every)"
+        None,
+        ge=1,
+        doc="Evaluated at the evals (loop.eval_every) whose iteration is a multiple of this, and at the first and "
+        "last (null: at every eval)",
     )
     samples: int | None = setting(None, ge=0, doc="k sampled completions per prompt (null: evaluation.samples)")
 
@@ -42,7 +45,7 @@ class HarnessSpec:
         None, doc="A directory of lm_eval task YAML files (a task on local files runs offline)"
     )
     every: int | None = setting(
-        None, ge=1, doc="Run with the evals every this many iterations (a multiple of loop.eval_every); null: the last"
+        None, ge=1, doc="Run with the evals whose iteration is a multiple of this, and the last (null: the last only)"
     )
     limit: int | None = setting(None, ge=1, doc="Documents per task at most")
     num_fewshot: int | None = setting(None, ge=0, doc="Few-shot examples (null: each task's own)")

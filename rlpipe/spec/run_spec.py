@@ -45,14 +45,6 @@ class RunSpec:
         return cache_root_for(self.storage.root, self.storage.cache)
 
     def __post_init__(self) -> None:
-        cadences = [(f"evaluation set {s.name!r}", s.every) for s in self.evaluation.sets]
-        cadences += [("evaluation.harness", self.evaluation.harness.every)] if self.evaluation.harness else []
-        for what, every in cadences:
-            if every is not None and every % self.loop.eval_every:
-                raise ValueError(
-                    f"{what}: every {every} must be a multiple of loop.eval_every ({self.loop.eval_every}), "
-                    "the iterations evaluated at all"
-                )
         sequences = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if self.trainer.mini_batches > sequences:
             raise ValueError(
