@@ -165,7 +165,7 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
         if not todo:
             stop.wait(POLL_S)
             continue
-        started = time.time()
+        started = status["busy_since"] = time.time()  # the heartbeat counts the batch while it runs
         weights = read_ref(run_root, state["weights_version"])
         policy = None
         if latest is not None:
@@ -173,7 +173,7 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
                 latest.load(weights)
             weights, policy = latest.held, latest.policy()
         generate_groups(spec, run_root, weights, todo, slices, cache_root, policy)
-        status["busy_s"] = status.get("busy_s", 0.0) + time.time() - started
+        status["busy_s"], status["busy_since"] = status.get("busy_s", 0.0) + time.time() - started, None
         status["groups_written"] = status.get("groups_written", 0) + len(todo)
         status |= {"version": weights["version"], "group": list(todo[-1])}
         write_heartbeat(run_root, status)  # the generate step reads busy_s from it

@@ -150,6 +150,14 @@ def consumed_after(state: dict[str, Any], taken: dict[str, Any], slices: Slices)
     return {"through": through, "beyond": sorted(beyond)}
 
 
+def producer_busy_s(beat: dict[str, Any]) -> float | None:
+    """The producer's busy seconds now, from its heartbeat: the batches it finished, plus the one it has
+    been sampling since `busy_since` (a batch may span several iterations at small sizes)."""
+    if beat.get("busy_s") is None:
+        return None
+    return beat["busy_s"] + (time.time() - beat["busy_since"] if beat.get("busy_since") else 0.0)
+
+
 def producer_alive(run_root: str) -> bool:
     """A heartbeat within HEARTBEAT_TIMEOUT_S."""
     beat = read_json(producer_uri(run_root))
@@ -229,8 +237,8 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     rollouts = pa.concat_tables(tables, promote_options="default")  # token_versions: partial rollouts only
     rollouts = with_column(rollouts, "iteration", iteration)  # the iteration that trains on them
     write_table(rollouts, out_path)
-    beat = read_json(producer_uri(run_root)) or {}
-    record |= {"at": time.time(), "producer_busy_s": beat.get("busy_s")}
+    busy = producer_busy_s(read_json(producer_uri(run_root)) or {})
+    record |= {"at": time.time(), "producer_busy_s": busy}
     write_json(join(iteration_uri(run_root, iteration), "taken.json"), record)
 
     versions = rollouts.column("weights_version").to_pylist()
@@ -252,10 +260,10 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
             for k in range(spec.loop.max_staleness + 1)
         }
     )
-    if previous and previous.get("producer_busy_s") is not None and beat.get("busy_s") is not None:
+    if previous and previous.get("producer_busy_s") is not None and busy is not None:
         span = record["at"] - previous["at"]
         if span > 0:
-            metrics["async/generation_busy_share"] = (beat["busy_s"] - previous["producer_busy_s"]) / span
+            metrics["async/generation_busy_share"] = (busy - previous["producer_busy_s"]) / span
     return metrics | {"time/generate_s": time.time() - started - waited}
 
 
