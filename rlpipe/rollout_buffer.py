@@ -121,9 +121,14 @@ class Slices:
     """Each home iteration's prompt rows (rlpipe.engines.iteration_prompts), computed once."""
 
     def __init__(self, spec: RunSpec, run_root: str) -> None:
-        from rlpipe.engines import read_train_rows
+        import pyarrow.parquet as pq
 
-        self.spec, self.run_root, self.rows = spec, run_root, read_train_rows(run_root).num_rows
+        from rlpipe.store.run_root import data_uri
+
+        fs, path = filesystem(data_uri(run_root, "train"))
+        with fs.open(path, "rb") as f:  # the row count from the footer: not the rows, read every iteration
+            rows = pq.ParquetFile(f).metadata.num_rows
+        self.spec, self.run_root, self.rows = spec, run_root, rows
         self.known: dict[int, list[int]] = {}
 
     def __call__(self, home: int) -> list[int]:
