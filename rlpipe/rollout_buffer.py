@@ -121,14 +121,11 @@ class Slices:
     """Each home iteration's prompt rows (rlpipe.engines.iteration_prompts), computed once."""
 
     def __init__(self, spec: RunSpec, run_root: str) -> None:
-        import pyarrow.parquet as pq
-
+        from rlpipe.rollouts import table_rows
         from rlpipe.store.run_root import data_uri
 
-        fs, path = filesystem(data_uri(run_root, "train"))
-        with fs.open(path, "rb") as f:  # the row count from the footer: not the rows, read every iteration
-            rows = pq.ParquetFile(f).metadata.num_rows
-        self.spec, self.run_root, self.rows = spec, run_root, rows
+        self.spec, self.run_root = spec, run_root
+        self.rows = table_rows(data_uri(run_root, "train"))  # not the rows: Slices is built every iteration
         self.known: dict[int, list[int]] = {}
 
     def __call__(self, home: int) -> list[int]:

@@ -39,7 +39,7 @@ CHOSEN = {
     "model.tiny.num_heads": 3,
     "model.tiny.num_kv_heads": 1,
     "cluster.secrets": [{"secret": "hf", "key": "token", "env": "HF_TOKEN", "steps": ["track", "score"]}],
-    "evaluation.harness.every": 10,  # a multiple of loop.eval_every
+    "evaluation.harness.every": 10,
     "evaluation.sets": [  # every field, as spec_to_dict writes them
         {
             "name": "long",
