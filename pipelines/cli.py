@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     try:
-        state = run_locally(spec, args.run_dir)
+        state = run_locally(spec, args.run_dir, containers=args.containers)
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="run root (default <storage.root>/<name>)")
     run.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec value, e.g. trainer.lr=3e-4")
+    run.add_argument(
+        "--containers",
+        action="store_true",
+        help="every step and service in the image the cluster runs it in (KFP's DockerRunner over Docker or Podman; "
+        "build the images with images/build.sh)",
+    )
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="pre-flight: check the spec, model, data, rewards, tracking and storage")

@@ -6,6 +6,8 @@ process); the driver holds no training state, so killing it at any moment and ru
 again continues from the last committed iteration.
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import json
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
@@ -40,6 +43,9 @@ from rlpipe.store.run_root import (
     write_json,
 )
 from rlpipe.tracking import run_url
+
+if TYPE_CHECKING:
+    from rlpipe.services.containers import LocalContainers
 
 # Steps are separate processes: keep each to one thread and quiet library progress bars.
 # glibc's malloc starts every process cold (large tensors mmapped and zeroed on each
@@ -227,12 +233,11 @@ def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
     write_json(join(run_root, "spec.json"), current)
 
 
-def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | None = None) -> dict:
-    """Drive the loop to `spec.loop.iterations`; returns the final state."""
-    from kfp import local
-
-    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
-
+def run_locally(
+    spec: RunSpec, run_dir: str | None = None, console: Console | None = None, containers: bool = False
+) -> dict:
+    """Drive the loop to `spec.loop.iterations`; returns the final state. `containers`: every step and
+    service in its image (rlpipe.services.containers), else each step a process."""
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
@@ -240,8 +245,34 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
     os.environ.update(STEP_ENVIRONMENT)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(run_root) / "kfp"))
-    pipeline = build_pipeline_for(spec, placement=None)  # offline DPO's, or the RL loop's
+    engine = None
+    if containers:
+        from rlpipe.services.containers import start_containers
+
+        engine = start_containers(spec, run_root, STEP_ENVIRONMENT)
+    try:
+        return _drive(spec, run_root, log_path, console, engine)
+    finally:
+        if engine is not None:
+            engine.stop()
+
+
+def containers_placement(spec: RunSpec) -> RunSpec:
+    """The spec that places each task in containers: on the cluster's images (the local runner ignores the
+    rest of the cluster section), without retries (a failed step ends the run, which the same command
+    resumes, as with processes)."""
+    return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, retries=0))
+
+
+def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engine: LocalContainers | None) -> dict:
+    from kfp import local
+
+    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
+
+    runner = engine.step_runner() if engine else local.SubprocessRunner(use_venv=False)
+    local.init(runner=runner, pipeline_root=str(Path(run_root) / "kfp"))
+    # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
+    pipeline = build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
     progress = Progress(total=spec.loop.iterations)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup
@@ -256,6 +287,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
 
         served = local_samplers(served)  # LoRA: adapters on a GPU, merged on CPU
         fleet = LocalFleet(served, run_root)
+        if engine is not None:
+            engine.containerize(fleet, spec.cluster.sampler_image)
         served = dataclasses.replace(served, samplers=dataclasses.replace(served.samplers, endpoints=fleet.urls))
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
     trainer = None
@@ -268,6 +301,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
                 "on this machine set trainer.nodes: 1 (trainer.gpus processes)"
             )
         trainer = LocalTrainer(run_root, spec.trainer.gpus, spec.trainer.device)
+        if engine is not None:
+            engine.containerize(trainer, spec.cluster.trainer.image)
         served = dataclasses.replace(served, trainer=dataclasses.replace(served.trainer, endpoint=trainer.urls[0]))
         say(f"        resident trainer {trainer.urls[0]} (log {Path(run_root) / 'logs'}/trainer-0.log)")
 
@@ -279,6 +314,8 @@ def run_locally(spec: RunSpec, run_dir: str | None = None, console: Console | No
         producer_spec.parent.mkdir(exist_ok=True)
         producer_spec.write_text(spec_to_json(served))  # with the local samplers' endpoints
         producer = LocalProducer(run_root, str(producer_spec), spec.cache_root)
+        if engine is not None:
+            engine.containerize(producer, spec.cluster.trainer.image)
         logs = Path(run_root) / "logs"
         say(f"        rollout producer, loop.max_staleness {spec.loop.max_staleness} (log {logs}/producer-0.log)")
 

@@ -91,12 +91,16 @@ class SecretEnv:
 
 @section
 class ClusterSpec:
-    """Applied to every task at compile time (`rlpipe compile`); ignored by `rlpipe run`."""
+    """Applied to every task at compile time (`rlpipe compile`); `rlpipe run --containers` takes its images."""
 
     trainer: PodSpec = setting(
         default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/trainer:0.1.0", cpu="4", memory="16Gi")
     )
     step: PodSpec = setting(default_factory=lambda: PodSpec(image="ghcr.io/rlpipe/step:0.1.0"))
+    sampler_image: str = setting(
+        "ghcr.io/rlpipe/sampler:0.1.0",
+        doc="vLLM sampler image: the samplers `rlpipe run --containers` starts (the cluster's: manifests/)",
+    )
     pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
     mount_path: str = "/mnt/rlpipe"
     secrets: list[SecretEnv] = setting(default_factory=list)

@@ -1,0 +1,233 @@
+"""Steps and services in their images on this machine: `rlpipe run --containers`.
+
+The pipeline is the one the subprocess runner runs; only where each step executes changes. KFP's
+`DockerRunner` runs every step in the image the cluster runs it in (cluster.step.image or
+cluster.trainer.image, rlpipe.steps.uses_trainer_image), and the long-lived servers (resident
+trainer, samplers, rollout producer) run as containers of the same images instead of processes.
+
+    engine      Docker, where its API answers (DOCKER_HOST or the default socket); else Podman, whose
+                `podman system service` this run starts on a socket of its own for the Docker SDK
+                that DockerRunner speaks. Podman reads its settings from CONTAINERS_CONF
+                (images/containers.conf suits sandboxes and CI machines).
+    mounts      the working directory (relative data paths, reward modules on PYTHONPATH), the run
+                root and the cache root, each at the same path, so every path a step is given means
+                the same inside and outside (on a cluster: the PVC at cluster.mount_path).
+    user        this user's uid:gid, so what the steps write stays this user's, as with processes.
+                The images' own user (1000) is what clusters run: the contract tests
+                (tests/test_containers.py) and the played manifests check it.
+    network     the host's: the steps reach the services on loopback as processes do.
+    label       `rlpipe.run-root=<run root>` on every container, so stopping a run (or resuming
+                one whose driver was killed) removes what it left running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlpipe.services.local_servers import LocalServers, die_with_parent
+from rlpipe.spec import RunSpec
+from rlpipe.store.run_root import is_local
+
+RUN_LABEL = "rlpipe.run-root"
+BUILD_HINT = "build them with: bash images/build.sh (images/README.md)"
+
+
+class ContainersUnavailable(RuntimeError):
+    """No container engine, or the images are not built: the message says what to do."""
+
+
+@dataclass
+class LocalContainers:
+    """This run's container engine and the settings every container of the run gets."""
+
+    cli: str  # podman or docker: runs the services (`<cli> run`), lists and removes containers
+    docker_host: str  # the Docker API DockerRunner's docker SDK speaks
+    run_root: str
+    mounts: list[str]
+    environment: dict[str, str]
+    user: str = field(default_factory=lambda: f"{os.getuid()}:{os.getgid()}")
+    service: subprocess.Popen | None = None  # `podman system service`, when this run started it
+
+    def step_runner(self):  # -> kfp.local.DockerRunner
+        from docker.types import Mount
+        from kfp import local
+        from kfp.local import docker_task_handler
+
+        docker_task_handler.run_docker_container = run_step_container
+
+        return local.DockerRunner(
+            network_mode="host",
+            user=self.user,
+            environment=self.environment,
+            working_dir=os.getcwd(),
+            mounts=[Mount(target=path, source=path, type="bind") for path in self.mounts],
+            labels={RUN_LABEL: self.run_root},
+        )
+
+    def run_argv(self, image: str, name: str, argv: list[str], env: dict[str, str]) -> list[str]:
+        """`<cli> run` of `argv` (a process's command line, sys.executable first) in `image`, in the
+        foreground: stopping this process stops the container (the CLI passes the signal on)."""
+        settings = ["--rm", "--name", name, "--network", "host", "--user", self.user, "--label", f"{RUN_LABEL}={self.run_root}"]
+        settings += ["--entrypoint", "python3", "--workdir", os.getcwd()]
+        for path in self.mounts:
+            settings += ["--volume", f"{path}:{path}"]
+        for key, value in {**self.environment, **env}.items():
+            settings += ["--env", f"{key}={value}"]
+        return [self.cli, "run", *settings, image, *argv[1:]]
+
+    def containerize(self, servers: LocalServers, image: str) -> LocalServers:
+        """`servers` started as containers of `image` instead of processes (same ports, logs, restarts)."""
+        launch = servers.launch
+        slug = "".join(c if c.isalnum() else "-" for c in Path(self.run_root).name)
+
+        def in_container(port: int) -> tuple[list[str], dict[str, str]]:
+            argv, env = launch(port)
+            name = f"rlpipe-{slug}-{servers.kind}-{port}"
+            subprocess.run([self.cli, "rm", "-f", name], capture_output=True)  # one a killed CLI left
+            return self.run_argv(image, name, argv, env), {}
+
+        servers.launch = in_container
+        return servers
+
+    def remove_all(self) -> None:
+        """Remove every container of this run still there (a killed driver's, or a step's after Ctrl-C)."""
+        found = subprocess.run(
+            [self.cli, "ps", "-aq", "--filter", f"label={RUN_LABEL}={self.run_root}"], capture_output=True, text=True
+        )
+        if ids := found.stdout.split():
+            subprocess.run([self.cli, "rm", "-f", "-t", "2", *ids], capture_output=True)
+
+    def stop(self) -> None:
+        self.remove_all()
+        if self.service is not None:
+            self.service.terminate()
+            try:
+                self.service.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+
+
+def run_step_container(client, image: str, command: list[str], volumes: dict, **run_args) -> int:
+    """One step's container, to its exit status: what kfp.local's DockerRunner runs each task with (it
+    replaces kfp.local.docker_task_handler.run_docker_container, kfp==2.17.0). KFP's own starts the
+    container with auto_remove and reads the status after the container is gone: Podman removes it as
+    it exits, so every failed step read as a success. Here the container is removed after its status is
+    read. A container stopped from outside (exit 137, 143) says so in the step's log, as the last
+    error line the driver reports."""
+    import docker
+
+    container = client.containers.run(image=image, command=command, detach=True, volumes=volumes, **run_args)
+    try:
+        for line in container.logs(stream=True, follow=True):
+            print(line.decode(errors="replace"), end="")
+        status = container.wait()["StatusCode"]
+    finally:
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            pass  # removed by the run's stop (rlpipe.services.containers.LocalContainers.remove_all)
+    if status in (137, 143):
+        signal_name = "SIGKILL, or the out-of-memory killer" if status == 137 else "SIGTERM"
+        print(f"StepContainerKilled: the step's container was stopped from outside (exit {status}: {signal_name})")
+    return status
+
+
+def container_mounts(spec: RunSpec, run_root: str) -> list[str]:
+    """The host directories every container of the run mounts at the same path: the working directory,
+    the run root and the cache root (the local ones), without one inside another."""
+    wanted = [os.getcwd(), run_root, spec.cache_root]
+    paths = sorted({str(Path(p).resolve()) for p in wanted if is_local(p)}, key=len)
+    kept: list[str] = []
+    for path in paths:
+        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(path)
+    for path in kept:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return kept
+
+
+def start_containers(spec: RunSpec, run_root: str, environment: dict[str, str]) -> LocalContainers:
+    """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise."""
+    mounts = container_mounts(spec, run_root)
+    env = {**environment, "PYTHONPATH": os.getcwd(), "HOME": "/tmp"}
+    docker_cli = shutil.which("docker")
+    if docker_cli and _answers(os.environ.get("DOCKER_HOST")):
+        containers = LocalContainers(docker_cli, os.environ.get("DOCKER_HOST", ""), run_root, mounts, env)
+    elif podman := shutil.which("podman"):
+        socket = Path(tempfile.mkdtemp(prefix="rlpipe-podman-")) / "docker.sock"
+        service = subprocess.Popen(
+            [podman, "system", "service", "--time=0", f"unix://{socket}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        containers = LocalContainers(podman, f"unix://{socket}", run_root, mounts, env, service=service)
+        deadline = time.time() + 30
+        while not _answers(containers.docker_host):
+            if service.poll() is not None or time.time() > deadline:
+                said = service.stderr.read().decode(errors="replace").strip() if service.poll() is not None else ""
+                containers.stop()
+                raise ContainersUnavailable(
+                    f"--containers: `podman system service` did not start{': ' + said if said else ''}; "
+                    "check that `podman run --rm IMAGE true` works (CONTAINERS_CONF=images/containers.conf "
+                    "holds settings for sandboxes and CI machines)"
+                )
+            time.sleep(0.2)
+    else:
+        raise ContainersUnavailable(
+            "--containers needs Docker (its API answering at DOCKER_HOST or /var/run/docker.sock) or Podman "
+            "on PATH: install one (bash images/install-tools.sh installs Podman and Buildah), or run without "
+            "--containers"
+        )
+    os.environ["DOCKER_HOST"] = containers.docker_host  # for DockerRunner's docker.from_env()
+    try:
+        check_images(containers, images_for(spec))
+        containers.remove_all()  # left by a driver that was killed
+    except ContainersUnavailable:
+        containers.stop()
+        raise
+    return containers
+
+
+def images_for(spec: RunSpec) -> list[str]:
+    """The images a run in containers needs: the step and trainer images, and the sampler's when the
+    run starts samplers here."""
+    images = [spec.cluster.step.image, spec.cluster.trainer.image]
+    if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
+        images.append(spec.samplers.image)
+    return images
+
+
+def check_images(containers: LocalContainers, images: list[str]) -> None:
+    missing = [
+        image
+        for image in dict.fromkeys(images)
+        if subprocess.run([containers.cli, "image", "exists" if "podman" in containers.cli else "inspect", image],
+                          capture_output=True).returncode != 0
+    ]
+    if missing:
+        raise ContainersUnavailable(
+            f"--containers: {'these images are' if len(missing) > 1 else 'this image is'} not built here: "
+            f"{', '.join(missing)}; {BUILD_HINT}"
+        )
+
+
+def _answers(docker_host: str | None) -> bool:
+    """Whether a Docker API answers at `docker_host` (None: the docker SDK's default)."""
+    import docker
+
+    try:
+        client = docker.DockerClient(base_url=docker_host, timeout=5) if docker_host else docker.from_env(timeout=5)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 (docker raises several kinds for an absent or broken engine)
+        return False
