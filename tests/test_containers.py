@@ -1,0 +1,178 @@
+"""Each image honours its contract, tested inside it (Podman, images/build.sh): the step image runs
+prepare / score / advantages / sync_weights / track without torch, the trainer image runs warm_start /
+generate / update / evaluate and the resident trainer service, the sampler image serves vLLM's CPU engine,
+answers a completion and reloads a new version in place; all as the images' own user (uid 1000), on a
+run root mounted at the same path, as a cluster runs them. `rlpipe run --containers` end to end: the
+same weights and curve as the subprocess runner, and its failures say what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from rlpipe.spec import parse_spec, spec_to_json
+from rlpipe.store.run_root import read_state
+
+from .conftest import REPO, tiny_spec_dict
+
+pytestmark = pytest.mark.containers
+RLPIPE = str(Path(sys.executable).with_name("rlpipe"))
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory the images' user (1000) can write, mounted at the same path (pytest's tmp_path lies
+    under a root-only directory here)."""
+    path = Path(tempfile.mkdtemp(prefix="rlpipe-containers-", dir="/tmp"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_in(image: str, root: Path, *argv: str, name: str | None = None, detach: bool = False) -> str:
+    """`python3 argv` in `image` as its own user, host network, `root` mounted at the same path."""
+    command = ["podman", "run", "--rm", "--network", "host", "--volume", f"{root}:{root}", "--workdir", str(root)]
+    command += ["--env", "OMP_NUM_THREADS=1", "--env", "HF_HUB_OFFLINE=1"]
+    if name:
+        command += ["--name", name]
+    if detach:
+        command += ["--detach"]
+    command += [image, *argv] if detach else ["--entrypoint", "python3", image, *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(argv[:3])} in {image} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def argo_step(image: str, root: Path, step: str, spec_json: str, run_root: str) -> str:
+    """One step of one iteration, as the Argo export runs it (pipelines/argo_steps.py)."""
+    return run_in(image, root, "-m", "rlpipe.pipelines.argo_steps", step, "--spec-json", spec_json, "--run-root", run_root)
+
+
+def initialize(images: dict[str, str], root: Path, spec_json: str, run_root: str) -> None:
+    """prepare in the step image, the warm start in the trainer image, v0 published by the step image."""
+    prepared = run_in(
+        images["step"], root, "-c",
+        "import importlib.util, os, sys\n"
+        "from rlpipe import loop\nfrom rlpipe.spec import spec_from_json\n"
+        f"print(loop.prepare(spec_from_json({spec_json!r}), {run_root!r}))\n"
+        "print('uid', os.getuid(), 'torch', importlib.util.find_spec('torch'), 'imported', 'torch' in sys.modules)",
+    )  # fmt: skip
+    assert "uid 1000 torch None imported False" in prepared
+    run_in(
+        images["trainer"], root, "-c",
+        "import json\nfrom rlpipe import loop\nfrom rlpipe.spec import spec_from_json\n"
+        f"spec = spec_from_json({spec_json!r})\n"
+        f"staged, metrics = loop.warm_start(spec, {run_root!r}, spec.cache_root)\n"
+        f"open({run_root!r} + '/warm.json', 'w').write(json.dumps([staged, metrics]))",
+    )  # fmt: skip
+    run_in(
+        images["step"], root, "-c",
+        "import json\nfrom rlpipe import loop\nfrom rlpipe.spec import spec_from_json\n"
+        f"staged, metrics = json.load(open({run_root!r} + '/warm.json'))\n"
+        f"loop.sync_weights(spec_from_json({spec_json!r}), {run_root!r}, staged, 0, metrics)",
+    )  # fmt: skip
+
+
+def wait_healthy(url: str, timeout_s: float, container: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    logs = subprocess.run(["podman", "logs", container], capture_output=True, text=True)
+    pytest.fail(f"{container} not healthy after {timeout_s} s:\n{logs.stdout[-3000:]}{logs.stderr[-3000:]}")
+
+
+def free_port() -> int:
+    from rlpipe.services.local_servers import free_port
+
+    return free_port()
+
+
+def test_step_and_trainer_images_run_every_step_of_an_iteration(images, shared_dir):
+    spec = parse_spec(tiny_spec_dict(shared_dir, loop={"iterations": 1, "eval_every": 1}))
+    run_root, spec_json = str(shared_dir / "runs" / "tiny"), spec_to_json(spec)
+    initialize(images, shared_dir, spec_json, run_root)
+    for step in ("generate", "score", "advantages", "update", "sync_weights", "evaluate", "track"):
+        image = images["trainer"] if step in ("generate", "update", "evaluate") else images["step"]
+        argo_step(image, shared_dir, step, spec_json, run_root)
+    state = read_state(run_root)
+    assert state["iteration"] == 1 and state["mlflow_run_id"]
+    assert (shared_dir / "runs" / "tiny" / "weights" / "v000001" / "model.safetensors").exists()
+
+
+def test_resident_trainer_serves_from_the_trainer_image(images, shared_dir):
+    """The trainer image's service computes generate and update; the step image's thin clients ask it."""
+    port = free_port()
+    spec = parse_spec(
+        tiny_spec_dict(shared_dir, trainer={"resident": True, "endpoint": f"http://127.0.0.1:{port}", "mini_batches": 2})
+    )
+    run_root, spec_json = str(shared_dir / "runs" / "tiny"), spec_to_json(spec)
+    name = f"rlpipe-test-trainer-{port}"
+    run_in(images["trainer"], shared_dir, "python3", "-m", "rlpipe.services.trainer_service", "--host", "127.0.0.1",
+           "--port", str(port), name=name, detach=True)  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 120, name)
+        initialize(images, shared_dir, spec_json, run_root)
+        for step in ("generate", "score", "advantages", "update", "sync_weights"):
+            argo_step(images["step"], shared_dir, step, spec_json, run_root)  # no torch: the service computes
+        served = subprocess.run(["podman", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip()
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "2", name], capture_output=True)
+    assert read_state(run_root)["iteration"] == 1
+    assert served == "1000"
+
+
+@pytest.mark.vllm
+def test_sampler_image_serves_answers_and_reloads_in_place(images, shared_dir):
+    """The sampler Deployment's container: waits for the run's weights, serves vLLM's CPU engine, answers
+    a completion, and sync_weights (step image) reloads v1 into it without a restart."""
+    port = free_port()
+    spec = parse_spec(
+        tiny_spec_dict(
+            shared_dir,
+            rollout={"engine": "sampler", "prompts_per_iteration": 8, "samples_per_prompt": 4, "max_new_tokens": 4},
+            samplers={"endpoints": [f"http://127.0.0.1:{port}"], "startup_timeout_s": 300},
+        )
+    )
+    run_root, spec_json = str(shared_dir / "runs" / "tiny"), spec_to_json(spec)
+    name = f"rlpipe-test-sampler-{port}"
+    subprocess.run(
+        ["podman", "run", "--rm", "--detach", "--network", "host", "--shm-size", "1g", "--name", name, "--volume", f"{shared_dir}:{shared_dir}",
+         "--env", f"RLPIPE_RUN_ROOT={run_root}", images["sampler"], "--port", str(port), "--poll-s", "1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    try:
+        initialize(images, shared_dir, spec_json, run_root)
+        wait_healthy(f"http://127.0.0.1:{port}", 300, name)
+        answer = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        )
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        started = subprocess.run(["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True).stdout
+        argo_step(images["step"], shared_dir, "generate", spec_json, run_root)  # the step image's sampler client
+        for step, image in (("score", "step"), ("advantages", "step"), ("update", "trainer"), ("sync_weights", "step")):
+            argo_step(images[image], shared_dir, step, spec_json, run_root)
+        from rlpipe.clients.sampler_client import weight_version
+
+        assert weight_version(f"http://127.0.0.1:{port}") == "1"  # reloaded in place: the same container
+        assert subprocess.run(["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True).stdout == started
+        assert subprocess.run(["podman", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip() == "1000"
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "2", name], capture_output=True)
