@@ -176,3 +176,96 @@ def test_sampler_image_serves_answers_and_reloads_in_place(images, shared_dir):
         assert subprocess.run(["podman", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip() == "1000"
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "2", name], capture_output=True)
+
+
+def write_spec(root: Path, **sections) -> Path:
+    path = root / "spec.yaml"
+    path.write_text(yaml.safe_dump(tiny_spec_dict(root, **sections)))
+    return path
+
+
+def rlpipe(root: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([RLPIPE, *args], cwd=root, capture_output=True, text=True, timeout=timeout)
+
+
+def labelled(run_root: Path) -> list[str]:
+    found = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter", f"label=rlpipe.run-root={run_root}"],
+                           capture_output=True, text=True)  # fmt: skip
+    return found.stdout.split()
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+# the demo (examples/addition.yaml: the resident trainer) at sizes where a few iterations move the weights
+DEMO_SMOKE = [
+    "model.warm_start.max_steps=150", "data.train_size=2000", "data.eval_size=100", "evaluation.samples=0",
+    "evaluation.sets=[]", "rollout.prompts_per_iteration=32", "trainer.mini_batches=2", "loop.iterations=3",
+    "loop.iterations_per_run=1", "loop.eval_every=1",
+]  # fmt: skip
+
+
+def demo(root: Path, *args: str) -> list[str]:
+    sets = [f"--set={each}" for each in [*DEMO_SMOKE, f"storage.root={root / 'runs'}"]]
+    return ["run", str(REPO / "examples" / "addition.yaml"), *sets, *args]
+
+
+def test_run_in_containers_matches_processes(images, shared_dir):
+    """`rlpipe run --containers` on the demo spec (resident trainer) commits the weights of the subprocess
+    runner at every version, warm start included, and the same held-out curve."""
+    processes, run_root = shared_dir / "runs" / "processes", shared_dir / "runs" / "addition-demo"
+    reference = rlpipe(shared_dir, *demo(shared_dir, "--run-dir", str(processes), f"--set=storage.cache={processes}-cache"))
+    assert reference.returncode == 0, reference.stderr
+    contained = rlpipe(shared_dir, *demo(shared_dir, "--containers"))
+    assert contained.returncode == 0, contained.stdout[-2000:] + contained.stderr[-2000:]
+    assert labelled(run_root) == []  # the run's containers are gone
+    for version in range(4):
+        manifest = f"weights/v{version:06d}/manifest.json"
+        assert json.loads((run_root / manifest).read_text())["sha256"] == json.loads((processes / manifest).read_text())["sha256"]
+    curve = json.loads((run_root / "summary.json").read_text())["evals"]
+    assert curve == json.loads((processes / "summary.json").read_text())["evals"] and len(curve) == 4
+
+
+def test_run_in_containers_killed_resumes(images, shared_dir):
+    """SIGKILL of the driver after its first commit leaves its step and trainer containers running; the
+    same command removes them and resumes to a consistent run root (as tests/test_local_run.py's kills)."""
+    from .test_local_run import _check_consistent
+
+    spec = write_spec(shared_dir, trainer={"resident": True, "mini_batches": 2}, loop={"iterations": 3, "iterations_per_run": 3, "eval_every": 1})
+    run_root = shared_dir / "runs" / "tiny"
+    driver = subprocess.Popen([RLPIPE, "run", str(spec), "--containers"], cwd=shared_dir,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: (read_state(str(run_root)) or {}).get("iteration", 0) >= 1, 600, "the first commit")
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        driver.kill()
+    resumed = rlpipe(shared_dir, "run", str(spec), "--containers")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert labelled(run_root) == []
+    _check_consistent(run_root, 3)
+
+
+def test_containers_failures_say_what_to_do(images, shared_dir):
+    spec = write_spec(shared_dir, loop={"iterations": 1, "iterations_per_run": 1, "eval_every": 1})
+    missing = rlpipe(shared_dir, "run", str(spec), "--containers", "--set", "cluster.step.image=ghcr.io/rlpipe/step:not-built")
+    assert missing.returncode == 1
+    assert "ghcr.io/rlpipe/step:not-built" in missing.stderr and "images/build.sh" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+    run_root = shared_dir / "runs" / "tiny"
+    driver = subprocess.Popen([RLPIPE, "run", str(spec), "--containers"], cwd=shared_dir,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: labelled(run_root), 300, "a step's container")
+    subprocess.run(["podman", "kill", labelled(run_root)[0]], capture_output=True)
+    out, err = driver.communicate(timeout=300)
+    assert driver.returncode == 1, out + err
+    assert "StepContainerError: the step's container was stopped from outside (exit 137" in err and "run the same command again" in err and "Traceback" not in err
+    resumed = rlpipe(shared_dir, "run", str(spec), "--containers")
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_state(str(run_root))["iteration"] == 1

@@ -297,3 +297,12 @@ def test_update_in_two_torchrun_processes(tmp_path: Path):
     metrics = json.loads((tmp_path / "run" / "metrics" / "iter_000001.json").read_text())
     assert metrics["policy/processes"] == 2 and metrics["policy/optimizer_steps"] == 2
     assert (tmp_path / "run" / "optimizer").exists()
+
+
+def test_containers_without_an_engine_say_what_to_do(monkeypatch, tiny_spec, tmp_path: Path):
+    """`rlpipe run --containers` on a machine with neither Docker nor Podman: what to install, at once."""
+    from rlpipe.services import containers
+
+    monkeypatch.setattr(containers.shutil, "which", lambda name: None)
+    with pytest.raises(containers.ContainersUnavailable, match=r"needs Docker .* or Podman on PATH: install one"):
+        containers.start_containers(tiny_spec, str(tmp_path / "run"), {})

@@ -135,7 +135,7 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
             pass  # removed by the run's stop (rlpipe.services.containers.LocalContainers.remove_all)
     if status in (137, 143):
         signal_name = "SIGKILL, or the out-of-memory killer" if status == 137 else "SIGTERM"
-        print(f"StepContainerKilled: the step's container was stopped from outside (exit {status}: {signal_name})")
+        print(f"StepContainerError: the step's container was stopped from outside (exit {status}: {signal_name})")
     return status
 
 

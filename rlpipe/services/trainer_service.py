@@ -292,6 +292,14 @@ INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input,
 
 def answer(path: str, request: dict[str, Any], held: Held) -> tuple[int, dict[str, Any]]:
     """Run one request in this process: (HTTP status, body). A failed request leaves `held` empty."""
+    run_root = request.get("run_root", "")
+    if run_root and "://" not in run_root and not os.path.isdir(run_root):
+        return 422, {
+            "error": "RunRootNotMounted",
+            "message": f"the resident trainer does not see the run root {run_root}: mount it in the trainer's "
+            "container at the same path as the steps (cluster: the weights PVC at cluster.mount_path; "
+            "locally: rlpipe run --containers does)",
+        }
     try:
         return 200, ROUTES[path](request, held)
     except INPUT_ERRORS as err:
