@@ -269,3 +269,15 @@ def test_containers_failures_say_what_to_do(images, shared_dir):
     resumed = rlpipe(shared_dir, "run", str(spec), "--containers")
     assert resumed.returncode == 0, resumed.stderr
     assert read_state(str(run_root))["iteration"] == 1
+
+
+def test_benchmark_runs_both_runners_side_by_side(images, shared_dir):
+    """benchmarks/containers.py --smoke, as a user runs it: both runners, one results file."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/containers.py", "--smoke", "--runs", str(shared_dir / "runs"), "--results-dir", str(shared_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads((shared_dir / "containers.json").read_text())
+    assert record["smoke"] and record["same_weights"] and record["ratio"] > 0
+    assert "containers / processes" in (shared_dir / "containers.md").read_text()

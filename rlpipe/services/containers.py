@@ -12,6 +12,8 @@ trainer, samplers, rollout producer) run as containers of the same images instea
     mounts      the working directory (relative data paths, reward modules on PYTHONPATH), the run
                 root and the cache root, each at the same path, so every path a step is given means
                 the same inside and outside (on a cluster: the PVC at cluster.mount_path).
+    environment the steps' settings (rlpipe.pipelines.local_run.STEP_ENVIRONMENT) and what processes would
+                inherit from this one of libraries' settings, credentials and endpoints (FORWARDED_PREFIXES).
     user        this user's uid:gid, so what the steps write stays this user's, as with processes.
                 The images' own user (1000) is what clusters run: the contract tests
                 (tests/test_containers.py) and the played manifests check it.
@@ -35,6 +37,10 @@ from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import is_local
 
 RUN_LABEL = "rlpipe.run-root"
+# what the steps' environment takes from this one, as processes inherit it: libraries' settings, credentials
+# and endpoints (Hugging Face, MLflow, clouds, storage emulators, vLLM); not PATH, HOME or PYTHONPATH
+FORWARDED_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "MLFLOW_", "AWS_", "GOOGLE_", "GCSFS_", "FSSPEC_",
+                      "STORAGE_EMULATOR_HOST", "VLLM_", "RLPIPE_", "KFP_")  # fmt: skip
 BUILD_HINT = "build them with: bash images/build.sh (images/README.md)"
 
 
@@ -156,7 +162,8 @@ def container_mounts(spec: RunSpec, run_root: str) -> list[str]:
 def start_containers(spec: RunSpec, run_root: str, environment: dict[str, str]) -> LocalContainers:
     """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise."""
     mounts = container_mounts(spec, run_root)
-    env = {**environment, "PYTHONPATH": os.getcwd(), "HOME": "/tmp"}
+    forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
+    env = {**forwarded, **environment, "PYTHONPATH": os.getcwd(), "HOME": "/tmp"}
     docker_cli = shutil.which("docker")
     if docker_cli and _answers(os.environ.get("DOCKER_HOST")):
         containers = LocalContainers(docker_cli, os.environ.get("DOCKER_HOST", ""), run_root, mounts, env)
