@@ -294,3 +294,15 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_trainer_that_does_not_see_the_run_root_says_mount_it(tmp_path: Path):
+    """A trainer container started without the run root's volume (a manifest's mount path that differs from
+    the steps'): each request names the path and what to mount, and leaves nothing held."""
+    from rlpipe.services.trainer_service import Held, answer
+
+    held = Held()
+    status, body = answer("/update", {"run_root": str(tmp_path / "not-mounted"), "weights": {}}, held)
+    assert status == 422 and body["error"] == "RunRootNotMounted"
+    assert str(tmp_path / "not-mounted") in body["message"] and "at the same path as the steps" in body["message"]
+    assert held.key is None

@@ -9,9 +9,11 @@ trainer, samplers, rollout producer) run as containers of the same images instea
                 `podman system service` this run starts on a socket of its own for the Docker SDK
                 that DockerRunner speaks. Podman reads its settings from CONTAINERS_CONF
                 (images/containers.conf suits sandboxes and CI machines).
-    mounts      the working directory (relative data paths, reward modules on PYTHONPATH), the run
-                root and the cache root, each at the same path, so every path a step is given means
+    mounts      the working directory, the run root and the cache root, each at the same path, so every path a step is given means
                 the same inside and outside (on a cluster: the PVC at cluster.mount_path).
+    workdir     <run root>/containers/workdir: links to the working directory's entries (relative paths,
+                and modules such as a reward `my_rewards:score`, import as with processes), except an
+                `rlpipe/` source tree, which would shadow the image's installed rlpipe (run from a checkout).
     environment the steps' settings (rlpipe.pipelines.local_run.STEP_ENVIRONMENT) and what processes would
                 inherit from this one of libraries' settings, credentials and endpoints (FORWARDED_PREFIXES).
     user        this user's uid:gid, so what the steps write stays this user's, as with processes.
@@ -57,6 +59,7 @@ class LocalContainers:
     run_root: str
     mounts: list[str]
     environment: dict[str, str]
+    workdir: str
     user: str = field(default_factory=lambda: f"{os.getuid()}:{os.getgid()}")
     service: subprocess.Popen | None = None  # `podman system service`, when this run started it
 
@@ -71,7 +74,7 @@ class LocalContainers:
             network_mode="host",
             user=self.user,
             environment=self.environment,
-            working_dir=os.getcwd(),
+            working_dir=self.workdir,
             mounts=[Mount(target=path, source=path, type="bind") for path in self.mounts],
             labels={RUN_LABEL: self.run_root},
         )
@@ -81,7 +84,7 @@ class LocalContainers:
         foreground: stopping this process stops the container (the CLI passes the signal on)."""
         settings = ["--rm", "--name", name, "--network", "host", "--user", self.user, "--label", f"{RUN_LABEL}={self.run_root}"]
         # vLLM's engine exchanges tensors through /dev/shm: the runtimes' 64 MiB default is too small
-        settings += ["--shm-size", "1g", "--entrypoint", "python3", "--workdir", os.getcwd()]
+        settings += ["--shm-size", "1g", "--entrypoint", "python3", "--workdir", self.workdir]
         for path in self.mounts:
             settings += ["--volume", f"{path}:{path}"]
         for key, value in {**self.environment, **env}.items():
@@ -159,14 +162,28 @@ def container_mounts(spec: RunSpec, run_root: str) -> list[str]:
     return kept
 
 
+def container_workdir(spec: RunSpec, run_root: str) -> str:
+    """<run root>/containers/workdir (a remote run root's: under the cache root), links to the working
+    directory's entries but an `rlpipe` package."""
+    base = Path(run_root) if is_local(run_root) else Path(spec.cache_root) / spec.name
+    workdir = base / "containers" / "workdir"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    for entry in Path.cwd().iterdir():
+        if not (entry.name == "rlpipe" and (entry / "__init__.py").exists()):
+            (workdir / entry.name).symlink_to(entry)
+    return str(workdir)
+
+
 def start_containers(spec: RunSpec, run_root: str, environment: dict[str, str]) -> LocalContainers:
     """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise."""
     mounts = container_mounts(spec, run_root)
+    workdir = container_workdir(spec, run_root)
     forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
-    env = {**forwarded, **environment, "PYTHONPATH": os.getcwd(), "HOME": "/tmp"}
+    env = {**forwarded, **environment, "PYTHONPATH": workdir, "HOME": "/tmp"}
     docker_cli = shutil.which("docker")
     if docker_cli and _answers(os.environ.get("DOCKER_HOST")):
-        containers = LocalContainers(docker_cli, os.environ.get("DOCKER_HOST", ""), run_root, mounts, env)
+        containers = LocalContainers(docker_cli, os.environ.get("DOCKER_HOST", ""), run_root, mounts, env, workdir)
     elif podman := shutil.which("podman"):
         socket = Path(tempfile.mkdtemp(prefix="rlpipe-podman-")) / "docker.sock"
         service = subprocess.Popen(
@@ -176,7 +193,7 @@ def start_containers(spec: RunSpec, run_root: str, environment: dict[str, str]) 
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        containers = LocalContainers(podman, f"unix://{socket}", run_root, mounts, env, service=service)
+        containers = LocalContainers(podman, f"unix://{socket}", run_root, mounts, env, workdir, service=service)
         deadline = time.time() + 30
         while not _answers(containers.docker_host):
             if service.poll() is not None or time.time() > deadline:
