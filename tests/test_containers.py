@@ -281,3 +281,17 @@ def test_benchmark_runs_both_runners_side_by_side(images, shared_dir):
     record = json.loads((shared_dir / "containers.json").read_text())
     assert record["smoke"] and record["same_weights"] and record["ratio"] > 0
     assert "containers / processes" in (shared_dir / "containers.md").read_text()
+
+
+@pytest.mark.vllm
+def test_run_in_containers_starts_its_samplers_as_containers(images, shared_dir):
+    """rollout.engine sampler: `rlpipe run --containers` starts the vLLM sampler in the sampler image
+    (its server is PID 1 of its container), reloads each version into it, and removes it at the end."""
+    spec = write_spec(shared_dir, rollout={"engine": "sampler"}, samplers={"startup_timeout_s": 300},
+                      loop={"iterations": 2, "iterations_per_run": 2, "eval_every": 2})  # fmt: skip
+    done = rlpipe(shared_dir, "run", str(spec), "--containers")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_root = shared_dir / "runs" / "tiny"
+    assert read_state(str(run_root))["iteration"] == 2 and labelled(run_root) == []
+    log = (run_root / "logs" / "sampler-0.log").read_text()
+    assert "(APIServer pid=1)" in log and "collective_rpc" in log

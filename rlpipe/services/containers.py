@@ -226,7 +226,7 @@ def images_for(spec: RunSpec) -> list[str]:
     run starts samplers here."""
     images = [spec.cluster.step.image, spec.cluster.trainer.image]
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
-        images.append(spec.samplers.image)
+        images.append(spec.cluster.sampler_image)
     return images
 
 
