@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -264,21 +264,11 @@ def containers_placement(spec: RunSpec) -> RunSpec:
     return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, retries=0))
 
 
-def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engine: LocalContainers | None) -> dict:
-    from kfp import local
-
-    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
-
-    runner = engine.step_runner() if engine else local.SubprocessRunner(use_venv=False)
-    local.init(runner=runner, pipeline_root=str(Path(run_root) / "kfp"))
-    # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
-    pipeline = build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
-    progress = Progress(total=spec.loop.iterations)
-
-    def say(text: str) -> None:  # paths must not wrap or be read as markup
-        console.print(text, soft_wrap=True, markup=False, highlight=False)
-
-    say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
+def local_services(
+    spec: RunSpec, run_root: str, engine: LocalContainers | None, say: Callable[[str], None]
+) -> tuple[RunSpec, LocalServers | None, LocalServers | None, LocalServers | None]:
+    """The long-lived servers this run starts (not yet started): samplers, the resident trainer, the rollout
+    producer, as processes or, with `engine`, containers; and the spec the steps get, with their addresses."""
     served = spec  # the spec the steps get: with the addresses of the services started here
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
@@ -319,6 +309,25 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
         logs = Path(run_root) / "logs"
         say(f"        rollout producer, loop.max_staleness {spec.loop.max_staleness} (log {logs}/producer-0.log)")
 
+    return served, fleet, trainer, producer
+
+
+def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engine: LocalContainers | None) -> dict:
+    from kfp import local
+
+    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
+
+    runner = engine.step_runner() if engine else local.SubprocessRunner(use_venv=False)
+    local.init(runner=runner, pipeline_root=str(Path(run_root) / "kfp"))
+    # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
+    pipeline = build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
+    progress = Progress(total=spec.loop.iterations)
+
+    def say(text: str) -> None:  # paths must not wrap or be read as markup
+        console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+    say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
+    served, fleet, trainer, producer = local_services(spec, run_root, engine, say)
     spec_arg = spec_to_json(served)
     stop = threading.Event()
     interactive = console.is_terminal
