@@ -190,6 +190,17 @@ def add_lora(model: PreTrainedModel, lora: LoraSpec) -> PreTrainedModel:
     return get_peft_model(model, config)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of `model` off, LoRA's and attention's included (TRL's disable_dropout): the update's
+    ratio pi_theta / pi_old must compare the policy with itself, not two dropout samples of it. HF attention
+    modules apply `attention_dropout` while training, outside any nn.Dropout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def is_adapted(model: torch.nn.Module) -> bool:
     """Whether `model` carries LoRA adapters (a peft PeftModel)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")

@@ -48,11 +48,6 @@ def check_dpo_spec(spec: RunSpec) -> None:
         raise ValueError(
             "algorithm.name dpo samples its preference set with the torch engine; set rollout.engine: torch"
         )
-    if spec.algorithm.kl_coef:
-        raise ValueError(
-            "algorithm.name dpo: DPO already holds the policy to the reference (its temperature algorithm.beta); "
-            "set kl_coef: 0"
-        )
     if spec.trainer.gpus * spec.trainer.nodes > 1:
         raise ValueError("algorithm.name dpo trains in one process for now; set trainer.gpus: 1")
 

@@ -116,8 +116,10 @@ def test_reinforce_pp_whitens_the_batch_and_folds_the_kl_into_the_reward(tmp_pat
 
 
 def test_options_an_algorithm_does_not_read_are_refused(tmp_path: Path):
-    with pytest.raises(ValueError, match=r"algorithm.length_norm is not an option of algorithm grpo .*scale_rewards"):
-        _options(tmp_path, name="grpo", length_norm=100)
+    with pytest.raises(ValueError, match=r"algorithm.beta is not an option of algorithm grpo .*scale_rewards"):
+        _options(tmp_path, name="grpo", beta=0.5)
+    with pytest.raises(ValueError, match="algorithm.length_norm divides the sequence_sum aggregation only"):
+        _options(tmp_path, name="grpo", length_norm=100)  # grpo aggregates by sequence_mean: it would do nothing
     with pytest.raises(ValueError, match="algorithm.scale_rewards is not an option of algorithm reinforce_pp"):
         _options(tmp_path, name="reinforce_pp", scale_rewards="group")
     assert _options(tmp_path, name="dapo", clip_eps_high=0.3).clip_eps_high == 0.3  # set: kept
@@ -247,3 +249,85 @@ def test_dapo_runs_whole_iterations_with_dynamic_sampling(tmp_path: Path):
         assert metrics["dynamic_sampling/groups_sampled"] * 4 == rollouts.num_rows <= 16 * 4  # P x cap groups of 4
         assert batch.num_rows == metrics["dynamic_sampling/groups_kept"] * 4 <= 8 * 4
     assert weights["version"] == 2
+
+
+@pytest.mark.parametrize("name", ["online_dpo", "dpo"])
+def test_kl_coef_is_refused_where_the_algorithm_has_no_kl_term(tmp_path: Path, name: str):
+    """DPO's beta is its pull to the reference: a kl_coef would be accepted and ignored."""
+    with pytest.raises(ValueError, match=rf"algorithm.kl_coef: {name} already holds .* algorithm.beta.*set kl_coef: 0"):
+        _options(tmp_path, name=name, kl_coef=0.1)
+    assert _options(tmp_path, name=name).kl_coef == 0.0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "reinforce_pp", "ppo"])
+def test_sequence_sum_divides_by_length_norm_for_every_algorithm_that_offers_it(tmp_path: Path, name: str):
+    options = _options(tmp_path, name=name, loss_aggregation="sequence_sum")
+    assert options.length_norm == 4  # rollout.max_new_tokens, as the schema says
+    assert _options(tmp_path, name=name, loss_aggregation="sequence_sum", length_norm=10).length_norm == 10
+    # one completion of 2 tokens, ratio 1, A = 1: -(1 + 1) / 1 sequence / 4
+    loss = _terms(options, torch.zeros((1, 2)), torch.zeros((1, 2)), torch.tensor([1.0]), torch.ones((1, 2))).loss
+    assert loss.item() == pytest.approx(-2 / 4)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"])
+def test_the_dual_clip_caps_a_negative_advantages_loss(tmp_path: Path, name: str):
+    """A < 0, ratio e^5: the clipped surrogate alone is -A r = 148.4 on the token (no bound in r); the dual
+    clip caps it at -c A = 3 with no gradient. A > 0 and ratios near 1 are untouched."""
+    options, off = _options(tmp_path, name=name), _options(tmp_path, name=name, dual_clip=0)
+    assert options.dual_clip == 3.0
+    old, mask = torch.zeros((1, 1)), torch.ones((1, 1))
+    far = torch.tensor([[5.0]], requires_grad=True)
+    terms = _terms(options, far, old, torch.tensor([-1.0]), mask)
+    assert terms.loss.item() == pytest.approx(3.0) and terms.dual_clip_fraction.item() == 1.0
+    terms.loss.backward()
+    assert far.grad.abs().max().item() == 0.0
+    unbounded = _terms(off, far, old, torch.tensor([-1.0]), mask)
+    assert unbounded.loss.item() == pytest.approx(math.exp(5.0), rel=1e-5) and unbounded.dual_clip_fraction.item() == 0
+    near = torch.tensor([[0.05]])
+    for advantage in (-1.0, 1.0):
+        capped = _terms(options, near, old, torch.tensor([advantage]), mask).loss
+        assert capped.item() == _terms(off, near, old, torch.tensor([advantage]), mask).loss.item()
+    with pytest.raises(ValueError, match="algorithm.dual_clip 0.5: .*needs c > 1"):
+        _options(tmp_path, name=name, dual_clip=0.5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "ppo"])
+def test_k1_is_refused_as_a_loss_term(tmp_path: Path, name: str):
+    """k1 = log pi - log ref: E_{y~pi}[grad k1] = E[grad log pi] = 0, so as a loss term it adds only noise."""
+    with pytest.raises(ValueError, match=r"algorithm.kl_estimator: k1 as .* zero expected gradient.*k3.*k2"):
+        _options(tmp_path, name=name, kl_coef=0.1, kl_estimator="k1")
+    assert _options(tmp_path, name=name, kl_estimator="k1").kl_estimator == "k1"  # kl_coef 0: only tracked
+    assert _options(tmp_path, name=name, kl_coef=0.1, kl_estimator="k2").kl_estimator == "k2"
+
+
+def test_k1_stays_reinforce_pps_reward_estimator(tmp_path: Path):
+    assert _options(tmp_path, name="reinforce_pp", kl_coef=0.1).kl_estimator == "k1"  # in the reward: its definition
+
+
+def test_k1_has_zero_expected_gradient_and_k2_has_the_kls():
+    """Exact expectations over a 3-token vocabulary: sum_y pi(y) grad k(y) is 0 for k1, grad KL(pi || ref) for k2."""
+    theta = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.4, -0.1]), -1)
+
+    def expected(estimator: str) -> torch.Tensor:
+        logp = torch.log_softmax(theta, -1)
+        k = kl_estimate(logp, ref, estimator)
+        # the score-function gradient of E_{y~pi}[k(y)] with y sampled (no gradient through the sampling)
+        surrogate = (logp.exp().detach() * k).sum()
+        (grad,) = torch.autograd.grad(surrogate, theta)
+        return grad
+
+    logp = torch.log_softmax(theta, -1)
+    (true_grad,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    assert expected("k1").abs().max().item() < 1e-7
+    torch.testing.assert_close(expected("k2"), true_grad)
+
+
+def test_gspo_corrects_stale_rollouts_per_sequence(tmp_path: Path):
+    """GSPO's objective is per sequence, so its off-policy weight is the sequence's geometric mean by default."""
+    options = _options(tmp_path, name="gspo", off_policy_correction="truncate")
+    assert options.is_level == "geometric"
+    assert _options(tmp_path, name="grpo", off_policy_correction="truncate").is_level == "token"
+    assert _options(tmp_path, name="gspo", is_level="token").is_level == "token"  # set: kept
+    with pytest.raises(ValueError, match="algorithm.is_level is not an option of algorithm online_dpo"):
+        _options(tmp_path, name="online_dpo", is_level="token")

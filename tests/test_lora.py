@@ -142,3 +142,43 @@ def test_the_sampler_merges_an_adapter_as_peft_does(tmp_path: Path, rslora: bool
     assert len(merged) == 7 * TinyModelSpec().num_layers
     for name, weight in merged.items():
         torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_the_update_compares_the_policy_with_itself_not_two_dropout_samples(
+    initialized_run, tmp_path: Path, disable: bool
+):
+    """trainer.disable_dropout (default on, TRL's): LoRA's dropout and the attention's are off in the
+    trainer's log-prob passes, so pi_theta / pi_old is 1 before the first step; off, two passes differ."""
+    _, run_root, cache = initialized_run
+    lora = LORA | {"dropout": 0.5}
+    spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": lora}, trainer={"disable_dropout": disable}))
+    trainer = load_trainer(spec, run_root, read_ref(run_root, 0), cache)
+    assert trainer.policy.training
+    with torch.no_grad():
+        for name, parameter in trainer.policy.named_parameters():
+            if "lora_B" in name:  # B = 0 at the start hides the adapters' dropout
+                parameter.normal_()
+        for module in trainer.policy.modules():
+            if hasattr(module, "attention_dropout") and not disable:
+                module.attention_dropout = 0.5
+    ids = torch.tensor([[1, 5, 6, 14, 7, 8, 16, 9]])
+    torch.manual_seed(0)
+    first, second = _logits(trainer.policy, ids), _logits(trainer.policy, ids)
+    assert torch.equal(first, second) == disable
+
+
+def test_disable_dropout_turns_off_the_attentions_dropout_too():
+    from rlpipe.modeling import build_char_tokenizer, build_tiny_model, disable_dropout
+    from rlpipe.spec.schema import TinyModelSpec
+
+    tiny = TinyModelSpec(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    model = build_tiny_model(tiny, build_char_tokenizer(), 0)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5  # HF attention applies it while training, outside any nn.Dropout
+    model.train()
+    ids = torch.tensor([[1, 5, 6, 14, 7, 8, 16, 9]])
+    assert not torch.equal(_logits(model, ids), _logits(model, ids))
+    disable_dropout(model)
+    assert torch.equal(_logits(model, ids), _logits(model, ids))

@@ -21,7 +21,8 @@ Built in (formulas beside the code):
     ppo           a critic: GAE per-token advantages, clipped value loss             (ppo.py)
     dpo           offline DPO over a preference set, its own pipeline                (dpo.py)
     online_dpo    DPO on pairs sampled and ranked by the reward each iteration       (dpo.py)
-Every one takes kl_coef with kl_estimator k1/k2/k3 to the frozen v0, and entropy_coef.
+Every one takes entropy_coef; all but the DPOs take kl_coef with kl_estimator k2/k3 to the frozen v0 in the
+loss (k1 only in reinforce_pp's reward: as a loss term its expected gradient is 0), and dual_clip.
 An algorithm that `needs` "pairs" trains on (chosen, rejected) pairs: its advantage column is the
 role (+1 chosen, -1 rejected, 0 unpaired) and the update keeps each pair in one micro-batch.
 """

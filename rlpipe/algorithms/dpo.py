@@ -189,7 +189,7 @@ class PreferenceLoss:
 
 
 DPO = register_algorithm(
-    Algorithm("dpo", frozenset({"pairs"}), offline_only, PreferenceLoss.from_options, DPO_DEFAULTS)
+    Algorithm("dpo", frozenset({"pairs"}), offline_only, PreferenceLoss.from_options, DPO_DEFAULTS, kl_term="none")
 )
 ONLINE_DPO = register_algorithm(
     Algorithm(
@@ -198,5 +198,6 @@ ONLINE_DPO = register_algorithm(
         online_advantages,
         PreferenceLoss.from_options,
         DPO_DEFAULTS | {"rpo_alpha": 1.0},  # see the module docstring: without it, the demo unlearns
+        kl_term="none",
     )
 )

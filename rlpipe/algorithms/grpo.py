@@ -76,10 +76,11 @@ class SequenceRatioSurrogate:
     clip_eps_high: float | None
     kl_coef: float
     kl_estimator: str
+    dual_clip: float | None = None
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> SequenceRatioSurrogate:
-        return cls(options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator)
+        return cls(options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator, options.dual_clip)
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
         logprobs, mask_f = inputs.logprobs, inputs.mask.to(inputs.logprobs.dtype)
@@ -97,6 +98,7 @@ class SequenceRatioSurrogate:
             clip_eps_high=self.clip_eps_high,
             kl_estimator=self.kl_estimator,
             ratio=ratio,
+            dual_clip=self.dual_clip,
         )
 
 
@@ -109,7 +111,7 @@ DR_GRPO = register_algorithm(
         GROUPS,
         grpo_advantages,
         SURROGATE,
-        GRPO_DEFAULTS | {"scale_rewards": "none", "loss_aggregation": "sequence_sum", "length_norm": None},
+        GRPO_DEFAULTS | {"scale_rewards": "none", "loss_aggregation": "sequence_sum"},
     )
 )
 DAPO = register_algorithm(
@@ -131,8 +133,10 @@ GSPO = register_algorithm(
             "scale_rewards": "group",
             "clip_eps": 3e-4,
             "clip_eps_high": 4e-4,
+            "dual_clip": 3.0,
             "kl_estimator": "k3",
             "dynamic_sampling": False,
+            "is_level": "geometric",  # the sequence-level objective's correction: one weight per sequence
         },
     )
 )

@@ -74,14 +74,18 @@ def clipped_policy_loss(
     kl_estimator: str = "k3",
     length_norm: int = 1,
     ratio: torch.Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> LossTerms:
-    """PPO's clipped surrogate with an optional KL penalty, per token t of completion i:
+    """PPO's clipped surrogate with the dual clip and an optional KL penalty, per token t of completion i:
         r_it  = exp(logp_it - logp_old_it)        (importance ratio to the sampler; `ratio` overrides it)
         pg_it = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it)
+        pg_it = min(pg_it, -c A_it)  if A_it < 0  (dual clip, Ye et al. 2020; verl's clip_ratio_c c = 3)
         l_it  = pg_it + kl_coef kl_it             (kl_estimate)
     then aggregated (`aggregate`). Every tensor is [B, T], `advantages` too (a per-sequence A_i along
     its row). eps_high = eps_low unless given (DAPO's clip-higher: eps_high > eps_low lets unlikely
-    tokens rise).
+    tokens rise). With A < 0 the clipped surrogate is -A max(r, 1 - eps), unbounded in r: a ratio of e^5
+    would weigh one token ~150 times; the dual clip caps it at -c A (no gradient past r = c). On-policy
+    ratios are ~1, so it acts only on stale or mismatched tokens. dual_clip None or 0: off.
     """
     import torch
 
@@ -96,6 +100,11 @@ def clipped_policy_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip:
+        cap = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual_clipped, cap, per_token)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
@@ -110,6 +119,7 @@ def clipped_policy_loss(
             clip_fraction=(was_clipped * mask).sum() / tokens,
             kl=(kl * mask).sum() / tokens,
             ratio=(ratio * mask).sum() / tokens,
+            dual_clip_fraction=(dual_clipped.to(mask.dtype) * mask).sum() / tokens,
         )
 
 
@@ -123,6 +133,7 @@ class ClippedSurrogate:
     kl_estimator: str = "k3"
     aggregation: Aggregation = "sequence_mean"
     length_norm: int = 1
+    dual_clip: float | None = None
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> ClippedSurrogate:
@@ -133,6 +144,7 @@ class ClippedSurrogate:
             kl_estimator=options.kl_estimator,
             aggregation=options.loss_aggregation,
             length_norm=options.length_norm or 1,
+            dual_clip=options.dual_clip,
         )
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
@@ -148,6 +160,7 @@ class ClippedSurrogate:
             clip_eps_high=self.clip_eps_high,
             kl_estimator=self.kl_estimator,
             length_norm=self.length_norm,
+            dual_clip=self.dual_clip,
         )
 
 

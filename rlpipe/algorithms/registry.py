@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -42,7 +42,7 @@ TUNED_OPTIONS = (
     "clip_eps",
     "clip_eps_high",
     "loss_aggregation",
-    "length_norm",
+    "dual_clip",
     "kl_estimator",
     "dynamic_sampling",
     "gamma",
@@ -50,6 +50,7 @@ TUNED_OPTIONS = (
     "value_clip",
     "whiten_advantages",
     "critic_lr",
+    "is_level",
 )
 GRPO_DEFAULTS: Mapping[str, Any] = {
     "scale_rewards": "group",
@@ -57,7 +58,9 @@ GRPO_DEFAULTS: Mapping[str, Any] = {
     "clip_eps": 0.2,
     "clip_eps_high": None,  # = clip_eps
     "loss_aggregation": "sequence_mean",
+    "dual_clip": 3.0,
     "kl_estimator": "k3",
+    "is_level": "token",
 }
 
 
@@ -113,6 +116,7 @@ class LossTerms:
     kl: torch.Tensor
     ratio: torch.Tensor
     extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    dual_clip_fraction: torch.Tensor | None = None  # of tokens whose loss the dual clip capped
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class Algorithm:
     loss: Callable[[AlgorithmSpec], PolicyLoss]
     defaults: Mapping[str, Any] = field(default_factory=lambda: dict(GRPO_DEFAULTS))
     value_loss: Callable[[AlgorithmSpec], ValueLoss] | None = None  # with "critic"
+    # where kl_coef puts the KL to v0: a loss term, a per-token reward (REINFORCE++), or nowhere (DPO,
+    # whose beta already holds the policy to its reference)
+    kl_term: Literal["loss", "reward", "none"] = "loss"
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -164,9 +171,10 @@ def needs_critic(spec: RunSpec) -> bool:
 
 def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
-    options; length_norm defaults to rollout.max_new_tokens, critic_lr to trainer.lr, off_policy_correction
-    to truncate in asynchronous runs (loop.max_staleness >= 1) and none otherwise. A tuned option
-    the algorithm does not read is an error naming the ones it does."""
+    options; length_norm defaults to rollout.max_new_tokens where the aggregation is sequence_sum,
+    critic_lr to trainer.lr, off_policy_correction to truncate in asynchronous runs (loop.max_staleness
+    >= 1) and none otherwise. An option the algorithm does not read, or reads to no effect, is an error
+    naming what to write instead."""
     options = spec.algorithm
     algorithm = get_algorithm(options.name)
     unread = [key for key in TUNED_OPTIONS if getattr(options, key) is not None and key not in algorithm.defaults]
@@ -177,8 +185,22 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
             f"remove it, or pick an algorithm that uses it"
         )
     filled = {key: value for key, value in algorithm.defaults.items() if getattr(options, key) is None}
-    if "length_norm" in filled and filled["length_norm"] is None:
+    check_kl(algorithm, options.kl_coef, options.kl_estimator or algorithm.defaults.get("kl_estimator"))
+    aggregation = options.loss_aggregation or algorithm.defaults.get("loss_aggregation")
+    if options.length_norm is not None and aggregation != "sequence_sum":
+        raise ValueError(
+            f"algorithm.length_norm divides the sequence_sum aggregation only, and {algorithm.name} aggregates by "
+            f"{aggregation or 'sequence_mean'} here; remove length_norm"
+            + (", or set algorithm.loss_aggregation: sequence_sum" if "loss_aggregation" in algorithm.defaults else "")
+        )
+    if aggregation == "sequence_sum" and options.length_norm is None:
         filled["length_norm"] = spec.rollout.max_new_tokens
+    dual_clip = options.dual_clip
+    if dual_clip is not None and 0 < dual_clip <= 1:
+        raise ValueError(
+            f"algorithm.dual_clip {dual_clip}: the cap -c A on a negative advantage's loss needs c > 1 "
+            "(verl's clip_ratio_c is 3); set it above 1, or 0 to turn the dual clip off"
+        )
     if "critic_lr" in filled and filled["critic_lr"] is None:
         filled["critic_lr"] = spec.trainer.lr
     pairs = "pairs" in algorithm.needs
@@ -190,3 +212,22 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
             "with no importance ratio to correct; remove the setting (or set it to none)"
         )
     return dataclasses.replace(options, **filled)
+
+
+def check_kl(algorithm: Algorithm, kl_coef: float, estimator: str | None) -> None:
+    """kl_coef > 0 must do something: DPO has no KL term (its beta is the pull to the reference), and k1
+    as a loss term has zero expected gradient, E_{y~pi}[grad (log pi(y) - log ref(y))] = E[grad log pi(y)] = 0,
+    so it only adds noise; k2's gradient is the KL's, k3 is GRPO's (k1 belongs in the reward, REINFORCE++)."""
+    if kl_coef <= 0:
+        return
+    if algorithm.kl_term == "none":
+        raise ValueError(
+            f"algorithm.kl_coef: {algorithm.name} already holds the policy to its reference through algorithm.beta "
+            "(DPO's temperature: a larger beta stays closer); set kl_coef: 0"
+        )
+    if algorithm.kl_term == "loss" and estimator == "k1":
+        raise ValueError(
+            f"algorithm.kl_estimator: k1 as {algorithm.name}'s loss term has zero expected gradient (it only adds "
+            "noise); set kl_estimator: k3 (unbiased, GRPO's) or k2 (its gradient is the KL's), or put the KL in the "
+            "reward with algorithm.name: reinforce_pp"
+        )

@@ -9,6 +9,16 @@ mini-batch steps after the first.
                   (Hu, "REINFORCE++"; its default estimator is k1). The outcome part is whitened in
                   the advantages step (numpy only); the KL-to-go is added in the update, the one step
                   that has the reference's log-probs, and is not a loss term again.
+
+Where this differs from the paper (and OpenRLHF): they whiten the per-token return
+    G_it = r_i 1[t = T_i] - kl_coef sum_{s >= t} kl_s    summed to go, whitened over every token of the batch,
+so longer completions weigh more in the mean and std, and the KL-to-go is scaled with the outcome.
+Here the outcome is whitened per completion and the KL-to-go is subtracted unscaled. With kl_coef 0
+(the demo) the two differ only in that weighting; with kl_coef > 0 the paper divides the KL-to-go by the
+batch's std along with the outcome, so here it weighs about std_batch(r) times the paper's (with 0/1
+rewards at most half: kl_coef here ~ 2 x kl_coef there). The paper's form needs the reference's log-probs
+of the whole batch before the advantages are whitened (a reference pass ahead of the update, as PPO's
+values step is); it is not built.
 """
 
 from __future__ import annotations
@@ -49,11 +59,19 @@ class KlInRewardSurrogate:
     kl_coef: float
     kl_estimator: str
     aggregation: Aggregation
+    length_norm: int = 1
+    dual_clip: float | None = None
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> KlInRewardSurrogate:
         return cls(
-            options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator, options.loss_aggregation
+            options.clip_eps,
+            options.clip_eps_high,
+            options.kl_coef,
+            options.kl_estimator,
+            options.loss_aggregation,
+            options.length_norm or 1,
+            options.dual_clip,
         )
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
@@ -74,6 +92,8 @@ class KlInRewardSurrogate:
             aggregation=self.aggregation,
             clip_eps_high=self.clip_eps_high,
             kl_estimator=self.kl_estimator,
+            length_norm=self.length_norm,
+            dual_clip=self.dual_clip,
         )
 
 
@@ -87,8 +107,10 @@ RLOO = register_algorithm(
             "clip_eps": 0.2,
             "clip_eps_high": None,
             "loss_aggregation": "sequence_mean",
+            "dual_clip": 3.0,
             "kl_estimator": "k3",
             "dynamic_sampling": False,
+            "is_level": "token",
         },
     )
 )
@@ -98,6 +120,14 @@ REINFORCE_PP = register_algorithm(
         frozenset(),
         batch_whitened_advantages,
         KlInRewardSurrogate.from_options,
-        {"clip_eps": 0.2, "clip_eps_high": None, "loss_aggregation": "token_mean", "kl_estimator": "k1"},
+        {
+            "clip_eps": 0.2,
+            "clip_eps_high": None,
+            "loss_aggregation": "token_mean",
+            "dual_clip": 3.0,
+            "kl_estimator": "k1",
+            "is_level": "token",
+        },
+        kl_term="reward",
     )
 )

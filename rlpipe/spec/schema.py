@@ -289,16 +289,27 @@ class AlgorithmSpec:
         0.0,
         ge=0,
         doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the "
-        "loss (reinforce: in the per-token reward). 0: no penalty",
+        "loss (reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper "
+        "whitens both: docs/algorithms.md; dpo, online_dpo: none, their beta is the pull to the reference). "
+        "0: no penalty",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = setting(
-        None, doc="KL estimator: k1 = log pi - log ref, k2 = squared / 2, k3 = GRPO's. null: the algorithm's"
+        None, doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
+        "k2 = squared / 2, k3 = GRPO's. null: the algorithm's"
     )
     entropy_coef: float = setting(0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
     loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] | None = setting(
         None, doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)"
     )
-    length_norm: int | None = setting(None, ge=1, doc="sequence_sum's constant divisor. null: rollout.max_new_tokens")
+    length_norm: int | None = setting(
+        None, ge=1, doc="sequence_sum's divisor, for every algorithm aggregating by it. null: rollout.max_new_tokens"
+    )
+    dual_clip: float | None = setting(
+        None,
+        ge=0,
+        doc="Dual clip c (verl's clip_ratio_c): a negative advantage's token loss is capped at -c A, so a ratio "
+        "far above 1 cannot grow it without bound. > 1, or 0 to turn it off. null: the algorithm's (3.0)",
+    )
     dynamic_sampling: bool | None = setting(
         None,
         doc="DAPO's dynamic sampling: drop groups whose rewards are all equal and fill the batch with more "
@@ -347,10 +358,10 @@ class AlgorithmSpec:
         "when loop.max_staleness >= 1 (the ratio to a stale policy clips most of the signal away), else none",
     )
     is_threshold: float = setting(2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
-    is_level: Literal["token", "sequence", "geometric"] = setting(
-        "token",
+    is_level: Literal["token", "sequence", "geometric"] | None = setting(
+        None,
         doc="The importance weight per token, per sequence (the product of its tokens'), or the sequence's "
-        "geometric mean",
+        "geometric mean. null: the algorithm's (geometric for gspo, whose objective is per sequence; else token)",
     )
 
 
@@ -403,6 +414,11 @@ class TrainerSpec:
     )
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
+    )
+    disable_dropout: bool = setting(
+        True,
+        doc="Turn off every dropout (the model's, LoRA's) in the update's log-prob passes, so the importance "
+        "ratio compares the policy with itself (TRL's disable_dropout). false: keep the model's dropout",
     )
     logit_chunk_tokens: int | None = setting(
         512,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rlpipe.devices import resolve_device
-from rlpipe.modeling import configure_torch
+from rlpipe.modeling import configure_torch, disable_dropout
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_ref, seal, staging_uri
@@ -88,6 +88,8 @@ def load_critic(
     model.train(trainable).requires_grad_(trainable)
     if not trainable:
         return Critic(model, None, version)
+    if spec.trainer.disable_dropout:
+        disable_dropout(model)
     if spec.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:

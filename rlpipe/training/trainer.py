@@ -24,7 +24,7 @@ import torch
 from rlpipe.algorithms import PolicyInputs, get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.devices import resolve_device
-from rlpipe.modeling import add_lora, is_adapted, load_weights
+from rlpipe.modeling import add_lora, disable_dropout, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, optimizer_uri
@@ -141,6 +141,8 @@ def load_checkpoint(
         if not is_adapted(policy):  # v0: the adapters start here
             policy = add_lora(policy, spec.model.lora)
     policy.train()
+    if spec.trainer.disable_dropout:
+        disable_dropout(policy)
     if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
@@ -338,6 +340,8 @@ def micro_step(
     added["loss"] = weight * loss.item()
     added["clip_fraction"] = share * float(terms.clip_fraction)
     added["ratio"] = share * float(terms.ratio)
+    if terms.dual_clip_fraction is not None:
+        added["dual_clip_fraction"] = share * float(terms.dual_clip_fraction)
     if ref_logprobs is not None:
         added["kl"] = share * float(terms.kl)
     return added | {key: weight * float(value) for key, value in terms.extra.items()}  # DPO's preference_accuracy, ...
