@@ -3,7 +3,11 @@ errors a user sees when samplers are unreachable."""
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -90,3 +94,118 @@ def test_samplers_need_the_store_on_a_shared_filesystem():
     assert sampler_weights_dir("/mnt/rlpipe/runs/x/weights/v000001") == "/mnt/rlpipe/runs/x/weights/v000001"
     with pytest.raises(SamplerError, match="storage.root on a path the samplers mount"):
         sampler_weights_dir("gs://bucket/runs/x/weights/v000001")
+
+
+def test_the_log_probs_check_tells_log_probs_at_the_temperature_from_log_probs_at_1():
+    """A replica's reported log-probs against the temperature-1 log-probs of the same tokens (its prompt
+    log-probs), in vLLM's wire format: log softmax(z / T) passes, log softmax(z) (vLLM's default
+    raw_logprobs) does not, at temperatures either side of 1."""
+    import math
+    import random
+
+    from rlpipe.clients.sampler_client import at_temperature, logprob_gaps
+
+    def log_softmax(z: list[float]) -> list[float]:
+        top = max(z)
+        norm = top + math.log(sum(math.exp(v - top) for v in z))
+        return [v - norm for v in z]
+
+    rng = random.Random(0)
+    logits = [[rng.gauss(0, 2) for _ in range(16)] for _ in range(6)]  # one row per completion position
+    sampled = [rng.randrange(16) for _ in logits]
+    prompt_length = 3
+    at_one = [log_softmax(z) for z in logits]
+    top = [max(range(16), key=lambda v, lp=lp: lp[v]) for lp in at_one]
+    prompt_logprobs = [None, *[{} for _ in range(prompt_length - 1)]]
+    prompt_logprobs += [{str(t): {"logprob": lp[t]} for t in (s, a)} for lp, s, a in zip(at_one, sampled, top)]
+    for temperature in (0.6, 0.9, 1.4):
+        for processed in (True, False):
+            lps = [log_softmax([v / temperature for v in z]) if processed else log_softmax(z) for z in logits]
+            content = [
+                {"token_id": s, "logprob": lp[s], "top_logprobs": [{"token_id": t, "logprob": lp[t]} for t in (s, a)]}
+                for lp, s, a in zip(lps, sampled, top)
+            ]
+            gaps = logprob_gaps({"logprobs": {"content": content}}, prompt_logprobs, prompt_length)
+            assert len(gaps) == sum(s != a for s, a in zip(sampled, top)) > 0
+            assert at_temperature(gaps, temperature) is processed, (temperature, processed)
+    assert at_temperature([], 0.7) is None  # every sampled token the only one listed: nothing to judge by
+
+
+class StandInSampler(ThreadingHTTPServer):
+    """A real HTTP server with a vLLM sampler's reload endpoints, whose /collective_rpc (the weights
+    reload) can hang until released, or die: the process a reload waits on, not the client under test."""
+
+    def __init__(self, port: int = 0, mode: str = "serve"):
+        self.label, self.paused, self.mode, self.released = "0", False, mode, threading.Event()
+        super().__init__(("127.0.0.1", port), StandInHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def die(self) -> None:
+        threading.Thread(target=self.shutdown).start()
+        self.socket.close()  # new connections are refused
+
+
+class StandInHandler(BaseHTTPRequestHandler):
+    server: StandInSampler
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def answer(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.answer({"weight_version": self.server.label} if self.path == "/weight_info" else {})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        s, path = self.server, self.path.split("?")[0]
+        if path == "/collective_rpc" and s.mode == "hang":
+            s.released.wait()
+        if path == "/collective_rpc" and s.mode == "die":
+            s.die()
+            self.connection.shutdown(socket.SHUT_RDWR)  # no answer: the process is gone
+            return
+        if path == "/update_weight_version":
+            s.label = body["new_version"]
+        s.paused = {"/pause": True, "/resume": False}.get(path, s.paused)
+        self.answer({})
+
+
+@pytest.mark.parametrize("failure", ["hang", "die"])
+def test_a_sampler_that_hangs_or_dies_mid_reload_fails_the_reload_in_its_timeout_naming_it(tmp_path: Path, failure):
+    """The weights reload (sync_weights, generate's catch-up) ends within samplers.request_timeout_s, naming
+    the replica; the replica is left labelled by no version, so once it serves again the next generate
+    reloads it (and resumes it, paused or not) before sampling from it."""
+    from rlpipe.clients.sampler_client import ensure_version, sync_replicas
+
+    sampler = StandInSampler(mode=failure)
+    url, started = sampler.url, time.time()
+    try:
+        with pytest.raises(SamplerError) as raised:
+            sync_replicas([url], str(tmp_path), 3, 2.0)
+        took = time.time() - started
+    finally:
+        sampler.released.set()
+    assert took < 3.0, f"the reload took {took:.1f}s with a 2s timeout"
+    why = "no answer to /collective_rpc in time" if failure == "hang" else "the connection failed at /collective_rpc"
+    assert str(raised.value).startswith(
+        f"sampler {url} did not load weights v3 within samplers.request_timeout_s (2s): {why}"
+    ), raised.value
+    assert "rerun to resume" in str(raised.value)
+    if failure == "hang":  # it answers at last: loaded, but paused and labelled by no version
+        assert (sampler.label, sampler.paused) == ("loading v3", True)
+    else:  # back, as a restart brings it: on the same address, unlabelled
+        sampler = StandInSampler(port=sampler.server_address[1])
+        sampler.label = "default"
+    assert ensure_version([url], str(tmp_path), 3, 5.0)["samplers/reloaded_stale"] == 1
+    assert (sampler.label, sampler.paused) == ("3", False)
+    sampler.shutdown()

@@ -3,6 +3,7 @@ the generate step fans prompts across and sync_weights reloads in place."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -329,7 +330,7 @@ def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fle
     for f in Path(v1["uri"]).iterdir():
         data = f.read_bytes()
         (broken / f.name).write_bytes(data[:20000] if f.name.endswith(".safetensors") else data)
-    with pytest.raises(SamplerError, match="failed to load weights"):
+    with pytest.raises(SamplerError, match="did not load weights v2"):
         reload_replica(fleet.urls[0], str(broken), 2, 60, attempts=1)
     v2 = publish_random_version(run, 2, seed=12)
     reload_replica(fleet.urls[0], v2["uri"], 2, 120)
@@ -483,3 +484,126 @@ def test_rlpipe_run_on_samplers_learns_the_same_with_delta_versions(tmp_path: Pa
     for i in (0, 2, 4):
         whole, deltas = (json.loads((run / "metrics" / f"eval_{i:06d}.json").read_text()) for run in runs.values())
         assert deltas["eval/accuracy_greedy"] == whole["eval/accuracy_greedy"], i
+
+
+@pytest.mark.slow
+def test_a_sampler_without_processed_log_probs_is_refused_before_it_samples(run, fleet, tmp_path: Path):
+    """rollout.temperature 0.7: the fleet's samplers (--logprobs-mode processed_logprobs) pass the check
+    once and are recorded; a server started with vLLM's default (raw_logprobs, log-probs at temperature 1)
+    in samplers.endpoints is refused by the generate step before anything is sampled, naming it and the flag."""
+    from rlpipe.clients.sampler_client import SamplerError, wait_ready
+    from rlpipe.services.sampler_fleet import LocalFleet
+    from rlpipe.store.weights import read_ref
+
+    spec, run_root, cache = run
+    raw_root = tmp_path / "raw"  # its own run root (fleet.json), serving the run's v0
+    (raw_root / "weights").mkdir(parents=True)
+    (raw_root / "weights" / "v000000").symlink_to(Path(run_root) / "weights" / "v000000")
+    (raw_root / "weights" / "LATEST").write_text("v000000")
+    raw_spec = spec_to_dict(spec)
+    raw_spec["samplers"] |= {"replicas": 1, "extra_args": ["--logprobs-mode", "raw_logprobs"]}  # the last flag wins
+    raw = LocalFleet(parse_spec(raw_spec), str(raw_root))
+    raw.start()
+    try:
+        assert len(wait_ready(raw.urls, 300)) == 1
+        weights = read_ref(run_root, 0)
+        data = spec_to_dict(service_spec(spec, fleet))
+        data["rollout"]["temperature"] = 0.7
+        generate_rollouts(parse_spec(data), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+        checked = json.loads((Path(run_root) / "samplers" / "logprobs_checked.json").read_text())
+        assert checked == {url: 0.7 for url in fleet.urls}
+
+        data["samplers"]["endpoints"] = fleet.urls + raw.urls
+        started = time.time()
+        with pytest.raises(SamplerError) as raised:
+            generate_rollouts(parse_spec(data), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
+        assert str(raised.value).startswith(
+            f"sampler {raw.urls[0]} reports log-probs at temperature 1, not at rollout.temperature 0.7"
+        ), raised.value
+        assert "--logprobs-mode processed_logprobs" in str(raised.value) and time.time() - started < 10
+        assert not (tmp_path / "b.parquet").exists()
+        print(f"refused in {time.time() - started:.2f}s: {raised.value}")
+    finally:
+        raw.stop()
+
+
+@pytest.mark.slow
+def test_a_sampler_that_hangs_or_dies_mid_reload_ends_sync_weights_in_time_and_the_run_resumes(fleet, tmp_path: Path):
+    """samplers.request_timeout_s 10. A replica whose engine hangs (SIGSTOP; its /health still answers) when
+    sync_weights reloads it ends the step within that, naming the replica, before the commit; once it runs
+    again (SIGCONT) the iteration reruns, the generate reloading it first, and commits. One that dies
+    (SIGKILL) while the reload waits on it the same, once the fleet has restarted it."""
+    import psutil
+
+    from rlpipe import loop
+    from rlpipe.clients.sampler_client import SamplerError, _post, wait_ready, weight_version
+    from rlpipe.data import prepare_data
+    from rlpipe.store.run_root import read_state
+    from rlpipe.training.warm_start import warm_start
+
+    rollout = {"engine": "sampler", "prompts_per_iteration": 8, "samples_per_prompt": 4, "max_new_tokens": 6}
+    samplers = {"endpoints": fleet.urls, "request_timeout_s": 10}
+    spec = parse_spec(tiny_spec_dict(tmp_path, rollout=rollout, samplers=samplers))
+    run_root, cache = str(tmp_path / "runs" / "tiny"), str(tmp_path / "cache")
+    prepare_data(spec, run_root)
+    staged, metrics = warm_start(spec, run_root, cache)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, metrics)
+
+    def staged_update(iteration: int) -> tuple[dict, list[dict]]:
+        work = tmp_path / f"iteration-{iteration}"
+        work.mkdir(exist_ok=True)
+        paths = {name: str(work / f"{name}.parquet") for name in ("rollouts", "scored", "batch")}
+        done = [loop.generate(spec, run_root, weights, iteration, paths["rollouts"], cache)]
+        done.append(loop.score(spec, paths["rollouts"], paths["scored"]))
+        done.append(loop.advantages(spec, paths["scored"], paths["batch"]))
+        staged, update_metrics = loop.update(spec, run_root, weights, paths["batch"], iteration, cache)
+        return staged, [*done, update_metrics]
+
+    def failed_sync(iteration: int, replica: int, failure) -> str:
+        staged, done = staged_update(iteration)
+        engine = psutil.Process(fleet.processes[replica].pid).children(recursive=True)
+        for process in engine:
+            process.send_signal(signal.SIGSTOP)
+        killer = threading.Timer(2.0, failure) if failure else None
+        started = time.time()
+        try:
+            if killer:
+                killer.start()
+            with pytest.raises(SamplerError) as raised:
+                loop.sync_weights(spec, run_root, staged, iteration, *done)
+        finally:
+            for process in engine:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGCONT)
+        took = time.time() - started
+        message = str(raised.value)
+        assert took < 13 and message.startswith(f"sampler {fleet.urls[replica]} did not load weights v{iteration}")
+        assert fleet.urls[1 - replica] not in message and "rerun to resume" in message
+        assert read_state(run_root)["iteration"] == iteration - 1  # nothing committed
+        print(f"sync_weights failed in {took:.1f}s: {message}")
+        return message
+
+    def resume(iteration: int) -> dict:
+        start = loop.plan(spec, run_root)
+        assert (start.iteration, start.weights["version"]) == (iteration - 1, iteration - 1)
+        work = tmp_path / f"rerun-{iteration}"
+        work.mkdir()
+        published, _ = loop.run_iteration(spec, run_root, start.weights, iteration, work, cache)
+        assert read_state(run_root)["iteration"] == iteration
+        assert [weight_version(url) for url in fleet.urls] == [str(iteration)] * 2
+        return published
+
+    try:
+        assert "no answer to /update_weight_version in time" in failed_sync(1, 0, None)  # hangs, then runs on
+        weights = resume(1)
+        prompt = [1, 5, 6, 14, 7, 8, 16]
+        assert service_greedy(fleet.urls[0], prompt, 6) == (torch_greedy(weights["uri"], prompt, 6), "1")
+
+        group = fleet.processes[1].pid
+        assert "(did it die?)" in failed_sync(2, 1, lambda: os.killpg(group, signal.SIGKILL))
+        assert len(wait_ready(fleet.urls, 300)) == 2 and fleet.replicas[1].restarts >= 1  # restarted, unlabelled
+        resume(2)
+    finally:  # the fleet serves this test's weights under the module run's version numbers: no label vouches
+        wait_ready(fleet.urls, 300)
+        for url in fleet.urls:
+            _post(url, "/update_weight_version", 30, json={"new_version": "default"})

@@ -8,10 +8,12 @@ Torch-free (HTTP only): the generate and sync_weights steps import it on the lig
                       loses no prompt. Every choice carries vLLM's weight-version spans: a
                       completion sampled (even partly) by another version is redone.
     reload_samplers   sync_weights (synchronous runs): reload_replica on every healthy replica
-    reload_replica    pause (drain) -> reload_policy(weights dir) -> label the version ->
-                      reset the prefix cache -> resume -> confirm the label. A failed reload
-                      leaves vLLM's model half-loaded; it is retried, and a replica that
-                      died is waited for (the local fleet or Kubernetes restarts it).
+    reload_replica    label "loading" -> pause (drain) -> reload_policy(weights dir) -> reset
+                      the prefix cache -> resume -> label the version -> confirm the label, all
+                      within samplers.request_timeout_s. A failed reload leaves vLLM's model
+                      half-loaded; it is retried, and a replica that died is waited for (the
+                      local fleet or Kubernetes restarts it) while time is left; then the step
+                      fails naming the replica, which no version's label vouches for.
 
 LoRA (model.lora), two ways (rlpipe.vllm_environment.serves_adapters says which):
 - adapters (samplers on GPUs): the servers run the sealed base with LoRA enabled, and a version's
@@ -39,7 +41,7 @@ import requests
 
 from rlpipe.clients.http_json import is_healthy
 from rlpipe.rollouts import Completions
-from rlpipe.store.run_root import failed_services
+from rlpipe.store.run_root import failed_services, join, read_json, write_json
 from rlpipe.store.weights import ADAPTER_CONFIG, MANIFEST, adapter_base, version_chain
 from rlpipe.vllm_environment import serves_adapters
 
@@ -51,6 +53,9 @@ RELOAD_METHOD = "reload_policy"  # rlpipe.services.sampler_worker.PolicyReload
 MERGE_METHOD = "reload_merged"  # an adapter version merged into its base
 VERSION_METHOD = "reload_version"  # a serving-copy version, whole or a delta (storage.weights_dtype)
 BASE_MODEL = "policy"  # the servers' --served-model-name
+# the log-probs check's sampling request: every position reports the sampled token and its top alternatives
+PROBE = {"n": 4, "max_tokens": 8, "logprobs": 2, "seed": 0, "detokenize": False}
+LOGPROBS_CHECKED = "logprobs_checked.json"  # <run root>/samplers/: {replica URL: the temperature it passed at}
 
 
 class SamplerError(RuntimeError):
@@ -116,8 +121,8 @@ def _post(url: str, path: str, timeout: float, **kwargs) -> requests.Response:
     return response
 
 
-def weight_version(url: str) -> str:
-    response = requests.get(f"{url}/weight_info", timeout=10)
+def weight_version(url: str, timeout_s: float = 10.0) -> str:
+    response = requests.get(f"{url}/weight_info", timeout=timeout_s)
     response.raise_for_status()
     return str(response.json()["weight_version"])
 
@@ -132,10 +137,10 @@ def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> 
 
     A name loaded anew gets a fresh adapter id, so the engine reads the files once (vLLM's
     `load_inplace` instead marks the request to re-read them at every engine step)."""
-    loaded = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    loaded = requests.get(f"{url}/v1/models", timeout=min(30, timeout_s)).json()["data"]
     for model in loaded:
         if model.get("parent"):
-            _post(url, "/v1/unload_lora_adapter", 30, json={"lora_name": model["id"]})
+            _post(url, "/v1/unload_lora_adapter", min(30, timeout_s), json={"lora_name": model["id"]})
     name = adapter_name(weights_dir, version)
     if name is None:
         return
@@ -175,34 +180,60 @@ def reload_call(weights_dir: str) -> dict:
 def reload_replica(
     url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3, adapters: bool = False
 ) -> float:
-    """Load `weights_dir` into the replica in place and label it `version`; returns seconds.
-    `adapters` (model.lora): the replica serves the sealed base with LoRA, and an adapter version's
-    adapter is swapped in (the base version: adapters unloaded)."""
+    """Load `weights_dir` into the replica in place and label it `version`, all within `timeout_s`
+    (samplers.request_timeout_s); returns seconds. `adapters` (model.lora): the replica serves the
+    sealed base with LoRA, and an adapter version's adapter is swapped in (the base version: adapters
+    unloaded).
+
+    The label moves off the old version first and onto `version` last, after the replica resumed: a
+    reload cut short at any point (the replica died, hung, or answered late) leaves a replica that no
+    version's generate trusts, so the next one reloads it (ensure_version), paused or not. A failed
+    attempt is retried while time is left, after the replica answers /health again (the local fleet
+    or Kubernetes restarts one that died)."""
     started = time.time()
-    last_error: Exception | None = None
+    deadline = started + timeout_s
+    doing, last_error = "", "no attempt finished"
+
+    def left(cap: float) -> float:
+        return max(min(cap, deadline - time.time()), 0.1)
+
+    def call(path: str, cap: float, **kwargs) -> requests.Response:
+        nonlocal doing
+        doing = path
+        return _post(url, path, left(cap), **kwargs)
+
     for attempt in range(attempts):
-        if attempt:  # a replica that died is restarted by the local fleet or by Kubernetes
-            wait_ready([url], timeout_s)
+        if attempt:
+            time.sleep(min(2.0 ** (attempt - 1), max(deadline - time.time(), 0.0)))
+            while not is_healthy(url, left(5)) and time.time() < deadline:
+                time.sleep(0.5)
+        if time.time() >= deadline:
+            break
         try:
-            _post(url, "/pause", 120, params={"mode": "wait"})
-            try:
-                if adapters:
-                    swap_adapter(url, weights_dir, version, timeout_s)
-                else:
-                    _post(url, "/collective_rpc", timeout_s, json=reload_call(weights_dir))
-                _post(url, "/update_weight_version", 30, json={"new_version": str(version)})
-                _post(url, "/reset_prefix_cache", 30)
-            finally:
-                _post(url, "/resume", 30)
-            if weight_version(url) == str(version):
+            call("/update_weight_version", 30, json={"new_version": f"loading v{version}"})
+            call("/pause", 120, params={"mode": "wait"})
+            if adapters:
+                doing = "/v1/load_lora_adapter"
+                swap_adapter(url, weights_dir, version, left(timeout_s))
+            else:
+                call("/collective_rpc", timeout_s, json=reload_call(weights_dir))
+            call("/reset_prefix_cache", 30)
+            call("/resume", 30)
+            call("/update_weight_version", 30, json={"new_version": str(version)})
+            doing = "/weight_info"
+            if (served := weight_version(url, left(10))) == str(version):
                 return time.time() - started
-            last_error = SamplerError(f"{url} reports version {weight_version(url)} after loading {version}")
+            last_error = f"it reports version {served} after loading {version}"
+        except requests.Timeout:
+            last_error = f"no answer to {doing} in time (does it hang?)"
+        except requests.ConnectionError:
+            last_error = f"the connection failed at {doing} (did it die?)"
         except (requests.RequestException, SamplerError) as err:
-            last_error = err
-            time.sleep(min(2.0**attempt, 10.0))
+            last_error = str(err)
     raise SamplerError(
-        f"sampler {url} failed to load weights v{version} from {weights_dir} after {attempts} attempts: {last_error}. "
-        "Restart that sampler and rerun to resume."
+        f"sampler {url} did not load weights v{version} within samplers.request_timeout_s ({timeout_s:g}s): "
+        f"{last_error}. Storage is consistent: once that sampler serves again (restart it; it must read "
+        f"{weights_dir}), rerun to resume."
     )
 
 
@@ -360,10 +391,83 @@ def generate_groups(
     }
 
 
+def logprob_gaps(choice: dict, prompt_logprobs: list[dict | None], prompt_length: int) -> list[tuple[float, float]]:
+    """At each completion position of `choice`, (reported gap, temperature-1 gap): the sampled token's log-prob
+    minus another token's, as the choice reports them and as the prompt log-probs of prompt + completion have
+    them. vLLM computes prompt log-probs from the raw logits whatever its --logprobs-mode: at temperature 1."""
+    gaps = []
+    for position, entry in enumerate(choice["logprobs"]["content"]):
+        listed = prompt_logprobs[prompt_length + position] or {}
+        at_one = {int(token): value["logprob"] for token, value in listed.items()}
+        sampled = entry["token_id"]
+        for other in entry.get("top_logprobs") or []:
+            if other["token_id"] != sampled and {sampled, other["token_id"]} <= at_one.keys():
+                reported = entry["logprob"] - other["logprob"]
+                gaps.append((reported, at_one[sampled] - at_one[other["token_id"]]))
+    return gaps
+
+
+def at_temperature(gaps: list[tuple[float, float]], temperature: float) -> bool | None:
+    """Whether the reported log-probs are log softmax(z / T), as the trainer computes them, rather than log
+    softmax(z): the gap between two tokens is then (z_a - z_b) / T, the temperature-1 gap over T, where
+    temperature-1 log-probs report that gap itself. Judged by which of the two the gaps are nearer; None
+    without a gap to judge by."""
+    if not gaps:
+        return None
+    scaled = sum(abs(reported - at_one / temperature) for reported, at_one in gaps)
+    unscaled = sum(abs(reported - at_one) for reported, at_one in gaps)
+    return scaled < unscaled
+
+
+def probe_logprobs(url: str, prompt: list[int], temperature: float, timeout_s: float) -> bool | None:
+    """at_temperature for a few completions of `prompt` the replica samples at `temperature`."""
+    with requests.Session() as session:
+        choices = _choices(url, session, prompt, {**PROBE, "temperature": temperature}, timeout_s, None)
+    gaps = []
+    for choice in choices:
+        params = {"max_tokens": 1, "prompt_logprobs": PROBE["logprobs"], "detokenize": False}
+        body = {"token_ids": prompt + choice["token_ids"], "sampling_params": params, "output_mode": "tokens"}
+        response = _post(url, "/inference/v1/generate", timeout_s, json=body)
+        gaps += logprob_gaps(choice, response.json()["prompt_logprobs"], len(prompt))
+    return at_temperature(gaps, temperature)
+
+
+def check_logprobs(urls: list[str], run_root: str, prompt: list[int], temperature: float, timeout_s: float) -> None:
+    """Refuse replicas that report log-probs at temperature 1 rather than at rollout.temperature (a vLLM server
+    started without --logprobs-mode processed_logprobs): the trainer's importance ratios and mismatch/ metrics
+    would compare two distributions. Each replica is probed once per temperature, before it first samples for
+    the run (<run root>/samplers/logprobs_checked.json; a probe with no gap to judge by is repeated at the next
+    generate); at temperature 1 the two agree."""
+    if temperature == 1.0:
+        return
+    record = join(run_root, "samplers", LOGPROBS_CHECKED)
+    checked = read_json(record) or {}
+    wrong = []
+    for url in [u for u in urls if checked.get(u) != temperature]:
+        try:
+            verdict = probe_logprobs(url, prompt, temperature, timeout_s)
+        except (requests.RequestException, KeyError, TypeError) as err:
+            why = f"{type(err).__name__}: {err}"
+            raise SamplerError(f"sampler {url} failed the log-probs check ({why}); rerun to resume") from None
+        if verdict is False:
+            wrong.append(url)
+        elif verdict:
+            checked[url] = temperature
+            write_json(record, checked)
+    if wrong:
+        who = f"sampler {wrong[0]} reports" if len(wrong) == 1 else f"samplers {', '.join(wrong)} report"
+        raise SamplerError(
+            f"{who} log-probs at temperature 1, not at rollout.temperature "
+            f"{temperature:g}, so every importance ratio would be off: restart it with --logprobs-mode "
+            "processed_logprobs (vLLM's default, raw_logprobs, ignores the temperature), then rerun to resume."
+        )
+
+
 def ensure_version(
     urls: list[str], weights_dir: str, version: int, timeout_s: float, adapters: bool = False
 ) -> dict[str, float]:
-    """Reload the replicas not labelled `version` (restarted ones start unlabelled: "default")."""
+    """Reload the replicas not labelled `version` (restarted ones start unlabelled: "default"; a reload
+    cut short left "loading v<N>")."""
     stale = []
     for url in urls:
         try:

@@ -28,12 +28,14 @@ def sample_prompts(
 ) -> Sampled:
     """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
     ready replica serves `weights` (reloaded in place when it does not; an adapter version's
-    requests name its adapter where the samplers serve adapters); with rollout.environment,
+    requests name its adapter where the samplers serve adapters) and reports log-probs at
+    rollout.temperature (checked once per replica: check_logprobs); with rollout.environment,
     multi-turn trajectories of `rows`, each turn one request per sequence."""
     from tokenizers import Tokenizer
 
     from rlpipe.clients.sampler_client import (
         adapter_name,
+        check_logprobs,
         ensure_version,
         generate_groups,
         ready_replicas,
@@ -46,6 +48,7 @@ def sample_prompts(
     weights_dir = sampler_weights_dir(weights["uri"])
     adapters = serves_adapters(spec)
     metrics = ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
+    check_logprobs(urls, run_root, prompt_ids[0], spec.rollout.temperature, s.request_timeout_s)
     tokenizer = Tokenizer.from_file(str(Path(stored_path(weights, cache_root)) / "tokenizer.json"))  # a delta's too
     loaded = time.time()
     r = spec.rollout
