@@ -395,16 +395,41 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
 
 
 def _failure_message(err: RuntimeError, log_path: Path, offset: int) -> str:
-    """The failed task and the exception it raised (from this pipeline run's log), colors stripped.
-    Exceptions print with their module path (`rlpipe.rewards.RewardError: ...`): the path is dropped."""
+    """The failed task and the exception it raised (from its part of this pipeline run's log, else the
+    whole run's: not the exit handler's that ran after it), colors stripped."""
     text = re.sub(r"\x1b\[\d+m", "", str(err))
     with log_path.open("rb") as f:
         f.seek(offset)
         run_log = re.sub(r"\x1b\[\d+m", "", f.read().decode(errors="replace"))
-    reasons = re.findall(r"^\s*(?:[A-Za-z_][\w]*\.)*(\w+(?:Error|Exception): .*)$", run_log, flags=re.MULTILINE)
-    reasons = [r for r in reasons if not r.startswith("RuntimeError: Pipeline") and "Task" not in r[:30]]
-    reason = reasons[-1].strip() if reasons else "see the log"
+    if (task := re.search(r"Inner task failed: '([\w-]+)'", text)) and (
+        failed := re.search(
+            rf"Executing task '{task[1]}'(.*?)Task '{task[1]}' finished with status FAILURE", run_log, re.S
+        )
+    ):
+        run_log = failed[1]
+    reasons = [r for r in raised(run_log) if not r.startswith("RuntimeError: Pipeline") and "Task" not in r[:30]]
+    reason = reasons[-1] if reasons else "the step ended without a Python exception (killed? out of memory?)"
     return (
         f"{text}\n  cause: {reason}\n  full log: {log_path}\n"
         "Storage is consistent: fix the cause and run the same command again to resume."
     )
+
+
+def raised(log: str) -> list[str]:
+    """The exceptions `log` reports, without their module path (`rlpipe.rewards.RewardError: ...` ->
+    `RewardError: ...`): the one each traceback ends with, whatever its name (`EnvironmentFailure: ...`),
+    found as the first line after the frames (indented more) back at the indentation of its "Traceback
+    (most recent call last):"; in a log without tracebacks, the lines that read `...Error: ...`."""
+    lines = log.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() != "Traceback (most recent call last):":
+            continue
+        indent = len(line) - len(line.lstrip())
+        for after in lines[i + 1 :]:
+            if after.strip() and len(after) - len(after.lstrip()) <= indent:
+                found.append(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+(?::|$))", "", after.strip()))
+                break
+    if not found:
+        found = re.findall(r"^\s*(?:[A-Za-z_]\w*\.)*(\w+(?:Error|Exception): .*)$", log, flags=re.MULTILINE)
+    return [reason.strip() for reason in found]

@@ -9,8 +9,10 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import (
@@ -24,7 +26,7 @@ from rlpipe.store.weights import WeightRef, as_ref
 if TYPE_CHECKING:
     from rlpipe.engines import Policy
     from rlpipe.environments import Trajectory
-    from rlpipe.spec import EnvironmentSpec
+    from rlpipe.spec import EnvironmentSpec, EvalSetSpec
 
 
 def greedy_texts(
@@ -231,8 +233,8 @@ def evaluate_set(
     answer = answer_column(verifier)
     strict = strict_scores(rows, completions, answer)
     metrics = {
-        f"{prefix}accuracy_greedy": sum(scores) / len(scores),
-        **({} if strict is None else {f"{prefix}accuracy_strict": sum(strict) / len(strict)}),
+        EVAL_ACCURACY.replace("eval/", prefix): sum(scores) / len(scores),
+        **({} if strict is None else {EVAL_STRICT.replace("eval/", prefix): sum(strict) / len(strict)}),
     }
     if trajectories is not None:
         metrics |= {key.replace("eval/", prefix): v for key, v in eval_trajectory_metrics(trajectories).items()}
@@ -249,6 +251,32 @@ def evaluate_set(
         for sample, row_texts, row_scores in zip(samples, texts, sampled_scores, strict=True):
             sample["samples"] = [{"completion": t, "reward": float(r)} for t, r in zip(row_texts, row_scores)]
     return metrics, samples
+
+
+def held_out_sets(spec: RunSpec, sets: Sequence[EvalSetSpec]) -> list[tuple[str | None, str, str | dict, int]]:
+    """(name, split, verifier, samples) of the data's held-out set (name None) and of the evaluation.sets
+    entries `sets`."""
+    k = spec.evaluation.samples
+    return [(None, "eval", spec.reward.verifier, k)] + [
+        (s.name, f"eval_{s.name}", s.verifier or spec.reward.verifier, k if s.samples is None else s.samples)
+        for s in sets
+    ]
+
+
+def recorded_metrics(spec: RunSpec) -> list[str]:
+    """The eval metrics `spec`'s evals record (evaluate_policy), as the functions that compute them name them
+    (here on a placeholder row): each held-out set's greedy accuracy and its strict companion, the multi-turn
+    metrics with an environment, the sampled metrics with samples. evaluation.harness's are not known before
+    lm_eval runs its tasks: harness/<task>/<metric>."""
+    names = ["eval/weights_version"]
+    for name, _, _, k in held_out_sets(spec, spec.evaluation.sets):
+        prefix = "eval/" if name is None else f"eval/{name}/"
+        names += [EVAL_ACCURACY.replace("eval/", prefix), EVAL_STRICT.replace("eval/", prefix)]
+        if spec.rollout.environment is not None:
+            names += [key.replace("eval/", prefix) for key in eval_trajectory_metrics([])]
+        if k:
+            names += list(sampled_metrics([[""] * k], [[0.0] * k], prefix))
+    return names
 
 
 def evaluate_policy(
@@ -277,14 +305,9 @@ def evaluate_policy(
         model, tokenizer = policy.model, policy.tokenizer
     loaded = time.time()
     seed = spec.seed * 1_000_003 + 777_777 + iteration  # apart from every rollout's sampling stream
-    k = spec.evaluation.samples
-    held_out = [(None, "eval", spec.reward.verifier, k)] + [
-        (s.name, f"eval_{s.name}", s.verifier or spec.reward.verifier, k if s.samples is None else s.samples)
-        for s in eval_sets_due(spec, iteration)
-    ]
     metrics: dict[str, float] = {}
     recorded: list[tuple[str | None, list[dict]]] = []
-    for name, split, verifier, k in held_out:
+    for name, split, verifier, k in held_out_sets(spec, eval_sets_due(spec, iteration)):
         rows = read_table(data_uri(run_root, split)).to_pylist()
         prefix = "eval/" if name is None else f"eval/{name}/"
         set_metrics, samples = evaluate_set(spec, model, tokenizer, rows, verifier, k, prefix, seed)

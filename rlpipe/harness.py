@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlpipe.spec import RunSpec
+    from rlpipe.spec import HarnessSpec, RunSpec
 
 
 NOT_SCORES = ("sample_len", "alias", "samples")  # what lm_eval's results hold beside the metrics
@@ -54,6 +54,24 @@ def task_manager(manager_class: Any, include_path: str | None, tasks: list[str])
     return manager_class()
 
 
+def unknown_tasks(harness: HarnessSpec, known: list[str]) -> str | None:
+    """What to change when evaluation.harness.tasks names a task lm_eval's TaskManager does not know
+    (`known`: its all_tasks), or None."""
+    import difflib
+
+    missing = [task for task in harness.tasks if task not in known]
+    if not missing:
+        return None
+    path = harness.include_path
+    where = f" or in include_path {path} (its YAML files' `task:` names)" if path else ""
+    close = sorted({match for task in missing for match in difflib.get_close_matches(task, known, 3)})
+    hint = f"; close: {', '.join(close)}" if close else ""
+    return (
+        f"evaluation.harness.tasks {missing}: no such lm_eval task in its registry{where}{hint}; "
+        "`lm-eval ls tasks` lists them; evaluation.harness.include_path adds your own"
+    )
+
+
 def run_harness(spec: RunSpec, model: Any, tokenizer: Any) -> dict[str, float]:
     """evaluation.harness's tasks on `model` (in memory: no copy is written) with lm_eval's HFLM."""
     try:
@@ -74,10 +92,8 @@ def run_harness(spec: RunSpec, model: Any, tokenizer: Any) -> dict[str, float]:
             pretrained=model, tokenizer=tokenizer, batch_size=harness.batch_size, max_gen_toks=harness.max_gen_toks
         )
         manager = task_manager(TaskManager, harness.include_path, harness.tasks)
-        missing = [task for task in harness.tasks if task not in manager.all_tasks]
-        if missing:
-            where = f" or in {harness.include_path}" if harness.include_path else ""
-            raise ValueError(f"evaluation.harness.tasks {missing}: no such lm_eval task in its registry{where}")
+        if problem := unknown_tasks(harness, manager.all_tasks):
+            raise ValueError(problem)
         output = simple_evaluate(
             model=lm,
             tasks=list(harness.tasks),

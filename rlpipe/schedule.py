@@ -34,15 +34,21 @@ def eval_sets_due(spec: RunSpec, iteration: int) -> list:
 STOP_OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
 
+def parse_gate(stop_when: str) -> tuple[str, str, float]:
+    """loop.stop_when's (metric, operator, threshold): "eval/accuracy_greedy >= 0.7"."""
+    name, op, threshold = re.fullmatch(r"\s*(\S+?)\s*(>=|<=|>|<)\s*(\S+)\s*", stop_when).groups()
+    return name, op, float(threshold)
+
+
 def stop_reason(spec: RunSpec, metrics: dict[str, float]) -> str | None:
     """Why the loop stops after an eval with `metrics` (loop.stop_when holds), or None."""
     if not spec.loop.stop_when:
         return None
-    name, op, threshold = re.fullmatch(r"\s*(\S+?)\s*(>=|<=|>|<)\s*(\S+)\s*", spec.loop.stop_when).groups()
+    name, op, threshold = parse_gate(spec.loop.stop_when)
     if name not in metrics:
         return None
     value = metrics[name]
-    return f"{name} {value:.4g} {op} {float(threshold):g}" if STOP_OPERATORS[op](value, float(threshold)) else None
+    return f"{name} {value:.4g} {op} {threshold:g}" if STOP_OPERATORS[op](value, threshold) else None
 
 
 def stopped_by_gate(spec: RunSpec, state: dict) -> dict | None:

@@ -32,12 +32,21 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> RunS
 
 
 def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`data` (a spec as a dict, changed in place) with `overrides`' dotted keys set."""
+    """`data` (a spec as a dict, changed in place) with `overrides`' dotted keys set; a section that is
+    absent or null (`harness: null`) is created. SpecError when a key on the way holds a value, not a section."""
     for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
+        for i, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                key = ".".join(parents[: i + 1])
+                raise SpecError(
+                    f"--set {dotted}: {key} is {json.dumps(node, default=str)}, not a section; set it whole, "
+                    f"e.g. --set '{key}={json.dumps(node, default=str)}'"
+                )
         node[leaf] = value
     return data
 

@@ -260,10 +260,7 @@ class SamplersSpec:
         64, ge=1, doc="Requests in flight per replica (x G sequences): vLLM batches what is in flight"
     )
     request_timeout_s: float = setting(
-        300.0,
-        gt=0,
-        doc="Seconds a sampler request may take; also bounds each replica's whole weight reload (sync_weights, "
-        "generate): a replica that hangs or dies mid-reload fails the step, named, within it",
+        300.0, gt=0, doc="Seconds a sampler request may take, and a replica's whole weight reload (then: named)"
     )
     startup_timeout_s: float = setting(900.0, gt=0, doc="How long generate waits for a replica to be ready")
     kv_cache_gib: int = setting(1, ge=1, doc="KV cache GiB per local CPU replica (VLLM_CPU_KVCACHE_SPACE)")
