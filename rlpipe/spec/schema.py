@@ -292,7 +292,7 @@ class AlgorithmSpec:
         ge=0,
         doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the "
         "loss (reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper "
-        "whitens both: docs/algorithms.md; dpo, online_dpo: none, their beta is the pull to the reference). "
+        "whitens both: docs/algorithms.md; dpo, online_dpo: refused, DPO's temperature is their pull to it). "
         "0: no penalty",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = setting(
