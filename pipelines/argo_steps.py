@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from rlpipe import loop
+from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.reports import write_reports
 from rlpipe.spec import RunSpec, spec_from_json
 from rlpipe.steps import BY_NAME, EVERY_ITERATION, iteration_steps, merged_steps
@@ -50,7 +51,7 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         values = loop.evaluate(spec, run_root, start.weights, start.iteration, spec.cache_root)
         reports = _work(run_root, start.iteration, "reports")
         write_reports("evaluate", reports, iteration=start.iteration, run_root=run_root)
-        return f"eval/accuracy_greedy {values['eval/accuracy_greedy']:.3f}" if values else "no eval due"
+        return f"{EVAL_ACCURACY} {values[EVAL_ACCURACY]:.3f}" if values else "no eval due"
     iteration = start.iteration + 1
     if iteration > spec.loop.iterations:
         return f"loop done at iteration {start.iteration}"

@@ -26,7 +26,19 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlpipe.metric_keys import EVAL_ACCURACY
+from rlpipe.metric_keys import (
+    CLIP_FRACTION,
+    ENTROPY,
+    EVAL_ACCURACY,
+    GENERATE_TOKENS_PER_S,
+    ITERATION_OVERHEAD,
+    ITERATION_WALL,
+    KL_MEAN,
+    POLICY_LOSS,
+    REWARD_MEAN,
+    REWARD_STD,
+    ZERO_VARIANCE_GROUPS,
+)
 from rlpipe.preflight import preflight
 from rlpipe.schedule import stopped_by_gate
 from rlpipe.services.local_servers import LocalServers
@@ -166,19 +178,19 @@ class Progress:
         if m:
             table.add_row(
                 "reward",
-                f"mean {m.get('reward/mean', 0):.3f}  std {m.get('reward/std', 0):.3f}  "
-                f"zero-variance groups {m.get('groups/zero_variance_fraction', 0):.2f}",
+                f"mean {m.get(REWARD_MEAN, 0):.3f}  std {m.get(REWARD_STD, 0):.3f}  "
+                f"zero-variance groups {m.get(ZERO_VARIANCE_GROUPS, 0):.2f}",
             )
             table.add_row(
                 "policy",
-                f"loss {m.get('policy/loss', 0):+.4f}  kl {m.get('kl/mean', 0):.4f}  "
-                f"entropy {m.get('policy/entropy', 0):.3f}  clip {m.get('policy/clip_fraction', 0):.3f}",
+                f"loss {m.get(POLICY_LOSS, 0):+.4f}  kl {m.get(KL_MEAN, 0):.4f}  "
+                f"entropy {m.get(ENTROPY, 0):.3f}  clip {m.get(CLIP_FRACTION, 0):.3f}",
             )
             table.add_row(
                 "time",
-                f"iteration {m.get('time/iteration_wall_s', 0):.1f}s (orchestration "
-                f"{m.get('overhead/iteration_s', 0):.1f}s)  "
-                f"generate {m.get('throughput/generate_tokens_per_s', 0):.0f} tok/s",
+                f"iteration {m.get(ITERATION_WALL, 0):.1f}s (orchestration "
+                f"{m.get(ITERATION_OVERHEAD, 0):.1f}s)  "
+                f"generate {m.get(GENERATE_TOKENS_PER_S, 0):.0f} tok/s",
             )
         if self.evals:
             first, last = min(self.evals), max(self.evals)
@@ -199,7 +211,7 @@ class Progress:
             m = self.iterations[i]
             text = f"iteration {i}/{self.total}"
             if i > 0:
-                text += f"  reward {m.get('reward/mean', 0):.3f}  {m.get('time/iteration_wall_s', 0):.1f}s"
+                text += f"  reward {m.get(REWARD_MEAN, 0):.3f}  {m.get(ITERATION_WALL, 0):.1f}s"
             lines.append(text)
         for i in sorted(i for i in self.evals if i > printed.get("eval", -1)):
             printed["eval"] = i

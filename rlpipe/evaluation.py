@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, EVAL_WEIGHTS_VERSION, EVALUATE_LOAD
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import (
@@ -268,7 +268,7 @@ def recorded_metrics(spec: RunSpec) -> list[str]:
     (here on a placeholder row): each held-out set's greedy accuracy and its strict companion, the multi-turn
     metrics with an environment, the sampled metrics with samples. evaluation.harness's are not known before
     lm_eval runs its tasks: harness/<task>/<metric>."""
-    names = ["eval/weights_version"]
+    names = [EVAL_WEIGHTS_VERSION]
     for name, _, _, k in held_out_sets(spec, spec.evaluation.sets):
         prefix = "eval/" if name is None else f"eval/{name}/"
         names += [EVAL_ACCURACY.replace("eval/", prefix), EVAL_STRICT.replace("eval/", prefix)]
@@ -318,8 +318,8 @@ def evaluate_policy(
 
         metrics |= run_harness(spec, model, tokenizer)
     metrics |= {
-        "eval/weights_version": float(weights["version"]),
-        "overhead/evaluate_load_s": loaded - t0,
+        EVAL_WEIGHTS_VERSION: float(weights["version"]),
+        EVALUATE_LOAD: loaded - t0,
         "time/evaluate_s": time.time() - loaded,
     }
     if record:  # the samples first: an eval whose metrics file exists has its samples

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.metric_keys import ITERATION_OVERHEAD, ITERATION_WALL, STARTED_AT
+from rlpipe.metric_keys import (
+    ITERATION_OVERHEAD,
+    ITERATION_WALL,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STARTED_AT,
+    UPDATE_TIME,
+)
 from rlpipe.steps import BY_NAME, iteration_steps, merged_steps, service_for
 
 if TYPE_CHECKING:
@@ -110,7 +117,7 @@ def generate(
 
     metrics = generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
     if spec.loop.max_staleness:  # the DAG-offset form: v(N-1-s) .. v(N-1) sample iteration N
-        metrics["async/staleness_mean"] = metrics["async/staleness_max"] = float(iteration - 1 - weights["version"])
+        metrics[STALENESS_MEAN] = metrics[STALENESS_MAX] = float(iteration - 1 - weights["version"])
     return metrics
 
 
@@ -205,7 +212,7 @@ def iteration_wall(spec: RunSpec, started_at: float | None, metrics: dict[str, f
     compute = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s"))
     timing = {ITERATION_WALL: wall, ITERATION_OVERHEAD: max(0.0, wall - compute)}
     if spec.loop.max_staleness:
-        timing["async/training_busy_share"] = metrics.get("time/update_s", 0.0) / max(wall, 1e-9)
+        timing["async/training_busy_share"] = metrics.get(UPDATE_TIME, 0.0) / max(wall, 1e-9)
     return timing
 
 

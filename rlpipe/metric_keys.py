@@ -1,9 +1,34 @@
-"""Metric keys that other modules read back (markers, the iteration's wall clock); every other
-metric key is named once, where it is computed."""
+"""Metric keys that more than one module names (one writes them, others read them back, or several
+steps write them); every other metric key is named once, where it is computed
+(tests/test_code_shape.py::test_metric_keys_named_by_several_modules_are_constants)."""
 
 EVAL_ACCURACY = "eval/accuracy_greedy"  # held-out greedy accuracy (reward.verifier): metrics/eval_N.json
 EVAL_STRICT = "eval/accuracy_strict"  # its strict companion: the final answer is the reference, character for character
+EVAL_WEIGHTS_VERSION = "eval/weights_version"  # the version an eval scored
 REWARD_MEAN = "reward/mean"  # every committed iteration has it: metrics/iter_N.json
+REWARD_STD = "reward/std"
+ZERO_VARIANCE_GROUPS = "groups/zero_variance_fraction"  # groups whose rewards are all equal (no gradient)
 STARTED_AT = "started_at"  # wall clock the iteration began; sync_weights turns it into the two below
 ITERATION_WALL = "time/iteration_wall_s"
 ITERATION_OVERHEAD = "overhead/iteration_s"  # iteration wall - the steps' compute
+
+# the steps' compute, and the loads before it (a resident trainer's are ~0)
+GENERATE_TIME = "time/generate_s"
+GENERATE_LOAD = "overhead/generate_load_s"
+GENERATE_TOKENS_PER_S = "throughput/generate_tokens_per_s"
+VALUES_TIME = "time/values_s"
+VALUES_LOAD = "overhead/values_load_s"
+UPDATE_TIME = "time/update_s"
+UPDATE_LOAD = "overhead/update_load_s"
+EVALUATE_LOAD = "overhead/evaluate_load_s"
+
+# the update's (rlpipe.training.tally), shown by the progress display
+POLICY_LOSS = "policy/loss"
+CLIP_FRACTION = "policy/clip_fraction"
+ENTROPY = "policy/entropy"
+KL_MEAN = "kl/mean"
+OPTIMIZER_STEPS = "policy/optimizer_steps"
+
+# asynchronous runs: how many versions behind the rollouts were (rlpipe.rollout_buffer)
+STALENESS_MAX = "async/staleness_max"
+STALENESS_MEAN = "async/staleness_mean"

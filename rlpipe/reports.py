@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, EVAL_WEIGHTS_VERSION, ITERATION_OVERHEAD, ITERATION_WALL
 
 PROMPT_CHARS = 200  # a prompt's last characters: a template's question comes last
 COMPLETION_CHARS = 300
@@ -173,7 +173,7 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
     if metrics is None:
         return f"## Held-out eval of iteration {iteration}\n\nNo eval recorded for iteration {iteration}.\n"
     samples = read_eval_samples(run_root, iteration)
-    version = int(metrics.get("eval/weights_version", iteration))
+    version = int(metrics.get(EVAL_WEIGHTS_VERSION, iteration))
     correct = sum(bool(s["correct"]) for s in samples)
     lines = [
         f"## Held-out eval of iteration {iteration} (weights v{version})",
@@ -190,7 +190,7 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
     strict_column = any(s.get("strict") is not None for s in samples)
     sampled_column = bool(samples) and "samples" in samples[0]  # evaluation.samples
     for key in sorted(metrics):
-        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, "eval/weights_version"):
+        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, EVAL_WEIGHTS_VERSION):
             lines.append(f"\n`{key}`: {metrics[key]:.4g}")
     if not samples:
         return "\n".join(lines + ["", "No held-out samples were recorded with this eval."]) + "\n"

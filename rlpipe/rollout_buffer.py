@@ -40,6 +40,7 @@ import hashlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from rlpipe.metric_keys import GENERATE_TIME, STALENESS_MAX, STALENESS_MEAN
 from rlpipe.store.run_root import failed_services, filesystem, join, read_json, read_state, write_json
 
 if TYPE_CHECKING:
@@ -248,8 +249,8 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
     homes = [g["home"] for g in record["groups"]]
     metrics = (
         {
-            "async/staleness_mean": sum(staleness) / len(staleness),
-            "async/staleness_max": float(max(staleness)),
+            STALENESS_MEAN: sum(staleness) / len(staleness),
+            STALENESS_MAX: float(max(staleness)),
             "async/stale_rows_dropped": float(dropped),
             "async/buffer_groups": float(len(buffered(run_root)) - len(record["groups"])),
             "async/straggler_groups": float(sum(home < iteration for home in homes)),
@@ -266,7 +267,7 @@ def take(spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, out_p
         span = record["at"] - previous["at"]
         if span > 0:
             metrics["async/generation_busy_share"] = (busy - previous["producer_busy_s"]) / span
-    return metrics | {"time/generate_s": time.time() - started - waited}
+    return metrics | {GENERATE_TIME: time.time() - started - waited}
 
 
 def with_column(table: Any, name: str, value: int) -> Any:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, REWARD_MEAN
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, EVAL_WEIGHTS_VERSION, REWARD_MEAN
 from rlpipe.store.run_root import filesystem, join, list_metrics, read_json, read_state
 
 SERVICES = ("trainer", "sampler", "producer")  # long-lived processes `rlpipe run` records in <kind>s/fleet.json
@@ -72,7 +72,7 @@ def last_eval(evals: dict[int, dict[str, float]]) -> dict[str, Any] | None:
     shown = {
         key: value
         for key, value in sorted(evals[iteration].items())
-        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, "eval/weights_version")
+        if key.startswith("eval/") and key not in (EVAL_ACCURACY, EVAL_STRICT, EVAL_WEIGHTS_VERSION)
     }
     return {"iteration": iteration, "metrics": shown}
 

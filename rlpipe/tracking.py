@@ -25,7 +25,7 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_WEIGHTS_VERSION, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.commit import record_tracking_run
 from rlpipe.store.run_root import is_local, list_metrics, read_state
@@ -269,7 +269,7 @@ def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, An
 
 def eval_weights_version(iteration: int, metrics: dict[str, float]) -> int:
     """The weights version an eval measured (iteration N's eval: vN, unless its metrics say otherwise)."""
-    return int(metrics.get("eval/weights_version", iteration))
+    return int(metrics.get(EVAL_WEIGHTS_VERSION, iteration))
 
 
 def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:

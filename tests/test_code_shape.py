@@ -178,3 +178,30 @@ def test_no_function_or_module_in_rlpipe_is_too_long_to_read():
                     long_functions.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+def _metric_keys_by_module(roots: list[Path]) -> dict[str, set[str]]:
+    """Every string literal shaped like a metric key ('policy/loss') in the modules under `roots`, with the
+    modules that name it (MIME types aside)."""
+    import re
+
+    named: dict[str, set[str]] = {}
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                value = node.value if isinstance(node, ast.Constant) else None
+                if isinstance(value, str) and re.fullmatch(r"[a-z_0-9]+/[a-z_0-9]+", value):
+                    if not value.startswith(("application/", "text/")):
+                        named.setdefault(value, set()).add(str(path.relative_to(REPO)))
+    return named
+
+
+def test_metric_keys_named_by_several_modules_are_constants():
+    """A metric key that one module writes and another reads back (or several write) is a constant in
+    rlpipe/metric_keys.py, so a renamed key cannot silently break its readers."""
+    named = _metric_keys_by_module([CORE, REPO / "pipelines", REPO / "components"])
+    assert named["policy/loss"] == {"rlpipe/metric_keys.py"}  # the tally and the display name POLICY_LOSS
+    shared = {key: sorted(modules) for key, modules in named.items() if len(modules - {"rlpipe/metric_keys.py"}) > 1}
+    hint = "make each a constant in rlpipe/metric_keys.py"
+    assert not shared, f"metric keys named as bare strings in several modules ({hint}): {shared}"
+    assert _metric_keys_by_module([REPO / "tests"])  # the scan sees keys where there are some

@@ -59,3 +59,9 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_command_2():
     assert [line[:4] for line in lines] == ["# 1.", "pyth", "# 2.", "pyth"], lines
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("python -m venv")]
     assert ci == [lines[3]], "command 2 is exactly what .ci/run runs"
+
+
+def test_the_readme_is_a_front_door():
+    """At most 130 lines: results tables and long explanations live in docs/, linked from it."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 130, f"README.md is {len(lines)} lines; move detail into docs/ and link it"

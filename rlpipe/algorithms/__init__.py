@@ -51,6 +51,7 @@ from rlpipe.algorithms.registry import (
     register_algorithm,
     resolve_options,
 )
+from rlpipe.metric_keys import ZERO_VARIANCE_GROUPS
 from rlpipe.rollouts import read_table, write_table
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
     options = resolve_options(spec)
     rewards = table.column("reward").to_numpy().astype(np.float64)
     inverse, spread = group_spread(rewards, group_ids)
-    metrics = {"groups/zero_variance_fraction": float(np.mean(spread == 0.0))}  # of every group sampled
+    metrics = {ZERO_VARIANCE_GROUPS: float(np.mean(spread == 0.0))}  # of every group sampled
     if options.dynamic_sampling:
         keep, selection = informative_groups(inverse, spread, spec.rollout.prompts_per_iteration)
         table, group_ids, rewards = table.filter(keep), group_ids[keep], rewards[keep]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from rlpipe.clients.http_json import Unreachable, is_healthy, request_json
+from rlpipe.metric_keys import GENERATE_LOAD, GENERATE_TIME, UPDATE_LOAD, UPDATE_TIME, VALUES_TIME
 from rlpipe.spec import RunSpec, spec_to_dict
 from rlpipe.store.run_root import failed_services, filesystem, join
 from rlpipe.store.weights import WeightRef, as_ref
@@ -83,7 +84,7 @@ def request_generate(
     finally:
         if fs.exists(remote):
             fs.rm_file(remote)
-    served_s = metrics["overhead/generate_load_s"] + metrics["time/generate_s"]
+    served_s = metrics[GENERATE_LOAD] + metrics[GENERATE_TIME]
     metrics["overhead/generate_request_s"] = time.time() - started - served_s
     return metrics
 
@@ -113,7 +114,7 @@ def request_values(
         for remote in (scored_remote, valued_remote):
             if fs.exists(remote):
                 fs.rm_file(remote)
-    metrics["overhead/values_request_s"] = time.time() - started - metrics["time/values_s"]
+    metrics["overhead/values_request_s"] = time.time() - started - metrics[VALUES_TIME]
     return metrics
 
 
@@ -141,6 +142,6 @@ def request_update(
     finally:
         fs.rm_file(remote)
     metrics = body["metrics"]
-    served_s = metrics["overhead/update_load_s"] + metrics["time/update_s"]
+    served_s = metrics[UPDATE_LOAD] + metrics[UPDATE_TIME]
     metrics["overhead/update_request_s"] = time.time() - started - served_s
     return as_ref(body["staged"]), metrics

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from rlpipe.metric_keys import GENERATE_LOAD, GENERATE_TIME, GENERATE_TOKENS_PER_S, ZERO_VARIANCE_GROUPS
 from rlpipe.rollouts import (
     ROLLOUT_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -159,7 +160,7 @@ def iteration_prompts(spec: RunSpec, run_root: str, num_rows: int, iteration: in
     cap = math.floor(per_iteration * options.max_oversample)
     known = iteration - 1 - spec.loop.max_staleness  # committed before iteration's rollouts may be sampled
     previous = read_json(iteration_metrics_uri(run_root, known)) if known >= 1 else None
-    informative = 1.0 - previous["groups/zero_variance_fraction"] if previous else 0.0
+    informative = 1.0 - previous[ZERO_VARIANCE_GROUPS] if previous else 0.0
     wanted = cap if informative <= 0 else math.ceil(REFILL_MARGIN * per_iteration / informative)
     extra = min(max(wanted, per_iteration), cap) - per_iteration
     taken = set(order)
@@ -198,9 +199,9 @@ def generate_rollouts(
         sampled.metrics
         | length_metrics(lengths)
         | {
-            "overhead/generate_load_s": sampled.loaded_at - t0,
-            "time/generate_s": time.time() - sampled.loaded_at,
-            "throughput/generate_tokens_per_s": sum(lengths) / max(sampled_at - sampled.loaded_at, 1e-9),
+            GENERATE_LOAD: sampled.loaded_at - t0,
+            GENERATE_TIME: time.time() - sampled.loaded_at,
+            GENERATE_TOKENS_PER_S: sum(lengths) / max(sampled_at - sampled.loaded_at, 1e-9),
             "rollout/stop_fraction": sum(r == "stop" for r in completions.finish_reasons) / len(lengths),
         }
     )

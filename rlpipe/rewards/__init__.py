@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlpipe.metric_keys import REWARD_MEAN
+from rlpipe.metric_keys import REWARD_MEAN, REWARD_STD
 from rlpipe.plugins import look_up
 from rlpipe.rollouts import read_table, validate_rollouts, write_table
 
@@ -219,7 +219,7 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     write_table(columns, out_path)
     return stats | {
         REWARD_MEAN: float(total.mean()),
-        "reward/std": float(total.std()),
+        REWARD_STD: float(total.std()),
         "reward/min": float(total.min()),
         "reward/max": float(total.max()),
         "time/score_s": time.time() - started,

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from rlpipe.metric_keys import EVALUATE_LOAD, GENERATE_LOAD, UPDATE_LOAD, UPDATE_TIME, VALUES_LOAD
 from rlpipe.services.local_servers import LocalServers, die_with_parent
 from rlpipe.spec import TRAINING_KEYS, RunSpec, parse_spec, pick, spec_to_dict
 from rlpipe.steps import service_for
@@ -131,7 +132,7 @@ def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
             fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(local, remote)
     keep(held, trainer)
-    metrics["overhead/generate_load_s"] += loaded - started
+    metrics[GENERATE_LOAD] += loaded - started
     metrics |= release_memory(trainer.policy.device, "generate")
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
@@ -166,7 +167,7 @@ def serve_values(request: dict[str, Any], held: Held) -> dict[str, Any]:
         if world()[0] == 0:
             fs.put_file(f"{tmp}/valued.parquet", valued_remote)
     keep(held, trainer)
-    metrics["overhead/values_load_s"] = loaded - started
+    metrics[VALUES_LOAD] = loaded - started
     metrics |= release_memory(trainer.policy.device, "values")
     return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
 
@@ -194,7 +195,7 @@ def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
         )
     keep(held, trainer)
     metrics |= release_memory(trainer.policy.device, "evaluate")
-    return {"metrics": metrics | {"overhead/evaluate_load_s": loaded - started, "trainer/reloaded": float(reloaded)}}
+    return {"metrics": metrics | {EVALUATE_LOAD: loaded - started, "trainer/reloaded": float(reloaded)}}
 
 
 def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
@@ -217,8 +218,8 @@ def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
         "staged": staged,
         "metrics": metrics
         | {
-            "overhead/update_load_s": loaded - started,
-            "time/update_s": time.time() - loaded,
+            UPDATE_LOAD: loaded - started,
+            UPDATE_TIME: time.time() - loaded,
             "trainer/reloaded": float(reloaded),
         },
     }

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from rlpipe.devices import resolve_device
+from rlpipe.metric_keys import VALUES_LOAD, VALUES_TIME
 from rlpipe.modeling import configure_torch, disable_dropout
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
@@ -162,7 +163,7 @@ def compute_values(
     column = pa.array([v.astype(np.float32) for v in values], type=pa.list_(pa.float32()))
     if world()[0] == 0:
         write_table(table.append_column("values", column), out_path)
-    return {"overhead/values_load_s": loaded - started, "time/values_s": time.time() - loaded}
+    return {VALUES_LOAD: loaded - started, VALUES_TIME: time.time() - loaded}
 
 
 def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | None:

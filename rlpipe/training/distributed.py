@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlpipe.metric_keys import UPDATE_TIME
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -199,5 +201,5 @@ def update_in_processes(
         with open(request["result"]) as f:
             result = json.load(f)
     metrics = result["metrics"] | {"policy/processes": float(spec.trainer.gpus)}
-    metrics["overhead/update_launch_s"] = time.time() - started - metrics.get("time/update_s", 0.0)
+    metrics["overhead/update_launch_s"] = time.time() - started - metrics.get(UPDATE_TIME, 0.0)
     return result["staged"], metrics

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from rlpipe.metric_keys import UPDATE_LOAD, UPDATE_TIME
 from rlpipe.modeling import load_weights
 from rlpipe.rollouts import write_table
 from rlpipe.training.logprobs import completion_logprobs
@@ -152,8 +153,8 @@ def dpo_iteration(
     checked = time.time()
     ref = save_trained(trainer, iteration, cache_root)
     return ref, metrics | {
-        "overhead/update_load_s": loaded - t0,
-        "time/update_s": trained - loaded + time.time() - checked,
+        UPDATE_LOAD: loaded - t0,
+        UPDATE_TIME: trained - loaded + time.time() - checked,
         "time/preference_check_s": checked - trained,
     }
 

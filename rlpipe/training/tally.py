@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlpipe.metric_keys import CLIP_FRACTION, ENTROPY, KL_MEAN, OPTIMIZER_STEPS, POLICY_LOSS
 from rlpipe.training.distributed import all_max, all_sum
 from rlpipe.training.off_policy import mismatch_metrics
 
@@ -74,13 +75,13 @@ def update_metrics(
         metrics
         | mismatch_metrics(tally.mismatch, device)
         | {
-            "policy/loss": totals["loss"] / steps,
-            "policy/clip_fraction": totals["clip_fraction"] / steps,
-            "policy/entropy": totals["entropy"] / steps,
+            POLICY_LOSS: totals["loss"] / steps,
+            CLIP_FRACTION: totals["clip_fraction"] / steps,
+            ENTROPY: totals["entropy"] / steps,
             "policy/grad_norm": totals["grad_norm"] / steps,
             "policy/ratio_mean": totals["ratio"] / steps,
-            "kl/mean": totals["kl"] / max(tally.kl_steps, 1),
-            "policy/optimizer_steps": float(steps),
+            KL_MEAN: totals["kl"] / max(tally.kl_steps, 1),
+            OPTIMIZER_STEPS: float(steps),
             "policy/micro_batches": float(tally.micro_steps),
             "policy/lr": trainer.optimizer.param_groups[0]["lr"],
             "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),

@@ -24,6 +24,7 @@ import torch
 from rlpipe.algorithms import PolicyInputs, get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.devices import resolve_device
+from rlpipe.metric_keys import OPTIMIZER_STEPS, UPDATE_LOAD, UPDATE_TIME
 from rlpipe.modeling import add_lora, disable_dropout, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
@@ -225,7 +226,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     pairs = objective.unit == 2  # DPO: [chosen, rejected] pairs, kept together (rlpipe.algorithms.dpo)
     rows = update_order(read_table(batch_path).to_pylist(), pairs, spec.seed * 1_000_003 + iteration)
     if pairs and not rows:
-        return {"policy/optimizer_steps": 0.0, "policy/pairs": 0.0}
+        return {OPTIMIZER_STEPS: 0.0, "policy/pairs": 0.0}
     minis = mini_batches(rows, spec.trainer.mini_batches, objective.unit)
     tally = Tally.start(trainer.critic is not None, objective.correction)
     if trainer.checkpoint_writer is not None:  # the last checkpoint reads what the optimizer steps change
@@ -419,8 +420,8 @@ def update_policy(
     ref = save_trained(trainer, iteration, cache_root, timings)
     done = time.time()
     return ref, metrics | timings | {
-        "overhead/update_load_s": loaded - t0,
-        "time/update_s": done - loaded,
+        UPDATE_LOAD: loaded - t0,
+        UPDATE_TIME: done - loaded,
         "weights/stage_s": done - trained,  # within time/update_s
     }
 
