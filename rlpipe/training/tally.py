@@ -3,6 +3,7 @@ and `update_metrics`, the means the iteration records (rlpipe.training.trainer.t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -14,37 +15,75 @@ from rlpipe.training.distributed import all_max, all_sum
 from rlpipe.training.off_policy import mismatch_metrics
 
 if TYPE_CHECKING:
-    from rlpipe.training.off_policy import Correction
     from rlpipe.training.trainer import Trainer
 
-STANDARD_STATS = {"loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"}  # reported under their own names
+
+@dataclass
+class StepStats:
+    """One optimizer step's statistics (torchtune's GRPOStats), summed over its micro-batches: token means
+    weighed by each micro-batch's share of the step's completion tokens, the loss and the algorithm's own
+    statistics by its loss weight; then over processes (`summed`). None: the step does not have it."""
+
+    loss: float = 0.0
+    entropy: float = 0.0
+    clip_fraction: float = 0.0
+    ratio: float = 0.0
+    dual_clip_fraction: float | None = None  # the clipped-surrogate losses'
+    kl: float = 0.0  # the estimated KL to the reference, where kl_measured
+    kl_measured: bool = False
+    grad_norm: float = 0.0
+    value_loss: float | None = None  # the critic's (PPO)
+    value_clip_fraction: float | None = None
+    critic_grad_norm: float | None = None
+    off_policy: dict[str, float] = field(default_factory=dict)  # is_weight_mean, truncated_ or masked_fraction
+    is_weight_max: float = 0.0  # before the correction: a max, this process's
+    extra: dict[str, float] = field(default_factory=dict)  # the algorithm's own: DPO's preference_accuracy, ...
+
+    def __iadd__(self, other: StepStats) -> StepStats:
+        for name in SUMMED:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, theirs if mine is None else mine if theirs is None else mine + theirs)
+        self.kl_measured |= other.kl_measured
+        self.is_weight_max = max(self.is_weight_max, other.is_weight_max)
+        for name in ("off_policy", "extra"):
+            mine = getattr(self, name)
+            for key, value in getattr(other, name).items():
+                mine[key] = mine.get(key, 0.0) + value
+        return self
+
+    def summed(self, device: torch.device) -> StepStats:
+        """Each sum over the processes (is_weight_max and kl_measured stay this process's)."""
+        flat = {name: getattr(self, name) for name in SUMMED if getattr(self, name) is not None}
+        flat |= {f"off_policy/{k}": v for k, v in self.off_policy.items()}
+        flat |= {f"extra/{k}": v for k, v in self.extra.items()}
+        total = all_sum(flat, device)
+        return dataclasses.replace(
+            self,
+            **{name: total[name] for name in SUMMED if name in total},
+            off_policy={k: total[f"off_policy/{k}"] for k in self.off_policy},
+            extra={k: total[f"extra/{k}"] for k in self.extra},
+        )
+
+
+SUMMED = ("loss", "entropy", "clip_fraction", "ratio", "dual_clip_fraction", "kl", "grad_norm", "value_loss",
+          "value_clip_fraction", "critic_grad_norm")  # fmt: skip
 
 
 @dataclass
 class Tally:
-    """What an update's metrics sum over its optimizer steps (each step's summed over processes)."""
+    """What an update's metrics sum over its optimizer steps."""
 
-    totals: dict[str, float]
-    off_policy: tuple[str, ...]  # the correction's statistics, () without one
+    total: StepStats = field(default_factory=StepStats)
     steps: int = 0
     kl_steps: int = 0
     micro_steps: int = 0
     tokens: int = 0
     padded: int = 0  # rows x width of every forward pass: tokens plus the padding computed beside them
-    weight_max: float = 0.0  # the largest importance weight before the correction
     mismatch: list[torch.Tensor] = field(default_factory=list)  # d per token, the first optimizer step's
 
-    @classmethod
-    def start(cls, critic: bool, correction: Correction | None) -> Tally:
-        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "entropy", "grad_norm", "ratio"), 0.0)
-        if critic:
-            totals |= dict.fromkeys(("value_loss", "value_clip_fraction", "critic_grad_norm"), 0.0)
-        return cls(totals, ("is_weight_mean", correction.cut) if correction else ())
-
-    def add(self, step: dict[str, float], kl_measured: bool) -> None:
-        for key, value in step.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
-        self.kl_steps += int(kl_measured)
+    def add(self, step: StepStats) -> None:
+        self.kl_steps += int(step.kl_measured)
+        self.total += step
         self.steps += 1
 
 
@@ -56,36 +95,38 @@ def update_metrics(
     device = trainer.policy.device
     summed = all_sum({"tokens": tally.tokens, "padded": tally.padded}, device)
     tokens = int(summed["tokens"])
-    totals, steps = tally.totals, tally.steps
+    total, steps = tally.total, tally.steps
     metrics = {}
-    if trainer.critic is not None:
+    if total.value_loss is not None:
         metrics = {
-            "critic/value_loss": totals["value_loss"] / steps,
-            "critic/value_clip_fraction": totals["value_clip_fraction"] / steps,
-            "critic/grad_norm": totals["critic_grad_norm"] / steps,
+            "critic/value_loss": total.value_loss / steps,
+            "critic/value_clip_fraction": total.value_clip_fraction / steps,
+            "critic/grad_norm": total.critic_grad_norm / steps,
         }
-    if tally.off_policy:
-        metrics |= {f"off_policy/{key}": totals[key] / steps for key in tally.off_policy}
+    if total.off_policy:
+        metrics |= {f"off_policy/{key}": value / steps for key, value in total.off_policy.items()}
         metrics |= {
-            "off_policy/is_weight_max": all_max(tally.weight_max, device),
+            "off_policy/is_weight_max": all_max(total.is_weight_max, device),
             "off_policy/proximal_pass_s": proximal_s,
             "off_policy/proximal_prefetched_fraction": prefetched,
         }
+    if total.dual_clip_fraction is not None:
+        metrics["policy/dual_clip_fraction"] = total.dual_clip_fraction / steps
     return (
         metrics
         | mismatch_metrics(tally.mismatch, device)
         | {
-            POLICY_LOSS: totals["loss"] / steps,
-            CLIP_FRACTION: totals["clip_fraction"] / steps,
-            ENTROPY: totals["entropy"] / steps,
-            "policy/grad_norm": totals["grad_norm"] / steps,
-            "policy/ratio_mean": totals["ratio"] / steps,
-            KL_MEAN: totals["kl"] / max(tally.kl_steps, 1),
+            POLICY_LOSS: total.loss / steps,
+            CLIP_FRACTION: total.clip_fraction / steps,
+            ENTROPY: total.entropy / steps,
+            "policy/grad_norm": total.grad_norm / steps,
+            "policy/ratio_mean": total.ratio / steps,
+            KL_MEAN: total.kl / max(tally.kl_steps, 1),
             OPTIMIZER_STEPS: float(steps),
             "policy/micro_batches": float(tally.micro_steps),
             "policy/lr": trainer.optimizer.param_groups[0]["lr"],
             "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
             "policy/padding_share": 1.0 - tokens / max(summed["padded"], 1.0),  # of the forward passes' positions
         }
-        | {f"policy/{key}": totals[key] / steps for key in totals.keys() - STANDARD_STATS - set(tally.off_policy)}
+        | {f"policy/{key}": value / steps for key, value in total.extra.items()}
     )

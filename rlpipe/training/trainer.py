@@ -42,7 +42,6 @@ from rlpipe.training.batching import (
 from rlpipe.training.checkpoints import load_sealed, matches_sealed, replay_plan, save_state
 from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
-    all_sum,
     clip_grad_norm,
     full_model_state,
     init_from_torchrun,
@@ -60,7 +59,7 @@ from rlpipe.training.off_policy import (
     sampled_by,
 )
 from rlpipe.training.sealing import Served, load_masters, seal_new_version, served_from_version, stores_serving_copy
-from rlpipe.training.tally import Tally, update_metrics
+from rlpipe.training.tally import StepStats, Tally, update_metrics
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -228,7 +227,7 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     if pairs and not rows:
         return {OPTIMIZER_STEPS: 0.0, "policy/pairs": 0.0}
     minis = mini_batches(rows, spec.trainer.mini_batches, objective.unit)
-    tally = Tally.start(trainer.critic is not None, objective.correction)
+    tally = Tally()
     if trainer.checkpoint_writer is not None:  # the last checkpoint reads what the optimizer steps change
         trainer.checkpoint_writer.join()
         trainer.checkpoint_writer = None
@@ -237,9 +236,9 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
     for _ in range(spec.trainer.epochs):
         for mini in minis:
             set_learning_rates(trainer, objective, (iteration - 1) * spec.trainer.epochs * len(minis) + tally.steps)
-            step, kl_measured = accumulate_gradients(trainer, objective, mini, tally)
+            step = accumulate_gradients(trainer, objective, mini, tally)
             optimizer_step(trainer, step, iteration)
-            tally.add(step, kl_measured)
+            tally.add(step)
     metrics = update_metrics(trainer, tally, started, proximal_s, prefetched)
     return metrics | ({"policy/pairs": len(rows) / 2} if pairs else {})
 
@@ -255,21 +254,18 @@ def set_learning_rates(trainer: Trainer, objective: Objective, global_step: int)
             group["lr"] = objective.critic_lr * warmup
 
 
-def accumulate_gradients(
-    trainer: Trainer, objective: Objective, mini: list[dict], tally: Tally
-) -> tuple[dict[str, float], bool]:
+def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict], tally: Tally) -> StepStats:
     """Forward and backward passes over this process's micro-batches of a mini-batch, their gradients
     accumulating (weights: micro_batch_weight); gradients scale by the number of processes, which FSDP
-    averages over. Returns the step's metrics summed over processes, and whether it measured the KL."""
+    averages over. Returns the step's statistics, summed over processes."""
     completion_tokens = float(sum(map(trained_tokens, mini)))
     # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
     # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
     use_reference = trainer.reference is not None and (objective.reference_each_step or tally.steps == 0)
-    kl_measured = use_reference
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.critic is not None:
         trainer.critic.optimizer.zero_grad(set_to_none=True)
-    step = dict.fromkeys([*tally.totals, *tally.off_policy], 0.0)
+    step = StepStats(kl_measured=use_reference)
     for part, present in rank_parts(mini, trainer.spec.trainer.micro_batch_tokens, objective.unit):
         mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
@@ -279,15 +275,11 @@ def accumulate_gradients(
         measure = None
         if tally.steps == 0 and present and mb.old_logprobs is not None:
             measure = sampled_by(part, trainer.weights["version"])
-        added = micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
-        tally.weight_max = max(tally.weight_max, added.pop("is_weight_max", 0.0))
-        kl_measured |= "kl" in added
-        for key, value in added.items():
-            step[key] = step.get(key, 0.0) + value
+        step += micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
         tally.tokens += int(present * mb.attention.sum())
         tally.padded += int(present * mb.attention.numel())
         tally.micro_steps += 1
-    return all_sum(step, trainer.policy.device), kl_measured
+    return step.summed(trainer.policy.device)
 
 
 def micro_step(
@@ -299,12 +291,12 @@ def micro_step(
     use_reference: bool,
     measure: torch.Tensor | None = None,
     mismatch: list[torch.Tensor] | None = None,
-) -> dict[str, float]:
+) -> StepStats:
     """One micro-batch's forward and backward passes: the policy's loss back-propagated with weight
     `weight`, the critic's (a token mean) with `share` = T_j / T, both times the number of processes.
-    Returns what it adds to the step's metrics: token means by `share`, the loss and the algorithm's
-    own statistics by `weight`, is_weight_max as it is. `measure` ([B] bool): rows the policy's weights
-    sampled, whose log-prob differences to the sampler's are appended to `mismatch`."""
+    Returns its part of the step's statistics: token means by `share`, the loss and the algorithm's own
+    statistics by `weight`. `measure` ([B] bool): rows the policy's weights sampled, whose log-prob
+    differences to the sampler's are appended to `mismatch`."""
     processes = world()[1]
     logprobs, entropy = completion_logprobs_and_entropy(
         trainer.policy,
@@ -319,12 +311,9 @@ def micro_step(
     ref_logprobs = mb.ref_logprobs  # computed once (offline DPO), else the reference's
     if use_reference and ref_logprobs is None:
         ref_logprobs = reference_logprobs(trainer, mb, objective.temperature)
-    added: dict[str, float] = {}
-    advantages, old_logprobs = mb.advantages, mb.old_logprobs
+    advantages, old_logprobs, is_stats = mb.advantages, mb.old_logprobs, {}
     if objective.correction is not None:
         advantages, old_logprobs, is_stats = decoupled(mb, objective.correction)
-        added["is_weight_max"] = is_stats.pop("is_weight_max")
-        added |= {key: share * value for key, value in is_stats.items()}
     terms = objective.loss_terms(PolicyInputs(logprobs, old_logprobs, advantages, mb.completion_mask, ref_logprobs))
     loss = terms.loss
     if objective.entropy_coef:  # L - c H, H aggregated as the loss is
@@ -332,20 +321,24 @@ def micro_step(
         loss = loss - objective.entropy_coef * aggregate(entropy, mask_f, objective.aggregation, objective.length_norm)
         entropy = entropy.detach()
     (processes * weight * loss).backward()
+    mask = mb.completion_mask  # entropy: averaged over completion tokens
+    stats = StepStats(
+        loss=weight * loss.item(),
+        entropy=share * float((entropy * mask).sum() / mask.sum().clamp(min=1)),
+        clip_fraction=share * float(terms.clip_fraction),
+        ratio=share * float(terms.ratio),
+        kl=share * float(terms.kl) if ref_logprobs is not None else 0.0,
+        kl_measured=ref_logprobs is not None,
+        is_weight_max=is_stats.pop("is_weight_max", 0.0),
+        off_policy={key: share * value for key, value in is_stats.items()},
+        extra={key: weight * float(value) for key, value in terms.extra.items()},  # DPO's preference_accuracy, ...
+    )
+    if terms.dual_clip_fraction is not None:
+        stats.dual_clip_fraction = share * float(terms.dual_clip_fraction)
     if trainer.critic is not None:
         value = value_step(trainer.critic, objective.value_loss, mb, processes * share, autocast(trainer))
-        added["value_loss"] = share * value.loss.item()
-        added["value_clip_fraction"] = share * float(value.clip_fraction)
-    mask = mb.completion_mask  # entropy: averaged over completion tokens
-    added["entropy"] = share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
-    added["loss"] = weight * loss.item()
-    added["clip_fraction"] = share * float(terms.clip_fraction)
-    added["ratio"] = share * float(terms.ratio)
-    if terms.dual_clip_fraction is not None:
-        added["dual_clip_fraction"] = share * float(terms.dual_clip_fraction)
-    if ref_logprobs is not None:
-        added["kl"] = share * float(terms.kl)
-    return added | {key: weight * float(value) for key, value in terms.extra.items()}  # DPO's preference_accuracy, ...
+        stats.value_loss, stats.value_clip_fraction = share * value.loss.item(), share * float(value.clip_fraction)
+    return stats
 
 
 def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> torch.Tensor:
@@ -357,24 +350,23 @@ def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> 
         return completion_logprobs_and_entropy(reference, mb, temperature, chunk_tokens, precision=autocast(trainer))[0]
 
 
-def optimizer_step(trainer: Trainer, step: dict[str, float], iteration: int) -> None:
+def optimizer_step(trainer: Trainer, step: StepStats, iteration: int) -> None:
     """Clip the policy's gradients (and the critic's) to trainer.max_grad_norm and step, recording the norms
     in `step`; a non-finite loss or norm raises NonFiniteLossError before anything moves."""
     max_norm = trainer.spec.trainer.max_grad_norm
-    grad_norm = clip_grad_norm(trainer.policy, max_norm)
+    step.grad_norm = float(clip_grad_norm(trainer.policy, max_norm))
     if trainer.critic is not None:
-        step["critic_grad_norm"] = float(clip_grad_norm(trainer.critic.model, max_norm))
-    finite = [step["loss"], step.get("value_loss", 0.0), float(grad_norm), step.get("critic_grad_norm", 0.0)]
+        step.critic_grad_norm = float(clip_grad_norm(trainer.critic.model, max_norm))
+    finite = [step.loss, step.value_loss or 0.0, step.grad_norm, step.critic_grad_norm or 0.0]
     if not all(math.isfinite(value) for value in finite):
         raise NonFiniteLossError(
-            f"iteration {iteration}: loss {step['loss']} / grad norm {grad_norm.item()} is not finite; "
+            f"iteration {iteration}: loss {step.loss} / grad norm {step.grad_norm} is not finite; "
             "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
             "functions for extreme values; then run again: the loop resumes from the last version."
         )
     trainer.optimizer.step()
     if trainer.critic is not None:
         trainer.critic.optimizer.step()
-    step["grad_norm"] = float(grad_norm)
 
 
 def save_trained(
