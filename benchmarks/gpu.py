@@ -98,8 +98,40 @@ def peak_memory_gib(device: torch.device, rss_before: int) -> float:
     return (high_water - rss_before) / 1024**3
 
 
-def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
+def measure_generation(
+    model: torch.nn.Module, args: argparse.Namespace, device: torch.device, vocab: int, update_s: float
+) -> dict:
+    """Torch-engine generation speed of `model`, and the iteration's compute with the update's `update_s`."""
     from rlpipe.engines.torch_engine import sample
+
+    model.eval()
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
+    sample(model, prompts[:2], 2, eos_id=-1, pad_id=0, bf16=args.dtype == "bfloat16")  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.time()
+    out = sample(
+        model,
+        prompts,
+        args.new_tokens,
+        eos_id=-1,  # no early stop: every row generates new_tokens
+        pad_id=0,
+        generator=torch.Generator(device=device).manual_seed(0),
+        bf16=args.dtype == "bfloat16",
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    generate_s = time.time() - started
+    generated = sum(map(len, out.token_ids))
+    return {
+        "generate_tokens_per_s": round(generated / generate_s, 1),
+        "generate_s": round(generate_s, 3),
+        "iteration_compute_s": round(update_s + generate_s, 3),
+    }
+
+
+def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
+    """One shape and mode: the update's speed, MFU and peak memory, then (full only) generation."""
     from rlpipe.modeling import add_lora
     from rlpipe.spec import LoraSpec, parse_spec
     from rlpipe.training.trainer import Trainer, train_on_batch
@@ -161,36 +193,12 @@ def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.devi
         "micro_batches": metrics["policy/micro_batches"],
         "peak_memory_gib": round(update_memory, 2),
     }
-    if lora:
+    if lora:  # LoRA samples merged: its generation is the full model's
         return result
-
-    model.eval()
-    prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
-    sample(model, prompts[:2], 2, eos_id=-1, pad_id=0, bf16=args.dtype == "bfloat16")  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.time()
-    out = sample(
-        model,
-        prompts,
-        args.new_tokens,
-        eos_id=-1,  # no early stop: every row generates new_tokens
-        pad_id=0,
-        generator=torch.Generator(device=device).manual_seed(0),
-        bf16=args.dtype == "bfloat16",
-    )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    generate_s = time.time() - started
-    generated = sum(map(len, out.token_ids))
-    return result | {
-        "generate_tokens_per_s": round(generated / generate_s, 1),
-        "generate_s": round(generate_s, 3),
-        "iteration_compute_s": round(update_s + generate_s, 3),
-    }
+    return result | measure_generation(model, args, device, vocab, update_s)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
@@ -206,7 +214,38 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--smoke", action="store_true", help="the CPU path at tiny batches (any --device): seconds")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, settings: dict) -> list[str]:
+    """The results as the command line, the machine and a markdown table."""
+    lines = [
+        f"`python benchmarks/gpu.py --device {args.device}{' --smoke' if args.smoke else ''}` on {machine}; "
+        f"torch {torch.__version__}; {settings}",
+        "",
+        "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
+        "| generation tokens/s | generate + update |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        mfu = "n/a (CPU)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        cells = [
+            r["shape"],
+            r["mode"],
+            f"{r['trained_parameters'] / 1e6:.1f}M of {r['parameters'] / 1e6:.0f}M",
+            f"{r['update_tokens_per_s']:.0f}",
+            f"{r['update_tflops']:.2f}",
+            mfu,
+            f"{r['peak_memory_gib']:.2f} GiB",
+            f"{r['generate_tokens_per_s']:.0f}" if "generate_s" in r else "(as full)",
+            f"{r['iteration_compute_s']:.1f} s" if "generate_s" in r else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
     from rlpipe.devices import resolve_device
@@ -242,28 +281,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     machine = describe_machine()
     settings = {k: getattr(args, k) for k in [*defaults, "lora_rank"]}
-    lines = [
-        f"`python benchmarks/gpu.py --device {args.device}{' --smoke' if args.smoke else ''}` on {machine}; "
-        f"torch {torch.__version__}; {settings}",
-        "",
-        "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
-        "| generation tokens/s | generate + update |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        mfu = "n/a (CPU)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        cells = [
-            r["shape"],
-            r["mode"],
-            f"{r['trained_parameters'] / 1e6:.1f}M of {r['parameters'] / 1e6:.0f}M",
-            f"{r['update_tokens_per_s']:.0f}",
-            f"{r['update_tflops']:.2f}",
-            mfu,
-            f"{r['peak_memory_gib']:.2f} GiB",
-            f"{r['generate_tokens_per_s']:.0f}" if "generate_s" in r else "(as full)",
-            f"{r['iteration_compute_s']:.1f} s" if "generate_s" in r else "",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = markdown_lines(args, results, machine, settings)
     print("\n".join(lines))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"gpu_{device.type}.md").write_text("\n".join(lines) + "\n")

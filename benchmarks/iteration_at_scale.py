@@ -47,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlpipe.spec import RunSpec, parse_spec
+
 RESULTS = Path(__file__).with_name("results")
 SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (as benchmarks/gpu.py)
@@ -159,10 +161,6 @@ def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) 
     }
 
 
-def folder_bytes(path: str) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
 def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
     """Seconds to bring a sampler holding v0 to v1 in place: the delta's elements written into the held
     model (a delta version), the new safetensors into it (whole), or the new adapter onto the held base
@@ -214,24 +212,19 @@ def written_bytes(run_root: str, ref: dict) -> int:
     (when a checkpoint was due), the batch kept to replay it (when not)."""
     optimizer = [*Path(run_root, "optimizer").glob(f"v{ref['version']:06d}.*")]
     optimizer += Path(run_root, "optimizer", "replay").glob(f"v{ref['version']:06d}.*")
-    return folder_bytes(ref["uri"]) + sum(f.stat().st_size for f in optimizer if not f.name.endswith(".tmp"))
+    version = sum(f.stat().st_size for f in Path(ref["uri"]).rglob("*") if f.is_file())
+    return version + sum(f.stat().st_size for f in optimizer if not f.name.endswith(".tmp"))
 
 
-def memory_gib(device: str) -> float:
-    """What the process holds now: RSS (CPU), or torch's allocated memory (GPU)."""
+def memory_gib(device: str, peak: bool = False) -> float:
+    """What the process holds now, or at most since reset_peak_memory: RSS (CPU), or torch's allocated
+    memory (GPU)."""
     import torch
 
     if device == "cuda":
-        return torch.cuda.memory_allocated() / 1024**3
-    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024**2
-
-
-def peak_memory_gib(device: str) -> float:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 1024**3
-    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024**2
+        return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 1024**3
+    field = "VmHWM:" if peak else "VmRSS:"
+    return int(Path("/proc/self/status").read_text().split(field)[1].split()[0]) / 1024**2
 
 
 def one_run(args: argparse.Namespace, lora: bool) -> dict:
@@ -248,27 +241,33 @@ def one_run(args: argparse.Namespace, lora: bool) -> dict:
         shutil.rmtree(work, ignore_errors=True)  # GBs: model, its cached copy, v0, v1, optimizer state
 
 
-def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
-    """Two iterations with the trainer held in this process between them, as the resident trainer holds
-    it (trainer.resident: what real sizes run); the figures are the second iteration's."""
+def start_run(args: argparse.Namespace, lora: bool, work: Path) -> tuple[RunSpec, str, dict, dict]:
+    """The model built, the run prepared and v0 published: (spec, run root, v0, the seconds it took)."""
     from rlpipe import loop
-    from rlpipe.engines import Policy, generate_rollouts
-    from rlpipe.spec import parse_spec
-    from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
     model_dir = work / "model"
     started = time.time()
     parameters = build_model_dir(args.shape, model_dir)
     built_s = time.time() - started
-    data = spec_for(args, model_dir, work / "runs", lora)
-    spec = parse_spec(data)
+    spec = parse_spec(spec_for(args, model_dir, work / "runs", lora))
     run_root = str(work / "runs" / spec.name)
-    cache = spec.cache_root
     loop.prepare(spec, run_root)
     started = time.time()
-    staged, warm_metrics = loop.warm_start(spec, run_root, cache)
+    staged, warm_metrics = loop.warm_start(spec, run_root, spec.cache_root)
     weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm_metrics)
-    v0_s = time.time() - started
+    setup = {"parameters": parameters, "build_model_s": round(built_s, 1)}
+    return spec, run_root, weights, setup | {"publish_v0_s": round(time.time() - started, 1)}
+
+
+def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
+    """Two iterations with the trainer held in this process between them, as the resident trainer holds
+    it (trainer.resident: what real sizes run); the figures are the second iteration's."""
+    from rlpipe import loop
+    from rlpipe.engines import Policy, generate_rollouts
+    from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+
+    spec, run_root, weights, setup = start_run(args, lora, work)
+    cache = spec.cache_root
     trainer = load_trainer(spec, run_root, weights, cache)
     for iteration in (1, 2):
         if iteration == 2:
@@ -281,25 +280,24 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         generated = generate_rollouts(spec, run_root, weights, iteration, paths["rollouts"], cache, policy=policy)
         scored = loop.score(spec, paths["rollouts"], paths["scored"])
         advantaged = loop.advantages(spec, paths["scored"], paths["batch"])
-        peaks = [peak_memory_gib(args.device)]
+        peaks = [memory_gib(args.device, peak=True)]
         reset_peak_memory(args.device)
         held = memory_gib(args.device)  # the update's working memory is what it adds to this
         trained_at = time.time()
         metrics = train_on_batch(trainer, paths["batch"], iteration)
         staged_at = time.time()
-        peaks.append(peak_memory_gib(args.device))
+        peaks.append(memory_gib(args.device, peak=True))
         reset_peak_memory(args.device)
         timings: dict[str, float] = {}
         staged = save_trained(trainer, iteration, cache, timings, batch_path=paths["batch"])
         synced_at = time.time()
         weights, _ = loop.sync_weights(spec, run_root, staged, iteration, generated, scored, advantaged, metrics)
         done = time.time()
-    peaks.append(peak_memory_gib(args.device))
+    peaks.append(memory_gib(args.device, peak=True))
     if trainer.checkpoint_writer is not None:
         trainer.checkpoint_writer.join()
     v2 = weights
     swap_s = swap_seconds(v1, v2, cache, args.device)
-    manifest = json.loads(Path(v2["uri"], "manifest.json").read_text())
     stage_s = synced_at - staged_at
     return {
         "shape": args.shape,
@@ -307,9 +305,7 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         "variant": args.variant,
         "settings": {"trainer.logit_chunk_tokens": spec.trainer.logit_chunk_tokens}
         | {f"storage.{k}": getattr(spec.storage, k) for k in ("weights_dtype", "full_every", "optimizer_every")},
-        "parameters": parameters,
-        "build_model_s": round(built_s, 1),
-        "publish_v0_s": round(v0_s, 1),
+        **setup,
         "generate_s": round(generated["time/generate_s"], 2),
         "generate_tokens_per_s": round(generated["throughput/generate_tokens_per_s"], 1),
         "score_s": round(scored["time/score_s"], 2),
@@ -328,14 +324,14 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         "update_working_memory_gib": round(peaks[1] - held, 2),
         "version_bytes": stored_bytes(v2),
         "whole_version_bytes": stored_bytes(v1),  # v1 is whole, in v2's dtype
-        "delta_of": manifest.get("delta_of"),
+        "delta_of": json.loads(Path(v2["uri"], "manifest.json").read_text()).get("delta_of"),
         "store_bytes_written": written_bytes(run_root, v2),
         "swap_in_sampler_s": round(swap_s, 3),
         "micro_batches": metrics["policy/micro_batches"],
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default qwen2.5-0.5b (--smoke: small)")
@@ -359,8 +355,11 @@ def main() -> None:
     parser.add_argument("--shape", help=argparse.SUPPRESS)  # set for the per-run child process
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     if args.shape:  # the child: one iteration, its figures as the last line; its files removed
         print(json.dumps(one_run(args, args.mode == "lora")), flush=True)
         return
@@ -382,14 +381,7 @@ def main() -> None:
         "micro_batch_tokens": 16384 if gpu else 1024,
     }
     if args.smoke:
-        defaults |= {
-            "prompts": 2,
-            "samples": 2,
-            "prompt_tokens": 8,
-            "new_tokens": 8,
-            "generate_batch": 4,
-            "micro_batch_tokens": 16,
-        }
+        defaults |= dict(prompts=2, samples=2, prompt_tokens=8, new_tokens=8, generate_batch=4, micro_batch_tokens=16)
     overridden = {key for key in defaults if getattr(args, key) is not None}
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -420,16 +412,8 @@ def main() -> None:
     command = f"python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} " + (
         f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "") + (" --compare" if args.compare else "")
     )
-    command += "".join(
-        f" --{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if k in overridden
-    )
-    record = {
-        "machine": machine,
-        "torch": torch.__version__,
-        "smoke": args.smoke,
-        "settings": settings,
-        "results": results,
-    }
+    command += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if k in overridden)
+    record = dict(machine=machine, torch=torch.__version__, smoke=args.smoke, settings=settings, results=results)
     headline = f"`{command}` on {machine}; torch {torch.__version__}; {settings}"
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
     print(write_results(results_dir, args.tag or ("cuda" if gpu else "cpu"), headline, record))
@@ -506,9 +490,8 @@ def write_results(results_dir: Path, tag: str, headline: str, record: dict) -> s
         lines += ["", "Side by side (iteration 2):", "", *comparison(compared)]
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"iteration_at_scale_{tag}.md").write_text("\n".join(lines) + "\n")
-    (results_dir / f"iteration_at_scale_{tag}.json").write_text(
-        json.dumps(record | {"headline": headline}, indent=2) + "\n"
-    )
+    as_json = json.dumps(record | {"headline": headline}, indent=2)
+    (results_dir / f"iteration_at_scale_{tag}.json").write_text(as_json + "\n")
     return "\n".join(lines)
 
 

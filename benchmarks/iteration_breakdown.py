@@ -146,6 +146,26 @@ def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
     return statistics.median(runs)
 
 
+def before_and_now(before: dict, table: dict, before_name: str, name: str) -> list[str]:
+    """Report lines comparing each step's orchestration with a run of older code."""
+    lines = [
+        "",
+        f"Orchestration (task wall - compute) per step: {before_name} (before) vs {name}",
+        "",
+        "| step | before | now |",
+        "|---|---|---|",
+    ]
+    for step in STEPS:
+        was, now = (t[step]["task_wall_s"] - t[step]["compute_s"] for t in (before, table))
+        lines.append(f"| {step} | {was:.2f} | {now:.2f} |")
+    b = before["iteration"]
+    return lines + [
+        "",
+        f"before: iteration wall {b['wall_s']:.1f} s = step compute {b['compute_s']:.1f} s + orchestration "
+        f"{b['orchestration_s']:.1f} s ({100 * b['orchestration_s'] / b['wall_s']:.1f}%)",
+    ]
+
+
 def main() -> None:
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
@@ -186,24 +206,9 @@ def main() -> None:
             f"| {step} | {r['task_wall_s']:.2f} | {r['interpreter_and_executor_s']:.2f} | {r['import_s']:.2f} "
             f"| {r['load_s']:.2f} | {r['compute_s']:.2f} |"
         )
-    if args.before:
-        before = average_breakdown(args.before)
-        lines += [
-            "",
-            f"Orchestration (task wall - compute) per step: {args.before.name} (before) vs {args.run_dir.name}",
-            "",
-            "| step | before | now |",
-            "|---|---|---|",
-        ]
-        for step in STEPS:
-            was, now = (t[step]["task_wall_s"] - t[step]["compute_s"] for t in (before, table))
-            lines.append(f"| {step} | {was:.2f} | {now:.2f} |")
-        b = before["iteration"]
-        lines += [
-            "",
-            f"before: iteration wall {b['wall_s']:.1f} s = step compute {b['compute_s']:.1f} s + orchestration "
-            f"{b['orchestration_s']:.1f} s ({100 * b['orchestration_s'] / b['wall_s']:.1f}%)",
-        ]
+    before = average_breakdown(args.before) if args.before else None
+    if before is not None:
+        lines += before_and_now(before, table, args.before.name, args.run_dir.name)
     lines += [
         "",
         f"iteration wall {it['wall_s']:.1f} s = step compute {it['compute_s']:.1f} s + orchestration "
@@ -223,7 +228,7 @@ def main() -> None:
     payload = {
         "machine": describe_machine(),
         "breakdown": table,
-        "before": average_breakdown(args.before) if args.before else None,
+        "before": before,
         "imports_visible_s": visible,
         "imports_hidden_s": hidden,
         "cold_update_default_malloc_s": default_s,

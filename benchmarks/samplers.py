@@ -250,6 +250,77 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     return gen, reload
 
 
+def generation_lines(gen: dict, spec: RunSpec) -> list[str]:
+    """Part 1's table: generation tokens/s per engine."""
+    lines = [
+        f"## Generation tokens/s (demo model shape, random init; {spec.rollout.prompts_per_iteration} prompts x "
+        f"{spec.rollout.samples_per_prompt} samples, fixed length)",
+        "",
+        "| completion tokens | torch engine | vLLM in-step | vLLM ratio | sampler service, 1 replica | 2 replicas |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, r in gen.items():
+        lines.append(
+            f"| {key.split('_')[0]} | {r['torch']:.0f} | {r['vllm_in_step']:.0f} | "
+            f"{r['vllm_in_step'] / r['torch']:.2f}x | {r['service_1_replica']:.0f} | {r['service_2_replicas']:.0f} |"
+        )
+    return lines
+
+
+def reload_lines(reload: dict) -> list[str]:
+    """Part 2's table: publish + reload per model size."""
+    lines = [
+        "",
+        "## Publish + in-place reload (median of alternating versions; the seeds' anchor: ~1.1 s)",
+        "",
+        "| model | size on disk | write (copy) | save_pretrained | seal + publish | reload | reload s/GB | "
+        "server cold start |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in reload.items():
+        lines.append(
+            f"| {name} | {r['size_gb'] * 1000:.1f} MB | {r['write_s']:.2f} s | {r['save_pretrained_s']:.2f} s | "
+            f"{r['seal_and_publish_s']:.2f} s | {r['reload_s']:.2f} s | {r['reload_s_per_gb']:.2f} | "
+            f"{r['server_start_s']:.0f} s |"
+        )
+    if "qwen2_0.5b_shape" in reload:
+        large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
+        lines += [
+            "",
+            f"(~0.5B model: Qwen2.5-0.5B's shape, {large_params / 1e6:.0f}M parameters with tied 151936-token "
+            "embeddings, random init, bf16 on disk, served fp32 on CPU)",
+        ]
+    return lines
+
+
+def pipeline_lines(pipelines: dict, iterations: int) -> list[str]:
+    """Part 3's table: seconds per iteration under `rlpipe run`, per engine."""
+    lines = [
+        "",
+        f"## Seconds per iteration under `rlpipe run` (demo spec, {iterations} iterations per engine)",
+        "",
+        "| rollout.engine (replicas) | generate task wall | generate imports + model load | generate compute | "
+        "sampler reload (in sync_weights) | update task wall | iteration wall | orchestration |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, t in pipelines.items():
+        g = t["generate"]
+        lines.append(
+            f"| {label} | {g['task_wall_s']:.2f} | {g['import_s'] + g['load_s']:.2f} | {g['compute_s']:.2f} | "
+            f"{g['reload_s']:.2f} | {t['update']['task_wall_s']:.2f} | {t['iteration']['wall_s']:.2f} | "
+            f"{t['iteration']['orchestration_s']:.2f} |"
+        )
+    if "torch" in pipelines:
+        base = pipelines["torch"]["iteration"]
+        for label in [label for label in pipelines if label != "torch"]:
+            it = pipelines[label]["iteration"]
+            lines.append(
+                f"\n{label} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
+                f"{it['orchestration_s'] / base['orchestration_s']:.2f}x"
+            )
+    return lines
+
+
 def main() -> None:
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
@@ -298,61 +369,8 @@ def main() -> None:
         + (" (part 3 only: parts 1-2 from the previous results)" if args.only_pipelines else "")
         + (" (--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more)" if args.smoke else ""),
         "",
-        f"## Generation tokens/s (demo model shape, random init; {spec.rollout.prompts_per_iteration} prompts x "
-        f"{spec.rollout.samples_per_prompt} samples, fixed length)",
-        "",
-        "| completion tokens | torch engine | vLLM in-step | vLLM ratio | sampler service, 1 replica | 2 replicas |",
-        "|---|---|---|---|---|---|",
     ]
-    for key, r in gen.items():
-        lines.append(
-            f"| {key.split('_')[0]} | {r['torch']:.0f} | {r['vllm_in_step']:.0f} | "
-            f"{r['vllm_in_step'] / r['torch']:.2f}x | {r['service_1_replica']:.0f} | {r['service_2_replicas']:.0f} |"
-        )
-    lines += [
-        "",
-        "## Publish + in-place reload (median of alternating versions; the seeds' anchor: ~1.1 s)",
-        "",
-        "| model | size on disk | write (copy) | save_pretrained | seal + publish | reload | reload s/GB | "
-        "server cold start |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in reload.items():
-        lines.append(
-            f"| {name} | {r['size_gb'] * 1000:.1f} MB | {r['write_s']:.2f} s | {r['save_pretrained_s']:.2f} s | "
-            f"{r['seal_and_publish_s']:.2f} s | {r['reload_s']:.2f} s | {r['reload_s_per_gb']:.2f} | "
-            f"{r['server_start_s']:.0f} s |"
-        )
-    if "qwen2_0.5b_shape" in reload:
-        large_params = reload["qwen2_0.5b_shape"]["size_gb"] * 1e9 / 2  # bf16: 2 bytes per parameter
-        lines += [
-            "",
-            f"(~0.5B model: Qwen2.5-0.5B's shape, {large_params / 1e6:.0f}M parameters with tied 151936-token "
-            "embeddings, random init, bf16 on disk, served fp32 on CPU)",
-        ]
-    lines += [
-        "",
-        f"## Seconds per iteration under `rlpipe run` (demo spec, {args.iterations} iterations per engine)",
-        "",
-        "| rollout.engine (replicas) | generate task wall | generate imports + model load | generate compute | "
-        "sampler reload (in sync_weights) | update task wall | iteration wall | orchestration |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for label, t in pipelines.items():
-        g = t["generate"]
-        lines.append(
-            f"| {label} | {g['task_wall_s']:.2f} | {g['import_s'] + g['load_s']:.2f} | {g['compute_s']:.2f} | "
-            f"{g['reload_s']:.2f} | {t['update']['task_wall_s']:.2f} | {t['iteration']['wall_s']:.2f} | "
-            f"{t['iteration']['orchestration_s']:.2f} |"
-        )
-    if "torch" in pipelines:
-        base = pipelines["torch"]["iteration"]
-        for label in [label for label in pipelines if label != "torch"]:
-            it = pipelines[label]["iteration"]
-            lines.append(
-                f"\n{label} vs torch: iteration wall {it['wall_s'] / base['wall_s']:.2f}x, orchestration "
-                f"{it['orchestration_s'] / base['orchestration_s']:.2f}x"
-            )
+    lines += generation_lines(gen, spec) + reload_lines(reload) + pipeline_lines(pipelines, args.iterations)
     report = "\n".join(lines)
     print(report)
     results.mkdir(parents=True, exist_ok=True)

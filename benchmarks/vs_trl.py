@@ -114,99 +114,7 @@ def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
     return run_root, read_ref(run_root, 0)["uri"]
 
 
-VERIFIER = "rlpipe.rewards.verifiers:exact_match"
 TRL_LABELS = {"trl": "TRL", "trl_same_batch": "TRL same batch"}
-
-
-def run_trl(args: argparse.Namespace) -> None:
-    """Child process: TRL GRPOTrainer on the reference model; prints one JSON line of results."""
-    import pyarrow.parquet as pq
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlpipe.evaluation import greedy_accuracy
-    from rlpipe.modeling import load_tokenizer
-    from rlpipe.rewards.verifiers import exact_match
-
-    torch.set_num_threads(1)
-    run_root, model_dir = args.run_root, args.model_dir
-    per_step = args.trl_per_step
-    train = pq.read_table(f"{run_root}/data/train.parquet").to_pylist()
-    held_out = pq.read_table(f"{run_root}/data/eval.parquet").to_pylist()
-    tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-    def reward(prompts, completions, reference, **_):
-        return exact_match(prompts, completions, reference)
-
-    curve: list[dict] = []
-
-    class HeldOut(TrainerCallback):
-        eval_s = 0.0
-
-        def on_step_end(self, _args, state, control, **kwargs):
-            if state.global_step % args.trl_eval_every and state.global_step < args.trl_steps:
-                return
-            t = time.time()
-            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
-            HeldOut.eval_s += 0.0 if args.clock_includes_eval else time.time() - t
-            curve.append(
-                {"samples": state.global_step * per_step, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
-            )
-
-    config = GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl-out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        seed=args.seed,
-        per_device_train_batch_size=per_step,  # completions per optimizer step
-        steps_per_generation=args.trl_steps_per_generation,
-        num_generations=args.trl_generations,
-        learning_rate=args.trl_lr,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=10,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,  # as rlpipe's demo (TRL's default is on: ~20% slower, less memory)
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        max_completion_length=args.trl_new_tokens,
-        temperature=1.0,
-        top_k=0,
-        max_steps=args.trl_steps,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        processing_class=tokenizer,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=Dataset.from_list([{"prompt": r["prompt"], "reference": r["reference"]} for r in train]),
-        callbacks=[HeldOut()],
-    )
-    t = time.time()
-    accuracy = greedy_accuracy(model, tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
-    curve.append({"samples": 0, "acc": accuracy})
-    HeldOut.eval_s = 0.0 if args.clock_includes_eval else time.time() - t
-    trainer.train()
-    finished = time.time()
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    completion_tokens = statistics.fmean(lengths) * per_step * args.trl_steps if lengths else 0.0
-    result = {
-        "curve": curve,
-        "finished_at": finished,
-        "eval_s": HeldOut.eval_s,
-        "samples": per_step * args.trl_steps,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens": prompt_tokens_mean(run_root) * per_step * args.trl_steps,
-    }
-    Path(args.out).write_text(json.dumps(result))
 
 
 def trl_batches(spec: RunSpec) -> dict[str, tuple[int, int]]:
@@ -287,15 +195,8 @@ def rlpipe_once(
     (unless `clock_includes_eval`). `per_iteration`: completions per iteration (the demo: 4096)."""
     run_dir = work / f"rlpipe-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
-    command = [
-        sys.executable,
-        "-m",
-        "rlpipe.pipelines.cli",
-        "run",
-        str(path),
-        "--run-dir",
-    ]
-    command += [str(run_dir), "--iterations", str(iterations)]
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(path), "--run-dir", str(run_dir)]
+    command += ["--iterations", str(iterations)]
     for key, value in {
         **settings,
         "seed": seed,
@@ -352,9 +253,128 @@ def _cell(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.3f}" if value < 10 else f"{value:.0f}"
 
 
-def main() -> None:
+def summarize(runs: dict[str, list[dict]], target: float, budget: int) -> tuple[dict, dict]:
+    """Each system's figures over its seeds (time to `target`, accuracy at the sample `budget`, throughputs,
+    peak memory), and the per-seed ones."""
+    summary: dict[str, dict[str, float | None]] = {}
+    per_seed: dict[str, dict[str, list]] = {}
+    for system, results in runs.items():
+        times = [time_to(r["curve"], target) for r in results]
+        reached = [t for t in times if t is not None]
+        summary[system] = {
+            "time_to_target_s": statistics.median(reached) if len(reached) == len(times) else None,
+            "reached": float(len(reached)),
+            "accuracy_at_budget": statistics.fmean(accuracy_at(r["curve"], budget) for r in results),
+            "final_accuracy": statistics.fmean(r["curve"][-1]["acc"] for r in results),
+            "samples_per_s": statistics.fmean(r["samples"] / r["train_wall_s"] for r in results),
+            "generated_tokens_per_s": statistics.fmean(r["completion_tokens"] / r["train_wall_s"] for r in results),
+            "training_tokens_per_s": statistics.fmean(
+                (r["completion_tokens"] + r["prompt_tokens"]) / r["train_wall_s"] for r in results
+            ),
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
+        }
+        per_seed[system] = {
+            "time_to_target_s": times,
+            "accuracy_at_budget": [accuracy_at(r["curve"], budget) for r in results],
+        }
+    summary["rlpipe"]["orchestration_s_per_iteration"] = statistics.fmean(
+        r["orchestration_s_per_iteration"] for r in runs["rlpipe"]
+    )
+    return summary, per_seed
+
+
+def header_lines(
+    args: argparse.Namespace, spec: RunSpec, seeds: int, duration: float, commit: str, target_text: str, budget: int
+) -> list[str]:
+    """What ran, where and how: the report's lines above its tables."""
+    import torch
+    import trl
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
+    length = "smoke" if args.smoke else "quick" if args.quick else "full"
+    settings = RLPIPE_SETTINGS[args.rlpipe]
+    prompts, group = spec.rollout.prompts_per_iteration, spec.rollout.samples_per_prompt
+    (trl_step, _), (same_step, same_steps) = trl_batches(spec).values()
+    return [
+        f"# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py{'' if length == 'full' else ' --' + length})",
+        "",
+        f"machine: {describe_machine()}, 1 torch thread; torch {torch.__version__}, trl {trl.__version__}; "
+        f"commit {commit}; {seeds} seed(s); date {time.strftime('%Y-%m-%d')}; "
+        f"benchmark wall {duration:.0f} s",
+        *(["", args.note] if args.note else []),
+        *(["", "--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more"] if args.smoke else []),
+        "",
+        f"rlpipe: `rlpipe run {args.spec.resolve().relative_to(REPO)}` on kfp.local with "
+        + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
+        + f" ({prompts} prompts x {group} per iteration, {spec.trainer.mini_batches} mini-batches); TRL: GRPOTrainer, "
+        f"{trl_step // group} prompts x {group} per step; TRL same batch: GRPOTrainer with rlpipe's batch structure "
+        f"({same_step} completions per step, {same_steps} steps per generation of {prompts} prompts x {group}). "
+        "Every seed starts from the same warm-started model and data (seed 0's); seeds vary the RL run. "
+        "Clocks start when each system's first process starts.",
+        "",
+        f"target: held-out greedy accuracy >= {target_text}; "
+        f"equal sample budget: {budget} completions; held-out evaluation every {args.eval_every} iteration(s)' "
+        f"worth, its time {'kept on' if args.clock_includes_eval else 'taken off'} every clock; throughputs are "
+        "per second of training wall time (training tokens = prompt + completion tokens of the sampled batches)",
+        "",
+    ]
+
+
+def comparison_lines(summary: dict, per_seed: dict, runs: dict[str, list[dict]]) -> list[str]:
+    """rlpipe's figures against each TRL run's, with the ratios; per seed; rlpipe's orchestration."""
+    trl_systems = list(runs)[1:]
+    lines = [
+        "| | rlpipe | "
+        + " | ".join(TRL_LABELS[s] for s in trl_systems)
+        + " | "
+        + " | ".join(f"rlpipe / {TRL_LABELS[s]}" for s in trl_systems)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(trl_systems)),
+    ]
+    keys = [
+        ("time_to_target_s", "wall time to target (s)"),
+        ("accuracy_at_budget", "accuracy at equal sample budget"),
+        ("final_accuracy", "final accuracy"),
+        ("samples_per_s", "samples/s"),
+        ("generated_tokens_per_s", "generated tokens/s"),
+        ("training_tokens_per_s", "training tokens/s"),
+        ("peak_rss_gb", "peak RSS of the largest process (GB)"),
+    ]
+    for key, label in keys:
+        a, *others = (summary[system][key] for system in runs)
+        ratios = [f"{a / other:.2f}x" if a is not None and other else "n/a" for other in others]
+        lines.append(f"| {label} | {_cell(a)} | {' | '.join(map(_cell, others))} | {' | '.join(ratios)} |")
+    for key, label in (("time_to_target_s", "time to target (s)"), ("accuracy_at_budget", "accuracy at budget")):
+        cells = {s: ", ".join(_cell(v) for v in per_seed[s][key]) for s in per_seed}
+        lines.append(f"\nper seed, {label}: " + "; ".join(f"{s} {cells[s]}" for s in runs))
+    lines += [
+        "",
+        f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
+        f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
+        "load, KFP executor)",
+    ]
+    return lines
+
+
+def curve_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """Held-out accuracy by completions trained on, each system's mean over its seeds."""
+    trl_systems = list(runs)[1:]
+    curves = {system: [r["curve"] for r in results] for system, results in runs.items()}
+    lines = ["", "held-out greedy accuracy by completions trained on (mean over seeds; wall s in brackets):", ""]
+    lines += ["| completions | rlpipe | " + " | ".join(TRL_LABELS[s] for s in trl_systems) + " |"]
+    lines += ["|---|---|" + "---|" * len(trl_systems)]
+    evaluated = set.intersection(*({p["samples"] for c in curves[system] for p in c} for system in runs))
+    for samples in sorted(evaluated):
+        cells = []
+        for system in runs:
+            points = [next(p for p in c if p["samples"] == samples) for c in curves[system]]
+            acc = statistics.fmean(p["acc"] for p in points)
+            cells.append(f"{acc:.3f} ({statistics.fmean(p['wall_s'] for p in points):.0f} s)")
+        lines.append(f"| {samples} | {' | '.join(cells)} |")
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
     parser.add_argument("--smoke", action="store_true", help="1 seed at tiny sizes (benchmarks/smoke.yaml): ~a minute")
@@ -395,11 +415,17 @@ def main() -> None:
     parser.add_argument("--trl-generations", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--trl-new-tokens", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--trl-lr", type=float, default=5e-4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.run_trl:
         from rlpipe.optional_imports import hide_vision_and_audio
 
         hide_vision_and_audio()  # before TRL imports transformers (see rlpipe.optional_imports)
+        from trl_grpo import run_trl  # benchmarks/ is on sys.path when run as a script
+
         return run_trl(args)
 
     os.environ.update(THREADS_ENV)
@@ -447,100 +473,10 @@ def main() -> None:
     gain = args.gain if args.gain is not None else (0.25 if length == "full" else 0.15)
     target = args.target if args.target is not None else round(start_accuracy + gain, 3)
     target_note = "" if args.target is not None else f" (the warm-started model's {start_accuracy:.3f} + {gain})"
-    summary: dict[str, dict[str, float | None]] = {}
-    per_seed: dict[str, dict[str, list]] = {}
-    for system, results in runs.items():
-        times = [time_to(r["curve"], target) for r in results]
-        reached = [t for t in times if t is not None]
-        summary[system] = {
-            "time_to_target_s": statistics.median(reached) if len(reached) == len(times) else None,
-            "reached": float(len(reached)),
-            "accuracy_at_budget": statistics.fmean(accuracy_at(r["curve"], budget) for r in results),
-            "final_accuracy": statistics.fmean(r["curve"][-1]["acc"] for r in results),
-            "samples_per_s": statistics.fmean(r["samples"] / r["train_wall_s"] for r in results),
-            "generated_tokens_per_s": statistics.fmean(r["completion_tokens"] / r["train_wall_s"] for r in results),
-            "training_tokens_per_s": statistics.fmean(
-                (r["completion_tokens"] + r["prompt_tokens"]) / r["train_wall_s"] for r in results
-            ),
-            "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
-        }
-        per_seed[system] = {
-            "time_to_target_s": times,
-            "accuracy_at_budget": [accuracy_at(r["curve"], budget) for r in results],
-        }
-    summary["rlpipe"]["orchestration_s_per_iteration"] = statistics.fmean(
-        r["orchestration_s_per_iteration"] for r in runs["rlpipe"]
-    )
-
-    import torch
-    import trl
-
+    summary, per_seed = summarize(runs, target, budget)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    prompts, group = spec.rollout.prompts_per_iteration, spec.rollout.samples_per_prompt
-    (trl_step, _), (same_step, same_steps) = trl_batches(spec).values()
-    lines = [
-        f"# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py{'' if length == 'full' else ' --' + length})",
-        "",
-        f"machine: {describe_machine()}, 1 torch thread; torch {torch.__version__}, trl {trl.__version__}; "
-        f"commit {commit.stdout.strip()}; {seeds} seed(s); date {time.strftime('%Y-%m-%d')}; "
-        f"benchmark wall {duration:.0f} s",
-        *(["", args.note] if args.note else []),
-        *(["", "--smoke: benchmarks/smoke.yaml's sizes; the numbers say it runs, nothing more"] if args.smoke else []),
-        "",
-        f"rlpipe: `rlpipe run {args.spec.resolve().relative_to(REPO)}` on kfp.local with "
-        + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
-        + f" ({prompts} prompts x {group} per iteration, {spec.trainer.mini_batches} mini-batches); TRL: GRPOTrainer, "
-        f"{trl_step // group} prompts x {group} per step; TRL same batch: GRPOTrainer with rlpipe's batch structure "
-        f"({same_step} completions per step, {same_steps} steps per generation of {prompts} prompts x {group}). "
-        "Every seed starts from the same warm-started model and data (seed 0's); seeds vary the RL run. "
-        "Clocks start when each system's first process starts.",
-        "",
-        f"target: held-out greedy accuracy >= {target}{target_note}; "
-        f"equal sample budget: {budget} completions; held-out evaluation every {args.eval_every} iteration(s)' "
-        f"worth, its time {'kept on' if args.clock_includes_eval else 'taken off'} every clock; throughputs are "
-        "per second of training wall time (training tokens = prompt + completion tokens of the sampled batches)",
-        "",
-        "| | rlpipe | "
-        + " | ".join(TRL_LABELS[s] for s in trl_systems)
-        + " | "
-        + " | ".join(f"rlpipe / {TRL_LABELS[s]}" for s in trl_systems)
-        + " |",
-        "|---|---|" + "---|" * (2 * len(trl_systems)),
-    ]
-    keys = [
-        ("time_to_target_s", "wall time to target (s)"),
-        ("accuracy_at_budget", "accuracy at equal sample budget"),
-        ("final_accuracy", "final accuracy"),
-        ("samples_per_s", "samples/s"),
-        ("generated_tokens_per_s", "generated tokens/s"),
-        ("training_tokens_per_s", "training tokens/s"),
-        ("peak_rss_gb", "peak RSS of the largest process (GB)"),
-    ]
-    for key, label in keys:
-        a, *others = (summary[system][key] for system in runs)
-        ratios = [f"{a / other:.2f}x" if a is not None and other else "n/a" for other in others]
-        lines.append(f"| {label} | {_cell(a)} | {' | '.join(map(_cell, others))} | {' | '.join(ratios)} |")
-    for key, label in (("time_to_target_s", "time to target (s)"), ("accuracy_at_budget", "accuracy at budget")):
-        cells = {s: ", ".join(_cell(v) for v in per_seed[s][key]) for s in per_seed}
-        lines.append(f"\nper seed, {label}: " + "; ".join(f"{s} {cells[s]}" for s in runs))
-    lines += [
-        "",
-        f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
-        f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
-        "load, KFP executor)",
-    ]
-    curves = {system: [r["curve"] for r in results] for system, results in runs.items()}
-    lines += ["", "held-out greedy accuracy by completions trained on (mean over seeds; wall s in brackets):", ""]
-    lines += ["| completions | rlpipe | " + " | ".join(TRL_LABELS[s] for s in trl_systems) + " |"]
-    lines += ["|---|---|" + "---|" * len(trl_systems)]
-    evaluated = set.intersection(*({p["samples"] for c in curves[system] for p in c} for system in runs))
-    for samples in sorted(evaluated):
-        cells = []
-        for system in runs:
-            points = [next(p for p in c if p["samples"] == samples) for c in curves[system]]
-            acc = statistics.fmean(p["acc"] for p in points)
-            cells.append(f"{acc:.3f} ({statistics.fmean(p['wall_s'] for p in points):.0f} s)")
-        lines.append(f"| {samples} | {' | '.join(cells)} |")
+    lines = header_lines(args, spec, seeds, duration, commit.stdout.strip(), f"{target}{target_note}", budget)
+    lines += comparison_lines(summary, per_seed, runs) + curve_lines(runs)
     report = "\n".join(lines)
     print(report)
     results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)

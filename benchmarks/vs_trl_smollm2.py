@@ -29,12 +29,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from machine import describe_machine
 from vs_trl import THREADS_ENV, evaluate_intervals, run_measured
 
 from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -79,6 +83,38 @@ def prepared(spec: RunSpec, work: Path) -> tuple[str, str]:
     return run_root, resolve_model_source(spec.model.path, spec.cache_root)
 
 
+def grpo_config(args: argparse.Namespace, s: dict) -> GRPOConfig:
+    """TRL's settings: the hyperparameters both systems run with (`settings`)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(Path(args.out).parent / "trl-out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=args.seed,
+        per_device_train_batch_size=s["completions_per_step"],
+        steps_per_generation=s["optimizer_steps_per_generation"],
+        num_generations=s["samples_per_prompt"],
+        learning_rate=s["lr"],
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=s["warmup_steps"],
+        max_grad_norm=s["max_grad_norm"],
+        gradient_checkpointing=s["gradient_checkpointing"],
+        beta=s["kl"],
+        epsilon=s["clip"],
+        loss_type="grpo",
+        scale_rewards="group",
+        max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"],
+        top_k=s["top_k"],
+        max_steps=args.iterations * s["optimizer_steps_per_generation"],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+
+
 def run_trl(args: argparse.Namespace) -> None:
     """Child process: TRL GRPOTrainer (peft LoRA) on the converted model; writes its results as JSON."""
     import pyarrow.parquet as pq
@@ -86,7 +122,7 @@ def run_trl(args: argparse.Namespace) -> None:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlpipe.evaluation import greedy_samples, strict_scores
     from rlpipe.modeling import load_tokenizer
@@ -121,32 +157,7 @@ def run_trl(args: argparse.Namespace) -> None:
             generating["s"] += time.time() - t
 
     GRPOTrainer._generate = timed_generate
-    config = GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl-out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        seed=args.seed,
-        per_device_train_batch_size=s["completions_per_step"],
-        steps_per_generation=s["optimizer_steps_per_generation"],
-        num_generations=s["samples_per_prompt"],
-        learning_rate=s["lr"],
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=s["warmup_steps"],
-        max_grad_norm=s["max_grad_norm"],
-        gradient_checkpointing=s["gradient_checkpointing"],
-        beta=s["kl"],
-        epsilon=s["clip"],
-        loss_type="grpo",
-        scale_rewards="group",
-        max_completion_length=s["max_new_tokens"],
-        temperature=s["temperature"],
-        top_k=s["top_k"],
-        max_steps=args.iterations * s["optimizer_steps_per_generation"],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    config = grpo_config(args, s)
     lora = LoraConfig(
         r=s["lora"]["rank"], lora_alpha=s["lora"]["alpha"], target_modules=s["lora"]["targets"], lora_dropout=0.0
     )

@@ -236,6 +236,29 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE")
 
 
+def _cluster_commands(sub: argparse._SubParsersAction) -> None:
+    """compile, submit and schedule: the commands that put the pipeline on a cluster."""
+    comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
+    comp.add_argument("spec")
+    comp.add_argument("-o", "--output", required=True, help="output YAML path")
+    comp.add_argument("--run-root", help="run root the cluster steps use (default: on cluster.pvc, or storage.root)")
+    comp.add_argument("--target", choices=["kfp", "argo"], default="kfp", help="KFP IR YAML, or Argo Workflows")
+    comp.add_argument("--set", action="append", metavar="KEY=VALUE")
+    comp.set_defaults(func=cmd_compile)
+
+    submit = sub.add_parser("submit", help="start one KFP run of the pipeline (kfp.Client)")
+    _cluster_arguments(submit)
+    submit.add_argument("--wait", type=int, metavar="SECONDS", help="wait up to SECONDS for the run to finish")
+    submit.set_defaults(func=cmd_submit)
+
+    schedule = sub.add_parser("schedule", help="create a KFP recurring run that keeps the loop going")
+    _cluster_arguments(schedule)
+    when = schedule.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help="cron expression, 5 fields (or 6 with seconds), e.g. '0 * * * *'")
+    when.add_argument("--every", help="interval, e.g. 30m, 2h, 1d")
+    schedule.set_defaults(func=cmd_schedule)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description="RL post-training for LLMs as Kubeflow Pipelines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -299,25 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fork.set_defaults(func=cmd_fork)
 
-    comp = sub.add_parser("compile", help="write the pipeline as KFP IR YAML for a cluster")
-    comp.add_argument("spec")
-    comp.add_argument("-o", "--output", required=True, help="output YAML path")
-    comp.add_argument("--run-root", help="run root the cluster steps use (default: on cluster.pvc, or storage.root)")
-    comp.add_argument("--target", choices=["kfp", "argo"], default="kfp", help="KFP IR YAML, or Argo Workflows")
-    comp.add_argument("--set", action="append", metavar="KEY=VALUE")
-    comp.set_defaults(func=cmd_compile)
-
-    submit = sub.add_parser("submit", help="start one KFP run of the pipeline (kfp.Client)")
-    _cluster_arguments(submit)
-    submit.add_argument("--wait", type=int, metavar="SECONDS", help="wait up to SECONDS for the run to finish")
-    submit.set_defaults(func=cmd_submit)
-
-    schedule = sub.add_parser("schedule", help="create a KFP recurring run that keeps the loop going")
-    _cluster_arguments(schedule)
-    when = schedule.add_mutually_exclusive_group(required=True)
-    when.add_argument("--cron", help="cron expression, 5 fields (or 6 with seconds), e.g. '0 * * * *'")
-    when.add_argument("--every", help="interval, e.g. 30m, 2h, 1d")
-    schedule.set_defaults(func=cmd_schedule)
+    _cluster_commands(sub)
     return parser
 
 

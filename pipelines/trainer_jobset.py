@@ -44,22 +44,14 @@ def trainer_url(spec: RunSpec) -> str:
     return f"http://{trainer_name(spec)}.{NAMESPACE}.svc.cluster.local:{PORT}"
 
 
-def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
-    """The JobSet and the Service for the spec's resident trainer."""
-    name, cluster, trainer = trainer_name(spec), spec.cluster, spec.trainer
-    pod = cluster.trainer
-    hosts = f"{name}-nodes"  # JobSet's headless Service: pod i resolves as <name>-node-0-i.<hosts>
-    gpus = 0 if trainer.device == "cpu" else trainer.gpus  # per node; on CPU, trainer.gpus gloo processes
-    requests: dict[str, Any] = {"cpu": pod.cpu, "memory": pod.memory}
-    limits: dict[str, Any] = {
-        key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value
-    }
-    if gpus:
-        requests[pod.accelerator] = limits[pod.accelerator] = gpus
-    torchrun = ["python3", "-m", "torch.distributed.run", f"--nnodes={trainer.nodes}"]
-    torchrun += [f"--nproc-per-node={trainer.gpus}", f"--master-addr={name}-{NODE_JOB}-0-0.{hosts}"]
-    torchrun += [f"--master-port={RENDEZVOUS_PORT}", "--max-restarts=0"]  # restarts: the JobSet's, all nodes at once
-    serve = ["-m", "rlpipe.services.trainer_service", "--host=0.0.0.0", f"--port={PORT}", f"--device={trainer.device}"]
+def node_hosts(spec: RunSpec) -> str:
+    """JobSet's headless Service: pod i resolves as <name>-node-0-i.<hosts>."""
+    return f"{trainer_name(spec)}-nodes"
+
+
+def trainer_env(spec: RunSpec) -> list[dict[str, Any]]:
+    """The trainer container's environment: its node rank, Hugging Face offline in /cache, and the
+    secrets of the steps it computes."""
     env: list[dict[str, Any]] = [
         {  # torchrun reads each flag from PET_<FLAG> too: the node rank is the pod's completion index
             "name": "PET_NODE_RANK",
@@ -74,49 +66,68 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
     served = {step for step in STEP_NAMES if service_for(step, spec) == "trainer"}  # the steps it computes
     env += [
         {"name": s.env, "valueFrom": {"secretKeyRef": {"name": s.secret, "key": s.key}}}
-        for s in cluster.secrets
+        for s in spec.cluster.secrets
         if s.steps is None or served & set(s.steps)
     ]
+    return env
+
+
+def trainer_container(spec: RunSpec) -> dict[str, Any]:
+    """The container each node's pod runs: torchrun over `rlpipe.services.trainer_service`."""
+    name, cluster, trainer = trainer_name(spec), spec.cluster, spec.trainer
+    pod = cluster.trainer
+    gpus = 0 if trainer.device == "cpu" else trainer.gpus  # per node; on CPU, trainer.gpus gloo processes
+    requests: dict[str, Any] = {"cpu": pod.cpu, "memory": pod.memory}
+    limits: dict[str, Any] = {
+        key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value
+    }
+    if gpus:
+        requests[pod.accelerator] = limits[pod.accelerator] = gpus
+    torchrun = ["python3", "-m", "torch.distributed.run", f"--nnodes={trainer.nodes}"]
+    torchrun += [f"--nproc-per-node={trainer.gpus}", f"--master-addr={name}-{NODE_JOB}-0-0.{node_hosts(spec)}"]
+    torchrun += [f"--master-port={RENDEZVOUS_PORT}", "--max-restarts=0"]  # restarts: the JobSet's, all nodes at once
+    serve = ["-m", "rlpipe.services.trainer_service", "--host=0.0.0.0", f"--port={PORT}", f"--device={trainer.device}"]
     mounts = [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
     mounts.append({"name": "shm", "mountPath": "/dev/shm"})  # NCCL's shared memory: more than the 64 MiB default
+    if cluster.pvc:  # the weight store: read-write, where the steps mount it (it stages v(N+1))
+        mounts.append({"name": "weights", "mountPath": cluster.mount_path})
+    _, container_security = security_context(cluster)
+    return {
+        "name": "trainer",
+        "image": pod.image,
+        "command": torchrun,
+        "args": serve,
+        "env": trainer_env(spec),
+        # no probes: only node 0 serves HTTP, and the steps wait for its /health themselves
+        "ports": [
+            {"name": "http", "containerPort": PORT},
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+        ],
+        "resources": {"requests": requests} | ({"limits": limits} if limits else {}),
+        "securityContext": container_security | {"readOnlyRootFilesystem": True},
+        "volumeMounts": mounts,
+    }
+
+
+def trainer_pod_spec(spec: RunSpec) -> dict[str, Any]:
+    """The pod spec of every node: the trainer container, its volumes, where it may be scheduled."""
+    cluster = spec.cluster
+    pod = cluster.trainer
     volumes: list[dict[str, Any]] = [
         {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
     ]
-    if cluster.pvc:  # the weight store: read-write, where the steps mount it (it stages v(N+1))
-        mounts.append({"name": "weights", "mountPath": cluster.mount_path})
+    if cluster.pvc:
         volumes.append({"name": "weights", "persistentVolumeClaim": {"claimName": cluster.pvc}})
-    labels = {
-        "app.kubernetes.io/name": "rlpipe-trainer",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": "trainer",
-        "app.kubernetes.io/part-of": "rlpipe",
-    }
-    pod_security, container_security = security_context(cluster)
+    pod_security, _ = security_context(cluster)
     pod_spec = {
         "restartPolicy": "Never",  # a failed pod fails the Job; the JobSet then restarts every node
         "serviceAccountName": "rlpipe-trainer",
         "automountServiceAccountToken": False,  # the trainer never calls the Kubernetes API
         "terminationGracePeriodSeconds": 30,
         "securityContext": pod_security | {"fsGroup": cluster.run_as_user, "fsGroupChangePolicy": "OnRootMismatch"},
-        "containers": [
-            {
-                "name": "trainer",
-                "image": pod.image,
-                "command": torchrun,
-                "args": serve,
-                "env": env,
-                # no probes: only node 0 serves HTTP, and the steps wait for its /health themselves
-                "ports": [
-                    {"name": "http", "containerPort": PORT},
-                    {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
-                ],
-                "resources": {"requests": requests} | ({"limits": limits} if limits else {}),
-                "securityContext": container_security | {"readOnlyRootFilesystem": True},
-                "volumeMounts": mounts,
-            }
-        ],
+        "containers": [trainer_container(spec)],
         "volumes": volumes,
     }
     if pod.node_selector:
@@ -126,6 +137,18 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
             {k: v for k, v in (("key", t.key), ("operator", t.operator), ("value", t.value), ("effect", t.effect)) if v}
             for t in pod.tolerations
         ]
+    return pod_spec
+
+
+def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
+    """The JobSet and the Service for the spec's resident trainer."""
+    name, trainer = trainer_name(spec), spec.trainer
+    labels = {
+        "app.kubernetes.io/name": "rlpipe-trainer",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/part-of": "rlpipe",
+    }
     jobset = {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
@@ -137,7 +160,7 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
         },
         "spec": {
             "failurePolicy": {"maxRestarts": MAX_RESTARTS},
-            "network": {"enableDNSHostnames": True, "subdomain": hosts, "publishNotReadyAddresses": True},
+            "network": {"enableDNSHostnames": True, "subdomain": node_hosts(spec), "publishNotReadyAddresses": True},
             "replicatedJobs": [
                 {
                     "name": NODE_JOB,
@@ -148,7 +171,7 @@ def trainer_manifests(spec: RunSpec) -> list[dict[str, Any]]:
                             "completions": trainer.nodes,
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
-                            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+                            "template": {"metadata": {"labels": labels}, "spec": trainer_pod_spec(spec)},
                         }
                     },
                 }

@@ -1,5 +1,6 @@
 """The shape the core holds to, measured on its source: subpackages import each other in one direction
-(lazy imports included), one module writes state.json, and functions and modules stay readable sizes."""
+(lazy imports included), one module writes state.json, and functions and modules (the pipelines' and
+the benchmarks' too) stay readable sizes."""
 
 from __future__ import annotations
 
@@ -164,9 +165,12 @@ def test_one_module_writes_state_json():
     assert using_the_path == [STATE_WRITER, "rlpipe/store/run_root.py"], using_the_path
 
 
-def test_no_function_or_module_in_rlpipe_is_too_long_to_read():
+def test_no_function_or_module_is_too_long_to_read():
+    """rlpipe, the pipelines and the benchmarks alike."""
     long_functions, long_modules = [], []
-    for path in sorted(CORE.rglob("*.py")):
+    paths = [path for root in (CORE, REPO / "pipelines", REPO / "benchmarks") for path in sorted(root.rglob("*.py"))]
+    assert {"rlpipe", "pipelines", "benchmarks"} <= {path.relative_to(REPO).parts[0] for path in paths}
+    for path in paths:
         text = path.read_text()
         name = str(path.relative_to(REPO))
         if len(text.splitlines()) > MAX_MODULE_LINES:
