@@ -26,14 +26,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
+from demo_seeds import eval_metrics, git_commit, held_out_curve, parse_smoke_args, write_report
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
 from rlpipe.spec import load_spec
 
-RESULTS = Path(__file__).with_name("results")
-SMOKE = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text())
-SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition.yaml"
 # algorithm -> its own settings (everything else is the demo's) and the metric it is known by
 ALGORITHMS: dict[str, tuple[dict[str, object], str]] = {
@@ -78,10 +75,6 @@ def run(name: str, seed: int, run_dir: Path, base: dict) -> None:
 def result(name: str, seed: int, run_dir: Path, base: dict) -> dict:
     """What the run directory says: the eval curve, completions generated, the known-by metric's mean
     over the iterations that logged it (None if none did)."""
-    evals = {
-        int(path.stem.split("_")[1]): json.loads(path.read_text())["eval/accuracy_greedy"]
-        for path in sorted((run_dir / "metrics").glob("eval_*.json"))
-    }
     iterations = [json.loads(p.read_text()) for p in sorted((run_dir / "metrics").glob("iter_*.json"))][1:]
     metric = ALGORITHMS[name][1]
     rollout = load_spec(SPEC, settings_for(name, seed, base)).rollout
@@ -90,12 +83,10 @@ def result(name: str, seed: int, run_dir: Path, base: dict) -> dict:
         for m in iterations
     )
     logged = [m[metric] for m in iterations if metric in m]
-    first, last = evals[min(evals)], evals[max(evals)]
     return {
         "algorithm": name,
         "seed": seed,
-        "evals": evals,
-        "gain_points": round(100 * (last - first), 1),
+        **held_out_curve(eval_metrics(run_dir)),
         "completions": int(generated),
         "known_by": metric,
         "known_by_mean": sum(logged) / len(logged) if logged else None,
@@ -110,14 +101,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses about one core)")
     parser.add_argument("--runs", type=Path, help="default runs/algorithms (--smoke: runs/smoke)")
     parser.add_argument("--note", default="", help="a line for the results, e.g. what else shared the machine")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
-    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
-    args = parser.parse_args()
+    args, runs, results, base = parse_smoke_args(parser, "algorithms")
     seeds = args.seeds or (1 if args.smoke else 2)
-    runs = args.runs or (SMOKE_ROOT / "algorithms" if args.smoke else Path("runs/algorithms"))
-    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
-    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
-    base = SMOKE | {"storage.cache": str(runs.resolve() / "cache")} if args.smoke else {}
     jobs = [(name, seed, (runs / f"{name}-seed{seed}").resolve()) for name in args.algorithms for seed in range(seeds)]
     # one run per seed first, then the rest: two runs never warm-start one seed into the cache at once
     # (they would race on the same cache entry)
@@ -126,7 +111,7 @@ def main() -> None:
         list(pool.map(lambda job: run(*job, base), jobs[seeds:]))
     rows = [result(*job, base) for job in jobs]
     machine = describe_machine()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     smoke = " --smoke" if args.smoke else ""
     lines = [
         f"`python benchmarks/algorithms.py --seeds {seeds} --jobs {args.jobs}{smoke}` on {machine}, "
@@ -145,11 +130,8 @@ def main() -> None:
             f"{r['gain_points']:+.1f} | {r['completions']} | {r['known_by']} {known_by} | "
             f"{r['wall_s']} s |"
         )
-    print("\n".join(lines))
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "algorithms.md").write_text("\n".join(lines) + "\n")
     record = {"machine": machine, "commit": commit, "note": args.note, "smoke": args.smoke, "runs": rows}
-    (results / "algorithms.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_report(results, "algorithms", lines, record)
 
 
 if __name__ == "__main__":

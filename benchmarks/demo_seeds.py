@@ -46,20 +46,30 @@ def run_seed(spec: Path, seed: int, run_dir: Path, overrides: dict) -> float | N
     return time.time() - started
 
 
-def seed_result(seed: int, run_dir: Path, wall_s: float | None) -> dict:
-    """What one seed's run directory says: held-out accuracy per eval, the warm start's SFT steps."""
-    recorded = {
+def eval_metrics(run_dir: Path) -> dict[int, dict]:
+    """Each held-out evaluation's metrics in a run directory, by iteration."""
+    return {
         int(path.stem.split("_")[1]): json.loads(path.read_text())
         for path in sorted((run_dir / "metrics").glob("eval_*.json"))
     }
+
+
+def held_out_curve(recorded: dict[int, dict]) -> dict:
+    """{"evals": held-out greedy accuracy by iteration, "gain_points": the last one's gain over the first
+    one's, in points} of a run's eval metrics (`eval_metrics`); benchmarks/algorithms.py and dpo.py too."""
     evals = {iteration: metrics["eval/accuracy_greedy"] for iteration, metrics in recorded.items()}
-    start = json.loads((run_dir / "metrics" / "iter_000000.json").read_text())
     first, last = evals[min(evals)], evals[max(evals)]
+    return {"evals": evals, "gain_points": round(100 * (last - first), 1)}
+
+
+def seed_result(seed: int, run_dir: Path, wall_s: float | None) -> dict:
+    """What one seed's run directory says: held-out accuracy per eval, the warm start's SFT steps."""
+    recorded = eval_metrics(run_dir)
+    start = json.loads((run_dir / "metrics" / "iter_000000.json").read_text())
     result = {
         "seed": seed,
         "warm_start_steps": int(start.get("warm_start/steps", 0)),
-        "evals": evals,
-        "gain_points": round(100 * (last - first), 1),
+        **held_out_curve(recorded),
         "wall_s": None if wall_s is None else round(wall_s),
     }
     if "eval/tool_call_rate" in recorded[min(recorded)]:  # a multi-turn run: how it used the tool
@@ -77,26 +87,49 @@ def seed_result(seed: int, run_dir: Path, wall_s: float | None) -> dict:
     return result
 
 
+def parse_smoke_args(
+    parser: argparse.ArgumentParser, runs: str, smoke: dict = SMOKE
+) -> tuple[argparse.Namespace, Path, Path, dict]:
+    """`parser` (with its --runs) given --smoke and --results-dir, parsed: (the arguments, the runs folder
+    (--runs, else runs/<runs>, under runs/smoke/ with --smoke), the results folder, the spec overrides of
+    --smoke: `smoke`); the seeds benchmarks' options (this one, benchmarks/algorithms.py and dpo.py)."""
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
+    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
+    args = parser.parse_args()
+    folder = args.runs or (SMOKE_ROOT / runs if args.smoke else Path("runs") / runs)
+    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
+    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
+    overrides = smoke | {"storage.cache": str(folder.resolve() / "cache")} if args.smoke else {}
+    return args, folder, results, overrides
+
+
+def git_commit() -> str:
+    """The checkout's commit, short."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def write_report(results: Path, stem: str, lines: list[str], record: dict) -> None:
+    """Print the report's `lines` and write them to <results>/<stem>.md, `record` to <stem>.json."""
+    print("\n".join(lines))
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (results / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", type=Path)
     parser.add_argument("--seeds", type=int, help="default 3 (--smoke: 1)")
     parser.add_argument("--runs", type=Path, help="default runs/demo-seeds (--smoke: runs/smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
-    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
-    args = parser.parse_args()
+    args, runs, results, overrides = parse_smoke_args(parser, "demo-seeds")
     seeds = args.seeds or (1 if args.smoke else 3)
-    runs = args.runs or (SMOKE_ROOT / "demo-seeds" if args.smoke else Path("runs/demo-seeds"))
-    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
-    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
-    overrides = SMOKE | {"storage.cache": str(runs.resolve() / "cache")} if args.smoke else {}
     name = yaml.safe_load(args.spec.read_text())["name"]
     rows = []
     for seed in range(seeds):
         run_dir = (runs / f"{name}-seed{seed}").resolve()
         rows.append(seed_result(seed, run_dir, run_seed(args.spec, seed, run_dir, overrides)))
     machine = describe_machine()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     iterations = sorted(rows[0]["evals"])
     smoke = " --smoke" if args.smoke else ""
     lines = [
@@ -130,11 +163,8 @@ def main() -> None:
                 f"| {row['rollout_tool_call_rate_first']:.3f} -> {row['rollout_tool_call_rate_last']:.3f} "
                 f"| {row['rollout_turns_mean_last']:.2f} |"
             )
-    print("\n".join(lines))
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"demo_{name}.md").write_text("\n".join(lines) + "\n")
     record = {"spec": str(args.spec), "smoke": args.smoke, "machine": machine, "commit": commit, "seeds": rows}
-    (results / f"demo_{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_report(results, f"demo_{name}", lines, record)
 
 
 if __name__ == "__main__":

@@ -29,16 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
+from demo_seeds import eval_metrics, git_commit, held_out_curve, parse_smoke_args, write_report
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
 from rlpipe.spec import load_spec
 
-RESULTS = Path(__file__).with_name("results")
 SMOKE = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text()) | {
     "reward.verifier": {"type": "regex", "pattern": "1", "mode": "search"},
     "preferences.eval_pairs": 8,
 }
-SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "addition-dpo.yaml"
 
 
@@ -61,19 +60,12 @@ def run(seed: int, run_dir: Path, settings: list[str]) -> None:
 
 def result(name: str, seed: int, run_dir: Path) -> dict:
     """What the run directory says: the eval curve, the last iteration's DPO metrics, the pairs."""
-    metrics = run_dir / "metrics"
-    evals = {
-        int(p.stem.split("_")[1]): json.loads(p.read_text())["eval/accuracy_greedy"]
-        for p in sorted(metrics.glob("eval_*.json"))
-    }
-    iterations = [json.loads(p.read_text()) for p in sorted(metrics.glob("iter_*.json"))][1:]
+    iterations = [json.loads(p.read_text()) for p in sorted((run_dir / "metrics").glob("iter_*.json"))][1:]
     last = iterations[-1]
-    first, final = evals[min(evals)], evals[max(evals)]
     return {
         "variant": name,
         "seed": seed,
-        "evals": evals,
-        "gain_points": round(100 * (final - first), 1),
+        **held_out_curve(eval_metrics(run_dir)),
         "train_pairs": int(last["preferences/train_pairs"]),
         "eval_pairs": int(last["preferences/eval_pairs"]),
         "sampled_accuracy_v0": last.get("preferences/train_sampled_accuracy"),
@@ -95,21 +87,15 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override for every run")
     parser.add_argument("--name", default="dpo", help="the variant's name (run directories, the results' rows)")
     parser.add_argument("--results", default="dpo", help="results file stem (in --results-dir)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (benchmarks/smoke.yaml): runs in seconds")
-    parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
-    args = parser.parse_args()
+    args, runs, results, smoke = parse_smoke_args(parser, "dpo", SMOKE)
     seeds = args.only or range(args.seeds or (1 if args.smoke else 3))
-    runs = args.runs or (SMOKE_ROOT / "dpo" if args.smoke else Path("runs/dpo"))
-    results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
-    # the smoke runs keep their warm-start cache beside them, not in the demo's runs/.cache
-    smoke = SMOKE | {"storage.cache": str(runs.resolve() / "cache")} if args.smoke else {}
     settings = [f"{key}={json.dumps(value)}" for key, value in smoke.items()] + args.set
     jobs = [(seed, (runs / f"{args.name}-seed{seed}").resolve()) for seed in seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: run(*job, settings), jobs))
     rows = [result(args.name, *job) for job in jobs]
     machine = describe_machine()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     command = "".join(f" --set {s}" for s in args.set) + (" --smoke" if args.smoke else "")
     lines = [
         f"`python benchmarks/dpo.py --seeds {len(seeds)} --jobs {args.jobs}{command}` on {machine}, commit {commit}; "
@@ -127,11 +113,8 @@ def main() -> None:
             f"{r['eval_preference_accuracy']:.3f} ({r['train_preference_accuracy']:.3f}) | "
             f"{r['eval_logprob_accuracy_v0']:.3f} -> {r['eval_logprob_accuracy']:.3f} | {r['wall_s']} s |"
         )
-    print("\n".join(lines))
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{args.results}.md").write_text("\n".join(lines) + "\n")
     record = {"machine": machine, "commit": commit, "settings": args.set, "smoke": args.smoke, "runs": rows}
-    (results / f"{args.results}.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_report(results, args.results, lines, record)
 
 
 if __name__ == "__main__":

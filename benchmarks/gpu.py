@@ -30,9 +30,13 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
 
 RESULTS = Path(__file__).with_name("results")
 SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
@@ -51,13 +55,13 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if all(w in name for w in key.split())), None)
 
 
-def build(shape: str, device: torch.device):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rlpipe.modeling import build_char_tokenizer
+def qwen2_config(shape: str, **token_ids: int | None) -> Qwen2Config:
+    """A Qwen2 config of `shape` (SHAPES): tied embeddings, 4096 positions; `token_ids` (pad_token_id,
+    ...) as given. benchmarks/iteration_at_scale.py builds its models with it too."""
+    from transformers import Qwen2Config
 
     hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -66,7 +70,16 @@ def build(shape: str, device: torch.device):
         num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
+        **token_ids,
     )
+
+
+def build(shape: str, device: torch.device):
+    from transformers import Qwen2ForCausalLM
+
+    from rlpipe.models.loading import build_char_tokenizer
+
+    config = qwen2_config(shape)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device)
     return model, build_char_tokenizer()  # token ids above the tokenizer's decode to nothing
@@ -132,7 +145,7 @@ def measure_generation(
 
 def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
     """One shape and mode: the update's speed, MFU and peak memory, then (full only) generation."""
-    from rlpipe.modeling import add_lora
+    from rlpipe.models.loading import add_lora
     from rlpipe.spec import LoraSpec, parse_spec
     from rlpipe.training.trainer import Trainer, train_on_batch
 
@@ -248,8 +261,8 @@ def main() -> None:
     args = parse_args()
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
 
-    from rlpipe.devices import resolve_device
-    from rlpipe.modeling import configure_torch
+    from rlpipe.models.devices import resolve_device
+    from rlpipe.models.loading import configure_torch
 
     device = resolve_device("cpu" if args.smoke else args.device)
     gpu = device.type == "cuda"

@@ -76,28 +76,16 @@ def build_model_dir(shape: str, out: Path) -> int:
     """A random-init Qwen2 of `shape` with a word-level tokenizer covering its vocabulary, saved as an
     HF model directory (what model.path points at). Returns its parameter count."""
     import torch
+    from gpu import qwen2_config  # benchmarks/ is on sys.path when run as a script
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
-    words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), vocab)}
+    config = qwen2_config(shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), config.vocab_size)}
     backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
-    )
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -168,8 +156,8 @@ def swap_seconds(v0: dict, v1: dict, cache: str, device: str) -> float:
     import torch
     from safetensors.torch import load_file
 
-    from rlpipe.devices import resolve_device
-    from rlpipe.modeling import load_weights
+    from rlpipe.models.devices import resolve_device
+    from rlpipe.models.loading import load_weights
     from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta_to_model
     from rlpipe.store.weights import local_path, stored_path
 
@@ -229,8 +217,8 @@ def memory_gib(device: str, peak: bool = False) -> float:
 
 def one_run(args: argparse.Namespace, lora: bool) -> dict:
     """One iteration of (args.shape, full or LoRA) in this process; its figures."""
-    from rlpipe.devices import resolve_device
-    from rlpipe.modeling import configure_torch
+    from rlpipe.models.devices import resolve_device
+    from rlpipe.models.loading import configure_torch
 
     configure_torch(args.threads)
     args.device = resolve_device(args.device).type
@@ -263,7 +251,7 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
     """Two iterations with the trainer held in this process between them, as the resident trainer holds
     it (trainer.resident: what real sizes run); the figures are the second iteration's."""
     from rlpipe import loop
-    from rlpipe.engines import Policy, generate_rollouts
+    from rlpipe.engines import LoadedModel, generate_rollouts
     from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
     spec, run_root, weights, setup = start_run(args, lora, work)
@@ -276,8 +264,10 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         began = time.time()
         paths = {n: str(Path(run_root, "work", f"{n}-{iteration}.parquet")) for n in ("rollouts", "scored", "batch")}
         Path(run_root, "work").mkdir(parents=True, exist_ok=True)
-        policy = Policy(trainer.policy, trainer.tokenizer)  # the held policy samples (rlpipe.services.trainer_service)
-        generated = generate_rollouts(spec, run_root, weights, iteration, paths["rollouts"], cache, policy=policy)
+        loaded = LoadedModel(
+            trainer.policy, trainer.tokenizer
+        )  # the held policy samples (rlpipe.services.trainer.server)
+        generated = generate_rollouts(spec, run_root, weights, iteration, paths["rollouts"], cache, loaded=loaded)
         scored = loop.score(spec, paths["rollouts"], paths["scored"])
         advantaged = loop.advantages(spec, paths["scored"], paths["batch"])
         peaks = [memory_gib(args.device, peak=True)]

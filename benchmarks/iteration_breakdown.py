@@ -8,7 +8,7 @@ logged it (RUN_DIR/logs/kfp-local.log), and inside it the imports, model load an
 the step itself measured (RUN_DIR/metrics/iter_*.json); the rest is interpreter start/exit
 and the KFP executor. Then measures,
 side by side in fresh processes, what a torch step pays to import torch + transformers with
-scikit-learn/scipy visible (as installed by MLflow) vs hidden (rlpipe.modeling's guard).
+scikit-learn/scipy visible (as installed by MLflow) vs hidden (rlpipe.models.loading's guard).
 Writes benchmarks/results/iteration_breakdown.{json,md}. `--smoke` measures each side-by-side
 figure once and writes under runs/smoke/ unless --results-dir says (RUN_DIR: any `rlpipe run`, e.g.
 a `benchmarks/demo_seeds.py --smoke` one).
@@ -96,7 +96,7 @@ def average_breakdown(run_dir: Path, skip: int = 0) -> dict[str, dict[str, float
 def import_seconds(hide_optional: bool, repeats: int) -> float:
     """Median wall time of a fresh interpreter importing what a torch step imports."""
     code = (
-        "import rlpipe.modeling"
+        "import rlpipe.models.loading"
         if hide_optional
         else ("import torch; from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, PreTrainedTokenizerFast")
     )
@@ -114,7 +114,7 @@ from pathlib import Path
 from rlpipe.training.trainer import update_policy
 from rlpipe.store.run_root import read_state
 from rlpipe.spec import parse_spec
-from rlpipe.store.weights import read_ref
+from rlpipe.store.weights import read_weight_ref
 source = Path(sys.argv[1])
 spec = parse_spec(json.loads((source / "spec.json").read_text()))
 version = read_state(str(source))["weights_version"]
@@ -122,7 +122,7 @@ root = Path(tempfile.mkdtemp())
 shutil.copytree(source / "weights" / f"v{version:06d}", root / "weights" / f"v{version:06d}")
 shutil.copytree(source / "weights" / "v000000", root / "weights" / "v000000", dirs_exist_ok=True)
 batch = sorted(glob.glob(str(source / "kfp" / "*" / "advantages" / "batch")))[-1]
-_, metrics = update_policy(spec, str(root), read_ref(str(root), version), batch, version + 1, str(root / "cache"))
+_, metrics = update_policy(spec, str(root), read_weight_ref(str(root), version), batch, version + 1, str(root / "cache"))
 print(metrics["time/update_s"])
 shutil.rmtree(root)
 """
@@ -130,11 +130,11 @@ shutil.rmtree(root)
 
 def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
     """Median compute of one update step in a fresh process, glibc malloc default vs tuned."""
-    from rlpipe.pipelines.local_run import STEP_ENVIRONMENT
+    from rlpipe.pipelines.local_run import STEP_ENV
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "1"}
     if tuned:
-        env |= {k: v for k, v in STEP_ENVIRONMENT.items() if k.startswith("MALLOC_")}
+        env |= {k: v for k, v in STEP_ENV.items() if k.startswith("MALLOC_")}
     runs = [
         float(
             subprocess.run(

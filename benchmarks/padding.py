@@ -33,7 +33,11 @@ def batch_files(paths: list[str]) -> list[Path]:
     files = []
     for path in map(Path, paths):
         for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            if file.is_file() and file.open("rb").read(4) == b"PAR1" and BATCH_COLUMNS <= set(pq.read_schema(file).names):
+            if (
+                file.is_file()
+                and file.open("rb").read(4) == b"PAR1"
+                and BATCH_COLUMNS <= set(pq.read_schema(file).names)
+            ):
                 files.append(file)
     if not files:
         raise SystemExit(f"no Parquet file with the columns {sorted(BATCH_COLUMNS)} under {' '.join(paths)}")

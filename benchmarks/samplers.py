@@ -59,7 +59,7 @@ def demo_spec(overrides: dict) -> RunSpec:
 
 def build_model(tiny, seed: int, vocab_size: int | None):
     """The demo's Qwen2 builder; vocab_size pads the vocabulary (Qwen2.5-0.5B: 151936)."""
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tiny, tokenizer, seed)
@@ -81,11 +81,11 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     """Generated tokens/s of each engine on the same prompts (seconds exclude model loading)."""
     import torch
 
-    from rlpipe.clients.sampler_client import generate_groups
     from rlpipe.engines import Sampling
     from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.engines.vllm_engine import sample_groups
-    from rlpipe.modeling import load_policy
+    from rlpipe.models.loading import load_policy
+    from rlpipe.services.samplers.client import generate_groups
 
     model, tokenizer = load_policy(str(model_dir))
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -117,7 +117,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
 
 def publish_and_reload(run_root: Path, model_dir: Path, url: str, version: int) -> dict[str, float]:
     """Stage a copy of `model_dir` as `version` (as update does), publish it, reload the sampler."""
-    from rlpipe.clients.sampler_client import reload_replica
+    from rlpipe.services.samplers.client import reload_replica
     from rlpipe.store.weights import publish, seal, staging_uri
 
     t = time.time()
@@ -140,8 +140,8 @@ def save_seconds(tiny, dtype, vocab_size: int | None) -> float:
 
 def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_size: int | None = None) -> dict:
     """Two versions alternately published and reloaded into one sampler started on v0."""
-    from rlpipe.clients.sampler_client import wait_ready
-    from rlpipe.services.sampler_fleet import LocalFleet
+    from rlpipe.services.samplers.client import wait_ready
+    from rlpipe.services.samplers.fleet import LocalFleet
     from rlpipe.spec import parse_spec
     from rlpipe.store.weights import publish, seal, staging_uri
 
@@ -203,11 +203,11 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     """Parts 1 and 2: generation tokens/s per engine, publish + reload per model size."""
     import torch
 
-    from rlpipe.clients.sampler_client import sync_replicas, wait_ready
     from rlpipe.data.addition import make_rows
     from rlpipe.engines.vllm_engine import load_engine
-    from rlpipe.modeling import configure_torch
-    from rlpipe.services.sampler_fleet import LocalFleet
+    from rlpipe.models.loading import configure_torch
+    from rlpipe.services.samplers.client import sync_replicas, wait_ready
+    from rlpipe.services.samplers.fleet import LocalFleet
     from rlpipe.spec import TinyModelSpec, parse_spec
     from rlpipe.store.weights import publish, seal, staging_uri
 

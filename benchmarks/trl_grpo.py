@@ -16,36 +16,57 @@ if TYPE_CHECKING:
 VERIFIER = "rlpipe.rewards.verifiers:exact_match"
 
 
-def grpo_config(args: argparse.Namespace) -> GRPOConfig:
-    """TRL's settings: rlpipe's demo hyperparameters at the batch structure vs_trl.py asked for."""
+def grpo_config_at(s: dict, out: str, seed: int, max_steps: int) -> GRPOConfig:
+    """TRL's GRPOConfig at the hyperparameters `s` (named as benchmarks/vs_trl_smollm2.py's `settings`:
+    completions_per_step, lr, kl, clip, ...) for `max_steps` optimizer steps: on the CPU in fp32, GRPO's
+    loss with rewards scaled per group, a log line every step, no checkpoints, its output beside `out`."""
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl-out"),
+        output_dir=str(Path(out).parent / "trl-out"),
         use_cpu=True,
         bf16=False,
         report_to="none",
-        seed=args.seed,
-        per_device_train_batch_size=args.trl_per_step,  # completions per optimizer step
-        steps_per_generation=args.trl_steps_per_generation,
-        num_generations=args.trl_generations,
-        learning_rate=args.trl_lr,
+        seed=seed,
+        per_device_train_batch_size=s["completions_per_step"],  # completions per optimizer step
+        steps_per_generation=s["optimizer_steps_per_generation"],
+        num_generations=s["samples_per_prompt"],
+        learning_rate=s["lr"],
         lr_scheduler_type="constant_with_warmup",
-        warmup_steps=10,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,  # as rlpipe's demo (TRL's default is on: ~20% slower, less memory)
-        beta=0.0,
-        epsilon=0.2,
+        warmup_steps=s["warmup_steps"],
+        max_grad_norm=s["max_grad_norm"],
+        gradient_checkpointing=s["gradient_checkpointing"],
+        beta=s["kl"],
+        epsilon=s["clip"],
         loss_type="grpo",
         scale_rewards="group",
-        max_completion_length=args.trl_new_tokens,
-        temperature=1.0,
-        top_k=0,
-        max_steps=args.trl_steps,
+        max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"],
+        top_k=s["top_k"],
+        max_steps=max_steps,
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
     )
+
+
+def grpo_config(args: argparse.Namespace) -> GRPOConfig:
+    """TRL's settings: rlpipe's demo hyperparameters at the batch structure vs_trl.py asked for."""
+    hyperparameters = {
+        "completions_per_step": args.trl_per_step,
+        "optimizer_steps_per_generation": args.trl_steps_per_generation,
+        "samples_per_prompt": args.trl_generations,
+        "lr": args.trl_lr,
+        "warmup_steps": 10,
+        "max_grad_norm": 1.0,
+        "gradient_checkpointing": False,  # as rlpipe's demo (TRL's default is on: ~20% slower, less memory)
+        "kl": 0.0,
+        "clip": 0.2,
+        "max_new_tokens": args.trl_new_tokens,
+        "temperature": 1.0,
+        "top_k": 0,
+    }
+    return grpo_config_at(hyperparameters, args.out, args.seed, args.trl_steps)
 
 
 def run_trl(args: argparse.Namespace) -> None:
@@ -56,8 +77,8 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOTrainer
 
-    from rlpipe.evaluation import greedy_accuracy
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.evaluation.accuracy import greedy_samples
+    from rlpipe.models.loading import load_tokenizer
     from rlpipe.rewards.verifiers import exact_match
 
     torch.set_num_threads(1)
@@ -71,6 +92,10 @@ def run_trl(args: argparse.Namespace) -> None:
     def reward(prompts, completions, reference, **_):
         return exact_match(prompts, completions, reference)
 
+    def greedy_accuracy(model, tokenizer) -> float:
+        _, scores = greedy_samples(model, tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
+        return sum(scores) / len(scores)
+
     curve: list[dict] = []
 
     class HeldOut(TrainerCallback):
@@ -80,7 +105,7 @@ def run_trl(args: argparse.Namespace) -> None:
             if state.global_step % args.trl_eval_every and state.global_step < args.trl_steps:
                 return
             t = time.time()
-            accuracy = greedy_accuracy(kwargs["model"], tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
+            accuracy = greedy_accuracy(kwargs["model"], tokenizer)
             HeldOut.eval_s += 0.0 if args.clock_includes_eval else time.time() - t
             curve.append(
                 {"samples": state.global_step * per_step, "at": time.time(), "eval_s": HeldOut.eval_s, "acc": accuracy}
@@ -95,7 +120,7 @@ def run_trl(args: argparse.Namespace) -> None:
         callbacks=[HeldOut()],
     )
     t = time.time()
-    accuracy = greedy_accuracy(model, tokenizer, held_out, VERIFIER, args.trl_new_tokens, 4096)
+    accuracy = greedy_accuracy(model, tokenizer)
     curve.append({"samples": 0, "acc": accuracy})
     HeldOut.eval_s = 0.0 if args.clock_includes_eval else time.time() - t
     trainer.train()

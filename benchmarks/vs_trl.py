@@ -103,7 +103,7 @@ def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
     """Data and the warm-started v0 that both systems start from: (run root, v0 directory)."""
     from rlpipe.data import prepare_data
     from rlpipe.loop import sync_weights
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
     from rlpipe.training.warm_start import warm_start
 
     run_root = str(work / "reference" / f"seed{spec.seed}")
@@ -111,7 +111,7 @@ def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
     if not (Path(run_root) / "weights" / "LATEST").exists():
         staged, metrics = warm_start(spec, run_root, str(work / "cache"))
         sync_weights(spec, run_root, staged, 0, metrics)
-    return run_root, read_ref(run_root, 0)["uri"]
+    return run_root, read_weight_ref(run_root, 0)["uri"]
 
 
 TRL_LABELS = {"trl": "TRL", "trl_same_batch": "TRL same batch"}
@@ -164,9 +164,22 @@ def trl_once(
     return result
 
 
-def evaluate_intervals(log_path: Path, day_start: float) -> list[tuple[float, float]]:
-    """(start, end) epoch seconds of every evaluate task in the KFP local runner's log."""
-    text = re.sub(r"\x1b\[\d+m", "", log_path.read_text(errors="replace"))
+def run_rlpipe(path: Path, run_dir: Path, iterations: int, overrides: dict, **kwargs) -> tuple[float, float, float]:
+    """A fresh `rlpipe run` of `path` in `run_dir`, `overrides` set, via run_measured: (start, peak RSS GB, wall s)."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
+    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(path), "--run-dir", str(run_dir)]
+    command += ["--iterations", str(iterations)]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    started = time.time()
+    peak = run_measured(command, cwd=REPO, **kwargs)
+    return started, peak, time.time() - started
+
+
+def evaluate_intervals(run_dir: Path, started: float) -> list[tuple[float, float]]:
+    """(start, end) epoch seconds of every evaluate task in the KFP local log of a run begun at `started`."""
+    day_start = time.mktime(time.strptime(time.strftime("%Y-%m-%d", time.localtime(started)), "%Y-%m-%d"))
+    text = re.sub(r"\x1b\[\d+m", "", (run_dir / "logs" / "kfp-local.log").read_text(errors="replace"))
     task = r"'(evaluate[\w-]*)'"
     pattern = rf"^(\d\d):(\d\d):(\d\d\.\d+) - INFO - (?:Executing task {task}|Task {task} finished)"
     begun: dict[str, float] = {}
@@ -194,10 +207,7 @@ def rlpipe_once(
     the curve from its eval metrics files, with every evaluate task's wall time taken off the clock
     (unless `clock_includes_eval`). `per_iteration`: completions per iteration (the demo: 4096)."""
     run_dir = work / f"rlpipe-seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(path), "--run-dir", str(run_dir)]
-    command += ["--iterations", str(iterations)]
-    for key, value in {
+    overrides = {
         **settings,
         "seed": seed,
         "storage.cache": str(work / "cache"),
@@ -205,13 +215,9 @@ def rlpipe_once(
         "loop.iterations_per_run": min(5, iterations),
         "evaluation.samples": 0,  # greedy accuracy only, as TRL's side evaluates
         "evaluation.sets": [],
-    }.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    started = time.time()
-    peak = run_measured(command, cwd=REPO)
-    wall = time.time() - started
-    day_start = time.mktime(time.strptime(time.strftime("%Y-%m-%d", time.localtime(started)), "%Y-%m-%d"))
-    evaluating = [] if clock_includes_eval else evaluate_intervals(run_dir / "logs" / "kfp-local.log", day_start)
+    }
+    started, peak, wall = run_rlpipe(path, run_dir, iterations, overrides)
+    evaluating = [] if clock_includes_eval else evaluate_intervals(run_dir, started)
 
     def eval_s_before(at: float) -> float:
         return sum(min(end, at) - begin for begin, end in evaluating if begin < at)
@@ -421,9 +427,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.run_trl:
-        from rlpipe.optional_imports import hide_vision_and_audio
+        from rlpipe.models.optional_imports import hide_vision_and_audio
 
-        hide_vision_and_audio()  # before TRL imports transformers (see rlpipe.optional_imports)
+        hide_vision_and_audio()  # before TRL imports transformers (see rlpipe.models.optional_imports)
         from trl_grpo import run_trl  # benchmarks/ is on sys.path when run as a script
 
         return run_trl(args)
@@ -444,7 +450,7 @@ def main() -> None:
     per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
-        from rlpipe.preflight import check_installed
+        from rlpipe.run.preflight import check_installed
 
         check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}, args.spec))
     work.mkdir(parents=True, exist_ok=True)

@@ -24,21 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from machine import describe_machine
-from vs_trl import THREADS_ENV, evaluate_intervals, run_measured
+from trl_grpo import grpo_config_at
+from vs_trl import THREADS_ENV, evaluate_intervals, run_measured, run_rlpipe
 
 from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec
-
-if TYPE_CHECKING:
-    from trl import GRPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -76,43 +72,11 @@ def settings(spec: RunSpec) -> dict:
 def prepared(spec: RunSpec, work: Path) -> tuple[str, str]:
     """(run root holding data/, the converted model directory) both systems start from."""
     from rlpipe.data import prepare_data
-    from rlpipe.model_files import resolve_model_source
+    from rlpipe.models.files import resolve_model_source
 
     run_root = str(work / "reference")
     prepare_data(spec, run_root)
     return run_root, resolve_model_source(spec.model.path, spec.cache_root)
-
-
-def grpo_config(args: argparse.Namespace, s: dict) -> GRPOConfig:
-    """TRL's settings: the hyperparameters both systems run with (`settings`)."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl-out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        seed=args.seed,
-        per_device_train_batch_size=s["completions_per_step"],
-        steps_per_generation=s["optimizer_steps_per_generation"],
-        num_generations=s["samples_per_prompt"],
-        learning_rate=s["lr"],
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=s["warmup_steps"],
-        max_grad_norm=s["max_grad_norm"],
-        gradient_checkpointing=s["gradient_checkpointing"],
-        beta=s["kl"],
-        epsilon=s["clip"],
-        loss_type="grpo",
-        scale_rewards="group",
-        max_completion_length=s["max_new_tokens"],
-        temperature=s["temperature"],
-        top_k=s["top_k"],
-        max_steps=args.iterations * s["optimizer_steps_per_generation"],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
 
 
 def run_trl(args: argparse.Namespace) -> None:
@@ -124,8 +88,8 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOTrainer
 
-    from rlpipe.evaluation import greedy_samples, strict_scores
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.evaluation.accuracy import greedy_samples, strict_scores
+    from rlpipe.models.loading import load_tokenizer
     from rlpipe.rewards import call_reward
 
     spec = example_spec(args.seed, Path(args.work))
@@ -157,7 +121,7 @@ def run_trl(args: argparse.Namespace) -> None:
             generating["s"] += time.time() - t
 
     GRPOTrainer._generate = timed_generate
-    config = grpo_config(args, s)
+    config = grpo_config_at(s, args.out, args.seed, args.iterations * s["optimizer_steps_per_generation"])
     lora = LoraConfig(
         r=s["lora"]["rank"], lora_alpha=s["lora"]["alpha"], target_modules=s["lora"]["targets"], lora_dropout=0.0
     )
@@ -200,21 +164,14 @@ def trl_once(seed: int, run_root: str, model_dir: str, iterations: int, work: Pa
 def rlpipe_once(seed: int, iterations: int, work: Path) -> dict:
     """`rlpipe run` of the example for `iterations`, evaluated before and after; evaluate tasks off the clock."""
     run_dir = work / f"rlpipe-seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir)]
-    command += ["--iterations", str(iterations)]
-    for key, value in {
+    overrides = {
         "seed": seed,
         "storage.cache": str(work / "cache"),
         "loop.eval_every": iterations,
         "loop.iterations_per_run": iterations,
-    }.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    started = time.time()
-    peak = run_measured(command, cwd=REPO, env={**os.environ, **THREADS_ENV})
-    wall = time.time() - started
-    day_start = time.mktime(time.strptime(time.strftime("%Y-%m-%d", time.localtime(started)), "%Y-%m-%d"))
-    evaluating = sum(end - begin for begin, end in evaluate_intervals(run_dir / "logs" / "kfp-local.log", day_start))
+    }
+    started, peak, wall = run_rlpipe(EXAMPLE, run_dir, iterations, overrides, env={**os.environ, **THREADS_ENV})
+    evaluating = sum(end - begin for begin, end in evaluate_intervals(run_dir, started))
     evals = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in run_dir.glob("metrics/eval_*.json")}
     iters = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/iter_*.json"))[1:]]
     return {

@@ -39,7 +39,7 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         loop.sync_weights(spec, run_root, staged, 0, metrics)
         return "published v0"
     if step == "track":
-        from rlpipe.tracking import flush
+        from rlpipe.run.tracking import flush
 
         done = flush(spec, run_root)
         return (

@@ -48,13 +48,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
-    from rlpipe.schedule import stopped_by_gate
+    from rlpipe.evaluation.cadence import stopped_by_gate
 
     return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from rlpipe.preflight import PreflightError, preflight
+    from rlpipe.run.preflight import PreflightError, preflight
     from rlpipe.store.run_root import run_root_for
 
     spec = _spec(args)
@@ -69,31 +69,31 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from rlpipe.training.memory_plan import model_shape, plan_memory
+def cmd_estimate_memory(args: argparse.Namespace) -> int:
+    from rlpipe.training.memory_estimate import estimate_memory, model_shape
 
     spec = _spec(args)
     shape = model_shape(spec, spec.cache_root)
     seq_len = args.seq_len or (spec.data.max_prompt_tokens or 512) + spec.rollout.max_new_tokens
     gpus = args.gpus or spec.trainer.gpus * spec.trainer.nodes
-    plan = plan_memory(spec, shape, seq_len, gpus, args.gpu_memory_gib)
+    estimate = estimate_memory(spec, shape, seq_len, gpus, args.gpu_memory_gib)
     print(
-        f"rlpipe plan {args.spec}: {shape.parameters / 1e9:.3f}B parameters ({shape.layers} layers, hidden "
+        f"rlpipe estimate-memory {args.spec}: {shape.parameters / 1e9:.3f}B parameters ({shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab}), sequences of {seq_len} tokens, {gpus} GPU(s), "
         f"trainer.dtype {spec.trainer.dtype}"
     )
-    print(plan.table())
-    if not plan.advice:
+    print(estimate.table())
+    if not estimate.advice:
         print("fits (estimate within 90% of the GPU)")
         return 0
     print("does not fit; change, in this order:")
-    for line in plan.advice:
+    for line in estimate.advice:
         print(f"  - {line}")
     return 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlpipe.modeling import export_model
+    from rlpipe.models.loading import export_model
 
     run_root = str(Path(args.run_dir).resolve())
     version, out = export_model(run_root, args.version, args.output, Path(run_root) / ".export-cache")
@@ -104,8 +104,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if args.target == "argo":
+        from rlpipe.dpo_loop import is_offline_dpo
         from rlpipe.pipelines.argo_export import export_argo
-        from rlpipe.preferences import is_offline_dpo
 
         if is_offline_dpo(spec):
             raise ValueError("algorithm.name dpo compiles to KFP only (its own pipeline); drop --target argo")
@@ -174,7 +174,7 @@ def _run_root(run: str) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlpipe.run_status import as_json, describe, run_status
+    from rlpipe.run.status import as_json, describe, run_status
 
     status = run_status(_run_root(args.run))
     print(as_json(status) if args.json else describe(status))
@@ -182,7 +182,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_harness(args: argparse.Namespace) -> int:
-    from rlpipe.harness import harness_version
+    from rlpipe.evaluation.harness import harness_version
     from rlpipe.spec import parse_spec, with_overrides
     from rlpipe.store.run_root import read_json, read_state
 
@@ -201,7 +201,7 @@ def cmd_harness(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    from rlpipe.fork import fork_run
+    from rlpipe.run.fork import fork_run
     from rlpipe.spec import spec_to_dict
 
     parent = _run_root(args.run)
@@ -282,19 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--set", action="append", metavar="KEY=VALUE")
     check.set_defaults(func=cmd_check)
 
-    plan = sub.add_parser("plan", help="estimate per-GPU training memory for the spec and say what to change")
-    plan.add_argument("spec")
-    plan.add_argument(
+    memory = sub.add_parser(
+        "estimate-memory", help="estimate per-GPU training memory for the spec and say what to change"
+    )
+    memory.add_argument("spec")
+    memory.add_argument(
         "--gpus", type=int, help="GPUs the trainer shards over (FSDP; default: trainer.gpus x trainer.nodes)"
     )
-    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
-    plan.add_argument(
+    memory.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    memory.add_argument(
         "--seq-len",
         type=int,
         help="prompt + completion tokens (default: data.max_prompt_tokens or 512, plus rollout.max_new_tokens)",
     )
-    plan.add_argument("--set", action="append", metavar="KEY=VALUE")
-    plan.set_defaults(func=cmd_plan)
+    memory.add_argument("--set", action="append", metavar="KEY=VALUE")
+    memory.set_defaults(func=cmd_estimate_memory)
 
     export = sub.add_parser("export", help="write a weights version as a plain HF model directory (LoRA merged)")
     export.add_argument("run_dir", help="the run's root, e.g. runs/addition-demo")
@@ -338,7 +340,14 @@ def import_from_working_directory() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *filter(None, paths)])
 
 
+RENAMED = {"plan": "estimate-memory"}  # one meaning per name: `plan` is the loop's first step
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in RENAMED:
+        print(f"rlpipe: `rlpipe {argv[0]}` is now `rlpipe {RENAMED[argv[0]]}`", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     import_from_working_directory()
     try:

@@ -1,4 +1,4 @@
-"""Offline DPO's DAG (algorithm.name: dpo; rlpipe/preferences.py has its steps' logic).
+"""Offline DPO's DAG (algorithm.name: dpo; rlpipe/dpo_loop.py has its steps' logic).
 
     dpo_iteration(weights v(N)):  dpo_update -> sync_weights -> evaluate, only when v(N+1) is due
     dpo_run (K unrolled):         prepare -> warm_start -> publish_warm_start -> preferences
@@ -15,9 +15,9 @@ from typing import Any, Callable, NamedTuple
 
 from kfp import dsl
 
+from rlpipe.dpo_loop import check_dpo_spec, is_offline_dpo
 from rlpipe.pipelines.cluster_settings import place
 from rlpipe.pipelines.rl_pipeline import COMPONENTS, add_task, build_run_pipeline, initialize, unroll_iterations
-from rlpipe.preferences import check_dpo_spec, is_offline_dpo
 from rlpipe.spec import RunSpec
 from rlpipe.steps import iteration_steps
 

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rlpipe.evaluation.cadence import stopped_by_gate
 from rlpipe.metric_keys import (
     CLIP_FRACTION,
     ENTROPY,
@@ -39,8 +40,8 @@ from rlpipe.metric_keys import (
     REWARD_STD,
     ZERO_VARIANCE_GROUPS,
 )
-from rlpipe.preflight import preflight
-from rlpipe.schedule import stopped_by_gate
+from rlpipe.run.preflight import preflight
+from rlpipe.run.tracking import run_url
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import service_for
@@ -54,7 +55,6 @@ from rlpipe.store.run_root import (
     run_root_for,
     write_json,
 )
-from rlpipe.tracking import run_url
 
 if TYPE_CHECKING:
     from rlpipe.services.containers import LocalContainers
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 # glibc's malloc starts every process cold (large tensors mmapped and zeroed on each
 # allocation until its thresholds adapt): fixed thresholds cut a fresh update step's
 # compute ~30% (benchmarks/results/iteration_breakdown.md).
-STEP_ENVIRONMENT = {
+STEP_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
@@ -254,14 +254,14 @@ def run_locally(
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
     check_spec_unchanged(spec, run_root)
-    os.environ.update(STEP_ENVIRONMENT)
+    os.environ.update(STEP_ENV)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     engine = None
     if containers:
         from rlpipe.services.containers import start_containers
 
-        engine = start_containers(spec, run_root, STEP_ENVIRONMENT)
+        engine = start_containers(spec, run_root, STEP_ENV)
     try:
         return _drive(spec, run_root, log_path, console, engine)
     finally:
@@ -284,8 +284,8 @@ def local_services(
     served = spec  # the spec the steps get: with the addresses of the services started here
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
-        from rlpipe.services.sampler_fleet import LocalFleet
-        from rlpipe.vllm_environment import local_samplers
+        from rlpipe.services.samplers.fleet import LocalFleet
+        from rlpipe.services.samplers.vllm_settings import local_samplers
 
         served = local_samplers(served)  # LoRA: adapters on a GPU, merged on CPU
         fleet = LocalFleet(served, run_root)
@@ -295,7 +295,7 @@ def local_services(
         say(f"        samplers {', '.join(fleet.urls)} (logs {Path(run_root) / 'logs'}/sampler-*.log)")
     trainer = None
     if spec.trainer.resident and not spec.trainer.endpoint:
-        from rlpipe.services.trainer_service import LocalTrainer
+        from rlpipe.services.trainer.server import LocalTrainer
 
         if spec.trainer.nodes > 1:
             raise ValueError(
@@ -310,7 +310,7 @@ def local_services(
 
     producer = None
     if service_for("generate", spec) == "producer":  # asynchronous: generation runs ahead into the rollout buffer
-        from rlpipe.services.rollout_producer import LocalProducer
+        from rlpipe.services.producer.server import LocalProducer
 
         producer_spec = Path(run_root) / "producers" / "spec.json"
         producer_spec.parent.mkdir(exist_ok=True)

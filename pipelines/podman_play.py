@@ -53,9 +53,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from rlpipe.pipelines.trainer_jobset import PORT as TRAINER_PORT, RENDEZVOUS_PORT, trainer_manifests, trainer_name
+from rlpipe.pipelines.trainer_jobset import PORT as TRAINER_PORT
+from rlpipe.pipelines.trainer_jobset import RENDEZVOUS_PORT, trainer_manifests, trainer_name
+from rlpipe.services.samplers.vllm_settings import VLLM_CPU_ENV, cpu_kv_cache
 from rlpipe.spec import RunSpec, load_spec
-from rlpipe.vllm_environment import VLLM_CPU_ENVIRONMENT, cpu_kv_cache
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests" / "base"
 MLFLOW_PORT, SAMPLER_PORT = 5000, 8000
@@ -194,7 +195,7 @@ def play_manifests(
                 "RLPIPE_RUN_ROOT": {"name": "RLPIPE_RUN_ROOT", "value": run_root}
             }
             if cpu:  # LocalFleet's vllm-cpu environment; the entrypoint adds its flags (VLLM_CPU_SERVER_ARGS)
-                extra = VLLM_CPU_ENVIRONMENT | cpu_kv_cache(spec.samplers.kv_cache_gib)
+                extra = VLLM_CPU_ENV | cpu_kv_cache(spec.samplers.kv_cache_gib)
                 env |= {key: {"name": key, "value": value} for key, value in extra.items()}
             server["env"] = list(env.values())
             server["args"] += spec.samplers.extra_args

@@ -1,5 +1,5 @@
 """The resident trainer on a cluster, derived from the spec: a JobSet (jobset.x-k8s.io/v1alpha2)
-that runs `rlpipe.services.trainer_service` under torchrun on trainer.nodes nodes with trainer.gpus
+that runs `rlpipe.services.trainer.server` under torchrun on trainer.nodes nodes with trainer.gpus
 processes each, and a Service that reaches rank 0's HTTP port (trainer.endpoint). `rlpipe compile`
 writes both beside the pipeline when trainer.resident.
 
@@ -73,7 +73,7 @@ def trainer_env(spec: RunSpec) -> list[dict[str, Any]]:
 
 
 def trainer_container(spec: RunSpec) -> dict[str, Any]:
-    """The container each node's pod runs: torchrun over `rlpipe.services.trainer_service`."""
+    """The container each node's pod runs: torchrun over `rlpipe.services.trainer.server`."""
     name, cluster, trainer = trainer_name(spec), spec.cluster, spec.trainer
     pod = cluster.trainer
     gpus = 0 if trainer.device == "cpu" else trainer.gpus  # per node; on CPU, trainer.gpus gloo processes
@@ -86,7 +86,7 @@ def trainer_container(spec: RunSpec) -> dict[str, Any]:
     torchrun = ["python3", "-m", "torch.distributed.run", f"--nnodes={trainer.nodes}"]
     torchrun += [f"--nproc-per-node={trainer.gpus}", f"--master-addr={name}-{NODE_JOB}-0-0.{node_hosts(spec)}"]
     torchrun += [f"--master-port={RENDEZVOUS_PORT}", "--max-restarts=0"]  # restarts: the JobSet's, all nodes at once
-    serve = ["-m", "rlpipe.services.trainer_service", "--host=0.0.0.0", f"--port={PORT}", f"--device={trainer.device}"]
+    serve = ["-m", "rlpipe.services.trainer.server", "--host=0.0.0.0", f"--port={PORT}", f"--device={trainer.device}"]
     mounts = [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
     mounts.append({"name": "shm", "mountPath": "/dev/shm"})  # NCCL's shared memory: more than the 64 MiB default
     if cluster.pvc:  # the weight store: read-write, where the steps mount it (it stages v(N+1))

@@ -62,11 +62,11 @@ class Start:
 
 def plan(spec: RunSpec, run_root: str) -> Start:
     """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
-    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.schedule.eval_due). Nothing is
+    loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.cadence.eval_due). Nothing is
     left once loop.stop_when has stopped the loop; with a gate, a pipeline run ends at the next eval."""
-    from rlpipe.schedule import iterations_to_next_eval, stopped_by_gate
+    from rlpipe.evaluation.cadence import iterations_to_next_eval, stopped_by_gate
     from rlpipe.store.run_root import read_state
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     state = read_state(run_root)
     if state is None or "iteration" not in state:
@@ -77,7 +77,7 @@ def plan(spec: RunSpec, run_root: str) -> Start:
     if spec.loop.stop_when:  # a pipeline run ends at the next eval: the next one starts only if the gate is shut
         todo = min(todo, iterations_to_next_eval(spec, iteration))
     return Start(
-        weights=read_ref(run_root, state["weights_version"]),
+        weights=read_weight_ref(run_root, state["weights_version"]),
         iteration=iteration,
         todo=todo,
         eval_phase=iteration % spec.loop.eval_every,
@@ -103,14 +103,14 @@ def generate(
     """Sample rollout.samples_per_prompt completions for each of the iteration's prompts with
     v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`. Asynchronous runs
     (loop.max_staleness s >= 1) take them from the rollout buffer instead, sampled ahead by the producer
-    with v(N-s) .. v(N) (rlpipe.rollout_buffer), or, in the DAG-offset form (loop.overlap dag), sample
+    with v(N-s) .. v(N) (rlpipe.services.producer.buffer), or, in the DAG-offset form (loop.overlap dag), sample
     them here with the version the pipeline hands over, s iterations old at most."""
     if service_for("generate", spec) == "producer":
-        from rlpipe.rollout_buffer import take
+        from rlpipe.services.producer.buffer import take
 
         return take(spec, run_root, weights, iteration, rollouts_path)
     if service_for("generate", spec) == "trainer":
-        from rlpipe.clients.trainer_client import request_generate
+        from rlpipe.services.trainer.client import request_generate
 
         return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
     from rlpipe.engines import generate_rollouts
@@ -140,7 +140,7 @@ def values(
     """The critic's value V_t of every completion token under critic v(N), beside the scored rollouts
     (algorithms with a critic: PPO)."""
     if service_for("values", spec) == "trainer":
-        from rlpipe.clients.trainer_client import request_values
+        from rlpipe.services.trainer.client import request_values
 
         return request_values(spec, run_root, weights, iteration, scored_path, valued_path, cache_root)
     from rlpipe.training.critic import compute_values
@@ -160,7 +160,7 @@ def update(
 ) -> tuple[WeightRef, dict[str, float]]:
     """Train v(N) on the batch (mini-batch policy-gradient steps); stage and seal v(N+1)."""
     if service_for("update", spec) == "trainer":
-        from rlpipe.clients.trainer_client import request_update
+        from rlpipe.services.trainer.client import request_update
 
         return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
     from rlpipe.training.trainer import update_policy
@@ -187,7 +187,7 @@ def sync_weights(
         metrics |= each
     metrics["sync/bytes"] = float(weights_bytes(published["uri"]))  # an adapter's, or all weights
     if spec.rollout.engine == "sampler" and not spec.loop.max_staleness:  # asynchronous: the producer pulls it
-        from rlpipe.clients.sampler_client import reload_samplers
+        from rlpipe.services.samplers.client import reload_samplers
 
         metrics |= reload_samplers(spec, published)  # in place; a rerun after a kill finds them labelled
     metrics["time/sync_weights_s"] = time.time() - started
@@ -195,7 +195,7 @@ def sync_weights(
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
     taken = consumed = None
     if service_for("generate", spec) == "producer" and iteration:
-        from rlpipe.rollout_buffer import taken_for_commit
+        from rlpipe.services.producer.buffer import taken_for_commit
 
         taken, consumed = taken_for_commit(spec, run_root, iteration)
     commit_iteration(run_root, iteration, published, taken, consumed)  # <- the commit point
@@ -220,11 +220,11 @@ def prune_store(spec: RunSpec, run_root: str, version: int) -> None:
     """After the commit of v(version): move the iteration's buffered rollouts to consumed/ (asynchronous
     runs), delete weight versions past storage.keep_versions (never v0 nor a version the MLflow Model
     Registry points at) and optimizer states older than v(version)'s, the policy's and a critic's."""
+    from rlpipe.run.tracking import registered_versions
     from rlpipe.store.weights import prune, prune_optimizer_states
-    from rlpipe.tracking import registered_versions
 
     if service_for("generate", spec) == "producer":
-        from rlpipe.rollout_buffer import retire
+        from rlpipe.services.producer.buffer import retire
 
         retire(run_root, version, spec.storage.keep_versions)
     registered = registered_versions(spec, run_root)
@@ -240,19 +240,19 @@ def evaluate(
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
     iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch).
     When the metrics pass loop.stop_when, state.json records the loop as stopped there."""
-    from rlpipe.schedule import evaluation_pending
+    from rlpipe.evaluation.cadence import evaluation_pending
 
     if not evaluation_pending(spec, run_root, iteration):
         return None
     if service_for("evaluate", spec) == "trainer":
-        from rlpipe.clients.trainer_client import request_evaluate
+        from rlpipe.services.trainer.client import request_evaluate
 
         metrics = request_evaluate(spec, run_root, weights, iteration, cache_root)
     else:
-        from rlpipe.evaluation import evaluate_policy
+        from rlpipe.evaluation.accuracy import evaluate_policy
 
         metrics = evaluate_policy(spec, run_root, weights, iteration, cache_root)
-    from rlpipe.schedule import stop_reason
+    from rlpipe.evaluation.cadence import stop_reason
 
     if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
         from rlpipe.store.commit import record_stopped

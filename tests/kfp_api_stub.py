@@ -11,6 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from rlpipe.http_json import reply_json
+
 
 class KfpApiStub:
     def __init__(self) -> None:
@@ -25,12 +27,7 @@ class KfpApiStub:
                 pass
 
             def _reply(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply_json(self, status, payload)
 
             def _handle(self, method: str) -> None:
                 url = urlparse(self.path)

@@ -17,7 +17,7 @@ from rlpipe.training.batching import pack
 from rlpipe.training.logprobs import completion_logits, token_logprobs_and_entropy
 from rlpipe.training.trainer import train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import initialize, tiny_spec_dict
 from .test_precision_and_memory import _batch, _make, _params
 
 BUILT_IN = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"]
@@ -163,7 +163,7 @@ def test_every_algorithm_trains(tmp_path: Path, name: str):
 
 
 def test_rlpipe_check_names_an_option_the_algorithm_does_not_read(tmp_path: Path):
-    from rlpipe.preflight import CheckFailed, check_algorithm
+    from rlpipe.run.preflight import CheckFailed, check_algorithm
 
     spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "gspo", "loss_aggregation": "token_mean"}))
     with pytest.raises(CheckFailed, match="algorithm.loss_aggregation is not an option of algorithm gspo"):
@@ -212,7 +212,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path: Pa
 
 
 def test_dynamic_sampling_samples_within_the_cap(tmp_path: Path):
-    from rlpipe.engines import iteration_prompts, prompt_indices
+    from rlpipe.data.order import iteration_prompts, prompt_indices
     from rlpipe.store.run_root import iteration_metrics_uri, write_json
 
     algorithm = {"name": "dapo", "max_oversample": 2.0}
@@ -240,9 +240,7 @@ def test_dapo_runs_whole_iterations_with_dynamic_sampling(tmp_path: Path):
         )
     )
     run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
-    loop.prepare(spec, run_root)
-    staged, warm = loop.warm_start(spec, run_root, cache)
-    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    weights = initialize(spec, run_root, cache)
     for iteration in (1, 2):
         weights, metrics = loop.run_iteration(spec, run_root, weights, iteration, tmp_path, cache)
         rollouts, batch = read_table(str(tmp_path / "rollouts.parquet")), read_table(str(tmp_path / "batch.parquet"))

@@ -2,8 +2,6 @@
 carry the cluster settings, and the state-driven steps they run really advance the loop."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -14,51 +12,25 @@ from hera.workflows import models as m
 from rlpipe.pipelines.argo_steps import run_step
 from rlpipe.store.run_root import read_state
 
-from .conftest import REPO
-
-
-def _strict(schema: dict) -> dict:
-    """Forbid unknown fields everywhere: a misspelled Argo field then fails validation."""
-    if isinstance(schema, dict):
-        if "properties" in schema:
-            schema.setdefault("additionalProperties", False)
-        for value in schema.values():
-            _strict(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            _strict(value)
-    return schema
+from .conftest import compile_example, strict_schema
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("argo") / "argo.yaml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpipe.pipelines.cli",
-            "compile",
-            str(REPO / "examples" / "addition-gke.yaml"),
-            "--target",
-            "argo",
-            "-o",
-            str(out),
-        ],
-        check=True,
-    )
+    compile_example("addition-gke.yaml", "--target", "argo", "-o", str(out), check=True)
     return list(yaml.safe_load_all(out.read_text()))
 
 
 def test_documents_validate_against_the_argo_schema(exported):
     template, cron = exported
     for doc, model in ((template, m.WorkflowTemplate), (cron, m.CronWorkflow)):
-        jsonschema.validate(doc, _strict(model.model_json_schema(by_alias=True)))
+        jsonschema.validate(doc, strict_schema(model.model_json_schema(by_alias=True)))
         model.model_validate(doc)
     with pytest.raises(jsonschema.ValidationError):  # the strict schema does catch a typo
         bad = json.loads(json.dumps(template))
         bad["spec"]["templates"][1]["container"]["imagee"] = "x"
-        jsonschema.validate(bad, _strict(m.WorkflowTemplate.model_json_schema(by_alias=True)))
+        jsonschema.validate(bad, strict_schema(m.WorkflowTemplate.model_json_schema(by_alias=True)))
 
 
 def test_same_steps_images_and_settings_as_the_kfp_pipeline(exported):
@@ -110,13 +82,13 @@ def test_argo_and_in_process_iterations_write_the_reports_kfp_tasks_do(initializ
 
     from rlpipe import loop
     from rlpipe.steps import BY_NAME
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
     argo_root = str(tmp_path / "argo-run")
     shutil.copytree(run_root, argo_root)  # the same v0, data and state: the same iteration 1
     (tmp_path / "in-process").mkdir()
-    loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "in-process", cache)
+    loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, tmp_path / "in-process", cache)
     for step in ("generate", "score", "advantages", "update", "sync_weights"):
         run_step(step, spec, argo_root)
     run_step("evaluate", spec, argo_root)

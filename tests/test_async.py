@@ -24,7 +24,7 @@ import yaml
 from rlpipe.algorithms.policy_gradient import behaviour_weights, clipped_policy_loss
 from rlpipe.spec import parse_spec
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 from .test_local_run import _check_consistent
 
 
@@ -89,14 +89,14 @@ def _first_update(initialized_run, tmp_path: Path, **sections: dict) -> tuple[st
     (the rollouts' path, the update's metrics)."""
     from rlpipe import loop
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
     for section, values in sections.items():
         data[section] |= values
     spec = parse_spec(data)
-    v0 = read_ref(run_root, 0)
+    v0 = read_weight_ref(run_root, 0)
     rollouts, scored, batch = (str(tmp_path / f"{n}.parquet") for n in ("rollouts", "scored", "batch"))
     loop.generate(spec, run_root, v0, 1, rollouts, cache)
     loop.score(spec, rollouts, scored)
@@ -152,8 +152,8 @@ def test_a_partial_rollout_goes_on_under_the_new_version_token_by_token(tmp_path
     the trainer holds sampled the token, not where the old one did."""
     from rlpipe.algorithms.policy_gradient import behaviour_weights
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
-    from rlpipe.rollout_buffer import partial_metrics
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
+    from rlpipe.services.producer.buffer import partial_metrics
     from rlpipe.training.off_policy import sampled_by
 
     tokenizer = build_char_tokenizer()
@@ -206,7 +206,7 @@ def test_the_engine_hands_over_each_group_at_the_decode_step_it_finishes(tmp_pat
     reach max_new_tokens at the end): each group once, in the order they finish, with the completions the
     batch returns; the decoding is the same as without the callback."""
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(parse_spec(tiny_spec_dict(tmp_path)).model.tiny, tokenizer, 0).eval()
@@ -259,7 +259,7 @@ def _async_spec(initialized_run, s: int, **sections):
 
 
 def _produce_until(spec, run_root, cache, done) -> dict:
-    from rlpipe.buffer_producer import produce
+    from rlpipe.services.producer.server import produce
 
     stop, status = threading.Event(), {}
     worker = threading.Thread(target=produce, args=(spec, run_root, cache, stop, status))
@@ -275,7 +275,7 @@ def _produce_until(spec, run_root, cache, done) -> dict:
 
 def _homes(run_root: str) -> collections.Counter[int]:
     """How many finished groups of each home iteration the buffer holds."""
-    from rlpipe.rollout_buffer import buffered
+    from rlpipe.services.producer.buffer import buffered
 
     return collections.Counter(group[0] for _, group, _, _ in buffered(run_root))
 
@@ -286,8 +286,8 @@ def _all_of(run_root: str, *homes: int):
 
 def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(initialized_run, tmp_path: Path):
     from rlpipe import loop
-    from rlpipe.rollout_buffer import buffered, group_bytes, iteration_uri, read_group
-    from rlpipe.store.weights import read_ref
+    from rlpipe.services.producer.buffer import buffered, group_bytes, iteration_uri, read_group
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 2)
     _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2, 3))  # iterations 1..1+s, with v0
@@ -295,7 +295,7 @@ def test_the_producer_runs_at_most_s_iterations_ahead_and_picks_up_each_commit(i
     assert set(_homes(run_root)) == {1, 2, 3}  # 4 needs v1 committed
     assert {version for _, _, version, _ in buffered(run_root)} == {0}
 
-    published, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path, cache)
+    published, _ = loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, tmp_path, cache)
     assert not Path(iteration_uri(run_root, 1)).exists()  # retired with the commit
     used = Path(iteration_uri(run_root, 1, consumed=True))
     taken = json.loads((used / "taken.json").read_text())
@@ -318,7 +318,7 @@ def test_the_first_finished_groups_are_taken_and_a_straggler_waits_for_a_later_i
     """Iteration N takes the groups that finished first, whatever their home: a group of iteration 1
     that finished last is taken by iteration 2, and the consumed set tracks it exactly."""
     from rlpipe import loop
-    from rlpipe.rollout_buffer import buffered, group_file, groups_uri, iteration_uri
+    from rlpipe.services.producer.buffer import buffered, group_file, groups_uri, iteration_uri
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
     _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
@@ -329,10 +329,10 @@ def test_the_first_finished_groups_are_taken_and_a_straggler_waits_for_a_later_i
     first_eight = [entry[1] for entry in buffered(run_root)[:8]]
     assert (1, 7) not in first_eight
 
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     (tmp_path / "1").mkdir()
-    v1, metrics = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "1", cache)
+    v1, metrics = loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, tmp_path / "1", cache)
     taken = json.loads((Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())
     assert [(g["home"], g["position"]) for g in taken["groups"]] == first_eight
     state = json.loads((Path(run_root) / "state.json").read_text())
@@ -351,12 +351,12 @@ def test_the_first_finished_groups_are_taken_and_a_straggler_waits_for_a_later_i
 def test_a_group_older_than_s_is_dropped_counted_and_sampled_again(initialized_run, tmp_path: Path):
     """Rollouts made for s=2 are too stale once the run resumes with s=1: never used silently."""
     from rlpipe import loop
-    from rlpipe.rollout_buffer import buffered, take
-    from rlpipe.store.weights import read_ref
+    from rlpipe.services.producer.buffer import buffered, take
+    from rlpipe.store.weights import read_weight_ref
 
     spec2, run_root, cache = _async_spec(initialized_run, 2)
     _produce_until(spec2, run_root, cache, _all_of(run_root, 1, 2, 3))
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     for iteration in (1, 2):
         (tmp_path / str(iteration)).mkdir()
         weights, _ = loop.run_iteration(spec2, run_root, weights, iteration, tmp_path / str(iteration), cache)
@@ -378,7 +378,7 @@ def test_a_group_older_than_s_is_dropped_counted_and_sampled_again(initialized_r
 def test_a_producer_killed_mid_write_leaves_only_a_temporary_file(initialized_run):
     """A group is written to <file>.tmp-<pid> and renamed: a kill mid-write leaves the temporary file,
     which the next producer removes before it samples that group again."""
-    from rlpipe.rollout_buffer import group_file, groups_uri, read_group
+    from rlpipe.services.producer.buffer import group_file, groups_uri, read_group
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
     partial = Path(groups_uri(run_root)) / (group_file(0, (1, 2), 0) + ".tmp-4242")
@@ -398,21 +398,23 @@ def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed
     the state it read: a producer trusting it would sample them again, and a later iteration train on
     those prompts twice."""
     from rlpipe import loop
-    from rlpipe.rollout_buffer import buffered, iteration_uri
+    from rlpipe.services.producer.buffer import buffered, iteration_uri
     from rlpipe.store import run_root as store
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
     _produce_until(spec, run_root, cache, _all_of(run_root, 1, 2))
     (tmp_path / "1").mkdir()
-    v1, _ = loop.run_iteration(spec, run_root, read_ref(run_root, 0), 1, tmp_path / "1", cache)
+    v1, _ = loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, tmp_path / "1", cache)
     taken_by_1 = {(g["home"], g["position"]) for g in json.loads(
         (Path(iteration_uri(run_root, 1, consumed=True)) / "taken.json").read_text())["groups"]}  # fmt: skip
 
     before_the_commit = dict(store.read_state(run_root), iteration=0, weights_version=0)
     before_the_commit.pop("groups_consumed")
     reads = iter([before_the_commit])  # the producer's first read: the state just before iteration 1 committed
-    monkeypatch.setattr("rlpipe.buffer_producer.read_state", lambda root: next(reads, None) or store.read_state(root))
+    monkeypatch.setattr(
+        "rlpipe.services.producer.server.read_state", lambda root: next(reads, None) or store.read_state(root)
+    )
     _produce_until(spec, run_root, cache, lambda: sum(_homes(run_root).values()) == 16)  # 8 left + home 3
     assert not taken_by_1 & {group for _, group, _, _ in buffered(run_root)}  # none sampled again
 
@@ -431,7 +433,7 @@ def test_a_producer_that_read_the_state_before_a_commit_never_samples_a_consumed
 def test_retire_moves_the_taken_groups_with_their_record_and_is_idempotent(tmp_path: Path):
     """retire(N) moves the group files iteration N's taken.json names, then the record, to consumed/;
     what a kill between the two leaves is finished by the next call; the other groups stay."""
-    from rlpipe.rollout_buffer import group_file, groups_uri, iteration_uri, retire
+    from rlpipe.services.producer.buffer import group_file, groups_uri, iteration_uri, retire
 
     run_root = str(tmp_path)
     groups = Path(groups_uri(run_root))
@@ -457,13 +459,13 @@ def test_retire_moves_the_taken_groups_with_their_record_and_is_idempotent(tmp_p
 
 
 def test_generate_says_what_to_do_when_no_producer_runs(initialized_run, tmp_path: Path, monkeypatch):
-    from rlpipe.rollout_buffer import take
-    from rlpipe.store.weights import read_ref
+    from rlpipe.services.producer.buffer import take
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = _async_spec(initialized_run, 1)
-    monkeypatch.setattr("rlpipe.rollout_buffer.HEARTBEAT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("rlpipe.services.producer.buffer.HEARTBEAT_TIMEOUT_S", 0.5)
     with pytest.raises(RuntimeError, match="no rollout producer has written a heartbeat.*loop.max_staleness: 0"):
-        take(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"))
+        take(spec, run_root, read_weight_ref(run_root, 0), 1, str(tmp_path / "r.parquet"))
 
 
 def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights(initialized_run, tmp_path: Path):
@@ -475,9 +477,9 @@ def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights
     from safetensors.torch import load_file
 
     from rlpipe import loop
-    from rlpipe.services.trainer_service import make_server
+    from rlpipe.services.trainer.server import make_server
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     varied = {"functions": [{"type": "tests.toy_plugins:length", "target": 2}]}  # advantages != 0: it learns
     spec, run_root, cache = _async_spec(initialized_run, 1, reward=varied)
@@ -490,7 +492,7 @@ def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights
     data = spec_to_dict(spec)
     data["trainer"] |= {"resident": True, "endpoint": f"http://127.0.0.1:{server.server_address[1]}"}
     resident = parse_spec(data)
-    weights = {"resident": read_ref(run_root, 0), "per_step": read_ref(per_step_root, 0)}
+    weights = {"resident": read_weight_ref(run_root, 0), "per_step": read_weight_ref(per_step_root, 0)}
     fractions = {"resident": [], "per_step": []}
     try:
         for iteration in (1, 2):
@@ -505,7 +507,7 @@ def test_the_resident_trainer_computes_pi_prox_ahead_and_trains_the_same_weights
     assert fractions["resident"][1] > 0.0  # all of it, unless the update arrived first
     a, b = (load_file(Path(weights[n]["uri"]) / "model.safetensors") for n in ("resident", "per_step"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    v0 = load_file(Path(read_ref(run_root, 0)["uri"]) / "model.safetensors")
+    v0 = load_file(Path(read_weight_ref(run_root, 0)["uri"]) / "model.safetensors")
     assert any(not torch.equal(a[k], v0[k]) for k in a)  # it trained
 
 
@@ -559,8 +561,8 @@ MULTI_TURN = {  # the calculator task: trajectories of tool calls and answers (r
 def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path, form: str):
     import pyarrow.parquet as pq
 
-    from rlpipe.engines import prompt_indices
-    from rlpipe.rollout_buffer import iteration_uri, read_group
+    from rlpipe.data.order import prompt_indices
+    from rlpipe.services.producer.buffer import iteration_uri, read_group
 
     iterations, s = 16, 1
     multi_turn, partial = form == "multi-turn", form == "partial-rollouts"
@@ -576,7 +578,7 @@ def test_async_run_killed_anywhere_uses_every_prompt_exactly_once(tmp_path: Path
     spec_path.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec_path), "--run-dir", str(run_dir)]
+    command = [*RLPIPE, "run", str(spec_path), "--run-dir", str(run_dir)]
 
     def tasks() -> list[str]:
         text = log.read_text(errors="replace") if log.exists() else ""
@@ -717,7 +719,7 @@ def test_the_dag_offset_form_runs_on_kfp_local(tmp_path: Path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, loop=loop)))
     run_dir = tmp_path / "run"
-    cli = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
+    cli = [*RLPIPE, "run", str(spec), "--run-dir", str(run_dir)]
     result = subprocess.run(cli, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rollout producer" not in result.stdout and not (run_dir / "rollout_buffer").exists()

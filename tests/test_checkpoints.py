@@ -11,10 +11,10 @@ import torch
 
 from rlpipe import loop
 from rlpipe.spec import parse_spec, spec_to_dict
-from rlpipe.store.weights import read_ref
+from rlpipe.store.weights import read_weight_ref
 from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import initialize, tiny_spec_dict
 
 
 def _iterate(tmp_path: Path, iterations: int = 4):
@@ -30,9 +30,7 @@ def _iterate(tmp_path: Path, iterations: int = 4):
     spec = parse_spec(data)
     steps_spec = parse_spec(copy.deepcopy(data) | {"trainer": {**data["trainer"], "resident": False}})
     run_root, cache = str(tmp_path / "runs" / "tiny"), str(tmp_path / "cache")
-    loop.prepare(spec, run_root)
-    staged, metrics = loop.warm_start(spec, run_root, cache)
-    weights, _ = loop.sync_weights(spec, run_root, staged, 0, metrics)
+    weights = initialize(spec, run_root, cache)
     trainer = load_trainer(spec, run_root, weights, cache)
     for iteration in range(1, iterations + 1):
         work = Path(tmp_path, "work", str(iteration))
@@ -75,14 +73,14 @@ def test_a_missing_replay_batch_says_what_to_do(tmp_path: Path):
 
 
 def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
-    from rlpipe.fork import fork_run
+    from rlpipe.run.fork import fork_run
 
     spec, run_root, cache, trainer, v4 = _iterate(tmp_path)
     child = str(tmp_path / "child")
     forked = fork_run(run_root, child, 4, "child", {})
     state = json.loads(Path(child, "state.json").read_text())
     assert state["forked_from"]["optimizer_state"] == "parent's (v3's, replayed to v4)"
-    restarted = load_trainer(forked, child, read_ref(child, 4), cache)
+    restarted = load_trainer(forked, child, read_weight_ref(child, 4), cache)
     assert restarted.replayed["trainer/replay_exact"] == 1.0
     for held, replayed in zip(trainer.policy.parameters(), restarted.policy.parameters(), strict=True):
         assert torch.equal(held, replayed)

@@ -25,9 +25,14 @@ def _modules() -> dict[str, Path]:
 
 
 def _unit(module: str) -> str | None:
-    """The subpackage or top-level module `module` belongs to: rlpipe.store.weights -> store."""
+    """The room `module` belongs to: its folder below rlpipe/ (rlpipe.store.weights -> store,
+    rlpipe.services.samplers.client -> services.samplers), or itself when it lies loose at the top
+    (rlpipe.loop -> loop)."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "rlpipe" and len(parts) > 1 else None
+    if parts[0] != "rlpipe" or len(parts) < 2:
+        return None
+    package = (CORE / "/".join(parts[1:])).is_dir()  # rlpipe.rewards names the package itself
+    return ".".join(parts[1:] if package else parts[1:-1]) or parts[1]
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -39,10 +44,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def _imports(module: str, path: Path) -> set[str]:
-    """Every rlpipe module `module` imports, at the top or inside a function."""
+def _imports(module: str, path: Path, type_checking: bool = False) -> set[str]:
+    """Every rlpipe module `module` imports, at the top or inside a function (and under
+    `if TYPE_CHECKING:` too with `type_checking`)."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if type_checking else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -117,6 +123,27 @@ def test_rlpipe_subpackages_and_modules_import_each_other_in_one_direction():
     cycles = _cycles(graph)
     edges = {unit: sorted(graph[unit] & set(group)) for group in cycles for unit in group}
     assert not cycles, f"import cycles among rlpipe's subpackages/modules: {cycles}; edges inside them: {edges}"
+
+
+def test_no_circle_inside_a_room():
+    """Within one folder, modules import each other in one direction too, type-only imports included
+    (a registry in its own module, not in the package's __init__ that registers the built-ins)."""
+    modules = _modules()
+    graph = {
+        module: {name for name in _imports(module, path, type_checking=True) if name in modules and name != module}
+        for module, path in modules.items()
+    }
+    rooms: dict[str, dict[str, set[str]]] = {}
+    for module, targets in graph.items():
+        room = _unit(module)
+        rooms.setdefault(room, {})[module] = {t for t in targets if _unit(t) == room}
+    circles = {room: found for room, inside in rooms.items() if (found := _cycles(inside))}
+    assert not circles, f"modules of one room that import each other: {circles}"
+
+
+def test_at_most_8_modules_lie_loose_at_the_top():
+    loose = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 8, loose
 
 
 def test_the_store_is_the_bottom_layer():

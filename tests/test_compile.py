@@ -10,25 +10,19 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from .conftest import REPO
+from .conftest import REPO, RLPIPE, compile_example
 
 
 def test_compiled_yaml_parses_strictly(tmp_path: Path):
     out = tmp_path / "rl.yaml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpipe.pipelines.cli",
-            "compile",
-            str(REPO / "examples" / "addition.yaml"),
-            "-o",
-            str(out),
-            "--run-root",
-            "gs://bucket/runs/addition-demo",
-            "--set",
-            "trainer.endpoint=http://rlpipe-trainer.rlpipe.svc.cluster.local:8001",
-        ],
+    compile_example(
+        "addition.yaml",
+        "-o",
+        str(out),
+        "--run-root",
+        "gs://bucket/runs/addition-demo",
+        "--set",
+        "trainer.endpoint=http://rlpipe-trainer.rlpipe.svc.cluster.local:8001",
         check=True,
     )
     docs = list(yaml.safe_load_all(out.read_text()))
@@ -51,19 +45,7 @@ def test_compiled_yaml_parses_strictly(tmp_path: Path):
 def _compile_gke(tmp_path: Path) -> tuple[str, dict, dict]:
     out = tmp_path / "gke.yaml"
     env = {**os.environ, "MLFLOW_TRACKING_PASSWORD": "hunter2-not-in-yaml", "HF_TOKEN": "hf_secret_value_xyz"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpipe.pipelines.cli",
-            "compile",
-            str(REPO / "examples" / "addition-gke.yaml"),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        env=env,
-    )
+    compile_example("addition-gke.yaml", "-o", str(out), check=True, env=env)
     text = out.read_text()
     docs = list(yaml.safe_load_all(text))
     assert len(docs) == 2
@@ -124,25 +106,13 @@ def test_gke_spec_carries_the_cluster_settings(tmp_path: Path):
 
 
 def test_local_storage_without_pvc_is_refused(tmp_path: Path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpipe.pipelines.cli",
-            "compile",
-            str(REPO / "examples" / "addition.yaml"),
-            "-o",
-            str(tmp_path / "x.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    result = compile_example("addition.yaml", "-o", str(tmp_path / "x.yaml"), capture_output=True, text=True)
     assert result.returncode == 1
     assert "cluster steps cannot reach it" in result.stderr
 
 
 def test_sampler_engine_on_a_cluster_needs_endpoints(tmp_path: Path):
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [*RLPIPE, "compile", str(REPO / "examples" / "addition-gke.yaml")]
     result = subprocess.run(
         command + ["-o", str(tmp_path / "x.yaml"), "--set", "rollout.engine=sampler"], capture_output=True, text=True
     )
@@ -153,7 +123,7 @@ def test_sampler_engine_puts_generate_on_the_light_image(tmp_path: Path):
     """With rollout.engine sampler, generate is an HTTP client: step image, CPU pool, no GPU."""
     out = tmp_path / "gke-samplers.yaml"
     endpoints = '["http://rlpipe-sampler-pods.rlpipe.svc.cluster.local:8000"]'
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [*RLPIPE, "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(out), "--set", "rollout.engine=sampler", "--set", f"samplers.endpoints={endpoints}"]
     subprocess.run(command, check=True)
     pipeline, platform = list(yaml.safe_load_all(out.read_text()))
@@ -171,7 +141,7 @@ def test_resident_trainer_on_a_cluster(tmp_path: Path):
     """trainer.resident: update, evaluate (and generate, torch engine: the trainer samples) run on the
     light image as clients of the trainer that compile writes beside the pipeline (its JobSet's Service
     is trainer.endpoint unless the spec names one: tests/test_manifests.py checks the JobSet)."""
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [*RLPIPE, "compile", str(REPO / "examples" / "addition-gke.yaml")]
     command += ["-o", str(tmp_path / "x.yaml"), "--set", "trainer.resident=true"]
     subprocess.run(command, check=True, capture_output=True)
     pipeline, _ = list(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
@@ -231,7 +201,7 @@ def test_sandboxed_score_step_carries_the_runtime_class(tmp_path: Path):
     spec = str(REPO / "examples" / "addition-gke.yaml")
     kfp_out, argo_out = tmp_path / "kfp.yaml", tmp_path / "argo.yaml"
     for target, out in (("kfp", kfp_out), ("argo", argo_out)):
-        command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", spec, "--target", target]
+        command = [*RLPIPE, "compile", spec, "--target", target]
         subprocess.run([*command, "-o", str(out), "--set", rewards], check=True, capture_output=True)
     pipeline, platform = yaml.safe_load_all(kfp_out.read_text())
     json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())

@@ -8,7 +8,6 @@ same weights and curve as the subprocess runner, and its failures say what to do
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -50,13 +49,17 @@ def run_in(image: str, root: Path, *argv: str, name: str | None = None, detach: 
         command += ["--detach"]
     command += [image, *argv] if detach else ["--entrypoint", "python3", image, *argv]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(argv[:3])} in {image} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"{' '.join(argv[:3])} in {image} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done.stdout
 
 
 def argo_step(image: str, root: Path, step: str, spec_json: str, run_root: str) -> str:
     """One step of one iteration, as the Argo export runs it (pipelines/argo_steps.py)."""
-    return run_in(image, root, "-m", "rlpipe.pipelines.argo_steps", step, "--spec-json", spec_json, "--run-root", run_root)
+    return run_in(
+        image, root, "-m", "rlpipe.pipelines.argo_steps", step, "--spec-json", spec_json, "--run-root", run_root
+    )
 
 
 def initialize(images: dict[str, str], root: Path, spec_json: str, run_root: str) -> None:
@@ -119,11 +122,13 @@ def test_resident_trainer_serves_from_the_trainer_image(images, shared_dir):
     """The trainer image's service computes generate and update; the step image's thin clients ask it."""
     port = free_port()
     spec = parse_spec(
-        tiny_spec_dict(shared_dir, trainer={"resident": True, "endpoint": f"http://127.0.0.1:{port}", "mini_batches": 2})
+        tiny_spec_dict(
+            shared_dir, trainer={"resident": True, "endpoint": f"http://127.0.0.1:{port}", "mini_batches": 2}
+        )
     )
     run_root, spec_json = str(shared_dir / "runs" / "tiny"), spec_to_json(spec)
     name = f"rlpipe-test-trainer-{port}"
-    run_in(images["trainer"], shared_dir, "python3", "-m", "rlpipe.services.trainer_service", "--host", "127.0.0.1",
+    run_in(images["trainer"], shared_dir, "python3", "-m", "rlpipe.services.trainer.server", "--host", "127.0.0.1",
            "--port", str(port), name=name, detach=True)  # fmt: skip
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 120, name)
@@ -165,15 +170,25 @@ def test_sampler_image_serves_answers_and_reloads_in_place(images, shared_dir):
             timeout=60,
         )
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
-        started = subprocess.run(["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True).stdout
+        started = subprocess.run(
+            ["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True
+        ).stdout
         argo_step(images["step"], shared_dir, "generate", spec_json, run_root)  # the step image's sampler client
         for step, image in (("score", "step"), ("advantages", "step"), ("update", "trainer"), ("sync_weights", "step")):
             argo_step(images[image], shared_dir, step, spec_json, run_root)
-        from rlpipe.clients.sampler_client import weight_version
+        from rlpipe.services.samplers.client import weight_version
 
         assert weight_version(f"http://127.0.0.1:{port}") == "1"  # reloaded in place: the same container
-        assert subprocess.run(["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True).stdout == started
-        assert subprocess.run(["podman", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip() == "1000"
+        assert (
+            subprocess.run(
+                ["podman", "inspect", "--format", "{{.State.StartedAt}}", name], capture_output=True, text=True
+            ).stdout
+            == started
+        )
+        assert (
+            subprocess.run(["podman", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip()
+            == "1000"
+        )
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "2", name], capture_output=True)
 
@@ -218,14 +233,19 @@ def test_run_in_containers_matches_processes(images, shared_dir):
     """`rlpipe run --containers` on the demo spec (resident trainer) commits the weights of the subprocess
     runner at every version, warm start included, and the same held-out curve."""
     processes, run_root = shared_dir / "runs" / "processes", shared_dir / "runs" / "addition-demo"
-    reference = rlpipe(shared_dir, *demo(shared_dir, "--run-dir", str(processes), f"--set=storage.cache={processes}-cache"))
+    reference = rlpipe(
+        shared_dir, *demo(shared_dir, "--run-dir", str(processes), f"--set=storage.cache={processes}-cache")
+    )
     assert reference.returncode == 0, reference.stderr
     contained = rlpipe(shared_dir, *demo(shared_dir, "--containers"))
     assert contained.returncode == 0, contained.stdout[-2000:] + contained.stderr[-2000:]
     assert labelled(run_root) == []  # the run's containers are gone
     for version in range(4):
         manifest = f"weights/v{version:06d}/manifest.json"
-        assert json.loads((run_root / manifest).read_text())["sha256"] == json.loads((processes / manifest).read_text())["sha256"]
+        assert (
+            json.loads((run_root / manifest).read_text())["sha256"]
+            == json.loads((processes / manifest).read_text())["sha256"]
+        )
     curve = json.loads((run_root / "summary.json").read_text())["evals"]
     assert curve == json.loads((processes / "summary.json").read_text())["evals"] and len(curve) == 4
 
@@ -235,7 +255,11 @@ def test_run_in_containers_killed_resumes(images, shared_dir):
     same command removes them and resumes to a consistent run root (as tests/test_local_run.py's kills)."""
     from .test_local_run import _check_consistent
 
-    spec = write_spec(shared_dir, trainer={"resident": True, "mini_batches": 2}, loop={"iterations": 3, "iterations_per_run": 3, "eval_every": 1})
+    spec = write_spec(
+        shared_dir,
+        trainer={"resident": True, "mini_batches": 2},
+        loop={"iterations": 3, "iterations_per_run": 3, "eval_every": 1},
+    )
     run_root = shared_dir / "runs" / "tiny"
     driver = subprocess.Popen([RLPIPE, "run", str(spec), "--containers"], cwd=shared_dir,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -253,7 +277,9 @@ def test_run_in_containers_killed_resumes(images, shared_dir):
 
 def test_containers_failures_say_what_to_do(images, shared_dir):
     spec = write_spec(shared_dir, loop={"iterations": 1, "iterations_per_run": 1, "eval_every": 1})
-    missing = rlpipe(shared_dir, "run", str(spec), "--containers", "--set", "cluster.step.image=ghcr.io/rlpipe/step:not-built")
+    missing = rlpipe(
+        shared_dir, "run", str(spec), "--containers", "--set", "cluster.step.image=ghcr.io/rlpipe/step:not-built"
+    )
     assert missing.returncode == 1
     assert "ghcr.io/rlpipe/step:not-built" in missing.stderr and "images/build.sh" in missing.stderr
     assert "Traceback" not in missing.stderr
@@ -265,7 +291,11 @@ def test_containers_failures_say_what_to_do(images, shared_dir):
     subprocess.run(["podman", "kill", labelled(run_root)[0]], capture_output=True)
     out, err = driver.communicate(timeout=300)
     assert driver.returncode == 1, out + err
-    assert "StepContainerError: the step's container was stopped from outside (exit 137" in err and "run the same command again" in err and "Traceback" not in err
+    assert (
+        "StepContainerError: the step's container was stopped from outside (exit 137" in err
+        and "run the same command again" in err
+        and "Traceback" not in err
+    )
     resumed = rlpipe(shared_dir, "run", str(spec), "--containers")
     assert resumed.returncode == 0, resumed.stderr
     assert read_state(str(run_root))["iteration"] == 1

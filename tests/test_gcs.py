@@ -59,8 +59,8 @@ def gcs(tmp_path_factory):
 
 
 def test_model_loads_from_gs(gcs, tmp_path: Path):
-    from rlpipe.model_files import resolve_model_source
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model, load_policy
+    from rlpipe.models.files import resolve_model_source
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model, load_policy
     from rlpipe.spec import TinyModelSpec
 
     tokenizer = build_char_tokenizer()
@@ -83,7 +83,7 @@ def test_weight_store_publishes_on_gs(gcs, tmp_path: Path):
     gcs.put(str(tmp_path / "v") + "/", staged.removeprefix("gs://"), recursive=True)
     ref = ws.publish(run_root, ws.seal(staged, 1, 1, 0))
     assert ws.latest_version(run_root) == 1
-    assert ws.read_ref(run_root, 1) == ref
+    assert ws.read_weight_ref(run_root, 1) == ref
     local = ws.local_path(ref, tmp_path / "cache")
     assert Path(local, "model.safetensors").read_bytes() == (tmp_path / "v" / "model.safetensors").read_bytes()
 

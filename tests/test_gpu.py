@@ -11,7 +11,7 @@ import torch
 from rlpipe.spec import parse_spec
 from rlpipe.training.trainer import train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import initialize, tiny_spec_dict
 from .test_precision_and_memory import _batch, _make, _params, _trainer
 
 pytestmark = [
@@ -83,8 +83,8 @@ def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_pa
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_whole_iteration_runs_on_the_gpu(tmp_path: Path, lora: bool):
     from rlpipe import loop
-    from rlpipe.modeling import load_weights
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_weights
+    from rlpipe.store.weights import read_weight_ref
 
     spec = parse_spec(
         tiny_spec_dict(
@@ -95,13 +95,11 @@ def test_a_whole_iteration_runs_on_the_gpu(tmp_path: Path, lora: bool):
         )
     )
     run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
-    loop.prepare(spec, run_root)
-    staged, warm = loop.warm_start(spec, run_root, cache)
-    v0, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    v0 = initialize(spec, run_root, cache)
     torch.cuda.reset_peak_memory_stats()
     v1, metrics = loop.run_iteration(spec, run_root, v0, 1, tmp_path, cache)
     assert torch.cuda.max_memory_allocated() > 0 and metrics["policy/micro_batches"] > 2
-    assert v1["version"] == 1 and read_ref(run_root, 1)["sha256"] == v1["sha256"]
+    assert v1["version"] == 1 and read_weight_ref(run_root, 1)["sha256"] == v1["sha256"]
     before, _ = load_weights(v0, cache, threads=1, device="cuda")
     after, _ = load_weights(v1, cache, threads=1, device="cuda")
     assert after.device.type == "cuda"

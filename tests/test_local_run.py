@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from rlpipe.store.run_root import list_metrics, read_eval_samples
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 
 
 def _write_spec(tmp_path: Path, **sections) -> Path:
@@ -25,9 +24,7 @@ def _write_spec(tmp_path: Path, **sections) -> Path:
 
 
 def _rlpipe(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, **kwargs
-    )
+    return subprocess.run([*RLPIPE, *args], capture_output=True, text=True, **kwargs)
 
 
 def _mlflow_steps(run_root: Path, key: str, store: Path | None = None) -> list[int]:
@@ -169,7 +166,7 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)],
+        [*RLPIPE, "run", str(spec), "--run-dir", str(run_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -199,7 +196,7 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
         assert trainer["state"] == "stopped"
         for pid in (orphan, trainer["pid"]):
             cmdline = Path(f"/proc/{pid}/cmdline")
-            assert not cmdline.exists() or b"trainer_service" not in cmdline.read_bytes(), f"trainer {pid} lives"
+            assert not cmdline.exists() or b"rlpipe.services.trainer.server" not in cmdline.read_bytes(), f"trainer {pid} lives"
 
 
 REWARD_MODULE = '''
@@ -216,7 +213,7 @@ def test_your_own_data_reward_and_chat_model(tmp_path: Path):
     here that carries a chat template: the whole loop on kfp.local."""
     import pyarrow.parquet as pq
 
-    from rlpipe.modeling import build_bpe_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_bpe_tokenizer, build_tiny_model
     from rlpipe.spec import TinyModelSpec
 
     rows = [
@@ -266,7 +263,7 @@ def test_your_own_data_reward_and_chat_model(tmp_path: Path):
     assert prepared[0]["prompt"].startswith("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\n")
     assert prepared[0]["prompt"].endswith("<|im_start|>assistant\n")
     # prompts over max_prompt_tokens (40) are dropped and counted, as transformers' chat template counts them
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.models.loading import load_tokenizer
 
     hf = load_tokenizer(tmp_path / "model")
     system = [{"role": "system", "content": "Answer with a number."}]

@@ -4,18 +4,17 @@ merges them into a plain model."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlpipe.modeling import is_adapted, load_weights
+from rlpipe.models.loading import is_adapted, load_weights
 from rlpipe.spec import parse_spec
-from rlpipe.store.weights import BASE_FILE, publish, read_ref
+from rlpipe.store.weights import BASE_FILE, publish, read_weight_ref
 from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 from .test_precision_and_memory import _batch
 
 LORA = {"rank": 4, "alpha": 8.0}
@@ -29,7 +28,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_run, tmp_path: Path):
     _, run_root, cache = initialized_run
     lora_spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, algorithm={"kl_coef": 0.1}))
-    base_ref = read_ref(run_root, 0)
+    base_ref = read_weight_ref(run_root, 0)
     trainer = load_trainer(lora_spec, run_root, base_ref, cache)
     assert is_adapted(trainer.policy) and trainer.reference is trainer.policy  # no second copy
     trained = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
@@ -63,17 +62,17 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     assert adapter_bytes < base_bytes / 5
     publish(run_root, ref)
     # loaded back: merged for sampling, trainable for the next update, both computing the same
-    merged, _ = load_weights(read_ref(run_root, 1), cache, threads=1)
+    merged, _ = load_weights(read_weight_ref(run_root, 1), cache, threads=1)
     assert not is_adapted(merged)
     torch.testing.assert_close(_logits(merged, ids), adapted, rtol=1e-5, atol=1e-5)
-    resumed = load_trainer(lora_spec, run_root, read_ref(run_root, 1), cache)
+    resumed = load_trainer(lora_spec, run_root, read_weight_ref(run_root, 1), cache)
     assert is_adapted(resumed.policy) and resumed.optimizer.state_dict()["state"]
     resumed.policy.eval()
     torch.testing.assert_close(_logits(resumed.policy, ids), adapted, rtol=1e-6, atol=1e-6)
     # export: a plain model directory that computes the adapted policy
     out = tmp_path / "exported"
     done = subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", "export", run_root, "-o", str(out)],
+        [*RLPIPE, "export", run_root, "-o", str(out)],
         capture_output=True,
         text=True,
     )
@@ -101,7 +100,7 @@ def test_lora_runs_the_loop_on_kfp_local(tmp_path: Path, resident: bool):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(tmp_path / "spec.yaml"), "--run-dir", str(run_dir)],
+        [*RLPIPE, "run", str(tmp_path / "spec.yaml"), "--run-dir", str(run_dir)],
         capture_output=True,
         text=True,
     )
@@ -119,12 +118,12 @@ def test_lora_runs_the_loop_on_kfp_local(tmp_path: Path, resident: bool):
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_the_sampler_merges_an_adapter_as_peft_does(tmp_path: Path, rslora: bool):
-    """rlpipe.services.sampler_worker.merged_lora_weights (what a CPU sampler loads for a LoRA
+    """rlpipe.services.samplers.worker.merged_lora_weights (what a CPU sampler loads for a LoRA
     version) equals peft's merge_and_unload, module for module."""
     from peft import LoraConfig, get_peft_model
 
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
-    from rlpipe.services.sampler_worker import merged_lora_weights
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
+    from rlpipe.services.samplers.worker import merged_lora_weights
     from rlpipe.spec import TinyModelSpec
 
     model = build_tiny_model(TinyModelSpec(), build_char_tokenizer(), seed=0)
@@ -153,7 +152,7 @@ def test_the_update_compares_the_policy_with_itself_not_two_dropout_samples(
     _, run_root, cache = initialized_run
     lora = LORA | {"dropout": 0.5}
     spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": lora}, trainer={"disable_dropout": disable}))
-    trainer = load_trainer(spec, run_root, read_ref(run_root, 0), cache)
+    trainer = load_trainer(spec, run_root, read_weight_ref(run_root, 0), cache)
     assert trainer.policy.training
     with torch.no_grad():
         for name, parameter in trainer.policy.named_parameters():
@@ -169,7 +168,7 @@ def test_the_update_compares_the_policy_with_itself_not_two_dropout_samples(
 
 
 def test_disable_dropout_turns_off_the_attentions_dropout_too():
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model, disable_dropout
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model, disable_dropout
     from rlpipe.spec.schema import TinyModelSpec
 
     tiny = TinyModelSpec(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)

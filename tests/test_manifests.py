@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .conftest import RLPIPE, strict_schema
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 NAMESPACE = "rlpipe"
@@ -365,7 +367,7 @@ def test_sampler(build):
     c = _container(dep, "sampler")
     assert c["image"] == "ghcr.io/rlpipe/sampler:0.1.0"
     argv = c["command"] + c.get("args", [])
-    assert argv[:3] == ["python", "-m", "rlpipe.services.sampler_fleet"]  # waits for the run's weights, execs vLLM
+    assert argv[:3] == ["python", "-m", "rlpipe.services.samplers.fleet"]  # waits for the run's weights, execs vLLM
     flags = _flags(argv)
     assert flags["--host"] == "0.0.0.0" and flags["--port"] == "8000"
     env = _env(c)
@@ -486,26 +488,11 @@ def test_resident_trainer_is_compiled_not_shipped(build):
 JOBSET_SCHEMA = REPO / "tests" / "fixtures" / "jobset-v0.12.0-v1alpha2.schema.json"  # source: its $comment
 
 
-def _strict_crd(schema):
-    """Unknown fields fail wherever the CRD lists an object's fields (the API server would prune them)."""
-    if isinstance(schema, dict):
-        if "properties" in schema and "additionalProperties" not in schema:
-            if not schema.get("x-kubernetes-preserve-unknown-fields"):
-                schema["additionalProperties"] = False
-        for value in schema.values():
-            _strict_crd(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            _strict_crd(value)
-    return schema
-
-
 def _compile_trainer(tmp_path: Path, *overrides: str) -> tuple[dict, dict, dict]:
     """(pipeline IR, JobSet, Service) of examples/addition-gke.yaml compiled with `overrides`."""
-    import sys
 
     out = tmp_path / "rl.yaml"
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition-gke.yaml")]
+    command = [*RLPIPE, "compile", str(REPO / "examples" / "addition-gke.yaml")]
     for override in overrides:
         command += ["--set", override]
     done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, timeout=120)
@@ -524,7 +511,7 @@ def test_compiled_multi_node_trainer(tmp_path: Path):
     import kubernetes_validate
 
     pipeline, jobset, service = _compile_trainer(tmp_path, "trainer.gpus=8", "trainer.nodes=2", "trainer.resident=true")
-    schema = _strict_crd(json.loads(JOBSET_SCHEMA.read_text()))
+    schema = strict_schema(json.loads(JOBSET_SCHEMA.read_text()))
     jsonschema.validate(jobset, schema)
     with pytest.raises(jsonschema.ValidationError):  # the strict schema does catch a misspelled field
         jsonschema.validate(json.loads(json.dumps(jobset).replace('"parallelism"', '"paralellism"')), schema)
@@ -556,7 +543,7 @@ def test_compiled_multi_node_trainer(tmp_path: Path):
     assert flags["--master-addr"] == f"{name}-{node['name']}-0-0.{network['subdomain']}"  # JobSet's pod DNS
     assert len(f"{name}-{node['name']}-0-0") <= 63  # a pod host name is one DNS label
     assert _port_number(c, "rendezvous") == int(flags["--master-port"])
-    assert argv[argv.index("-m", 3) + 1] == "rlpipe.services.trainer_service" and flags["--device"] == "auto"
+    assert argv[argv.index("-m", 3) + 1] == "rlpipe.services.trainer.server" and flags["--device"] == "auto"
     rank = _env(c)["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert rank == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -629,7 +616,7 @@ def test_optional_kfp_runtime_class_policy_validates():
 
 def test_optional_rollout_producer_validates():
     """manifests/optional/rollout-producer.yaml: one producer (never two at once) for an asynchronous
-    run, running rlpipe.services.rollout_producer with the weights PVC read-write (it writes the buffer)."""
+    run, running rlpipe.services.producer.server with the weights PVC read-write (it writes the buffer)."""
     import kubernetes_validate
 
     docs = list(yaml.safe_load_all((MANIFESTS / "optional" / "rollout-producer.yaml").read_text()))
@@ -639,7 +626,7 @@ def test_optional_rollout_producer_validates():
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
     pod = spec["template"]["spec"]
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "rlpipe.services.rollout_producer"]
+    assert c["command"] == ["python", "-m", "rlpipe.services.producer.server"]
     assert {e["name"] for e in c["env"]} >= {"RLPIPE_RUN_ROOT"}
     assert c["livenessProbe"]["httpGet"]["path"] == "/health" and "--port=8002" in c["args"]
     weights = next(v for v in pod["volumes"] if v["name"] == "weights")
@@ -649,7 +636,7 @@ def test_optional_rollout_producer_validates():
 
 def test_optional_environment_service_validates():
     """manifests/optional/environment-service.yaml: the environment server as a sandboxed Deployment (the
-    deny-all-egress label), reachable only from rlpipe's pods, serving rlpipe.services.environment_server."""
+    deny-all-egress label), reachable only from rlpipe's pods, serving rlpipe.environments.server."""
     import kubernetes_validate
 
     from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL
@@ -661,7 +648,7 @@ def test_optional_environment_service_validates():
     pod = docs[0]["spec"]["template"]
     assert pod["metadata"]["labels"][SANDBOX_LABEL] == "true"
     c = pod["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "rlpipe.services.environment_server"]
+    assert c["command"] == ["python", "-m", "rlpipe.environments.server"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health" and "--port=8000" in c["args"]
     options = json.loads(next(a for a in c["args"] if a.startswith("--options=")).split("=", 1)[1])
     assert options["tools"] == ["python"]

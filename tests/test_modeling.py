@@ -5,8 +5,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from rlpipe.model_files import resolve_model_source
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from rlpipe.models.files import resolve_model_source
+from rlpipe.models.loading import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
 from rlpipe.spec import TinyModelSpec
 
 

@@ -18,7 +18,7 @@ from rlpipe.algorithms.ppo import explained_variance, gae, value_loss
 from rlpipe.spec import parse_spec
 from rlpipe.steps import iteration_steps
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, initialize, tiny_spec_dict
 
 PPO = {"name": "ppo"}
 
@@ -115,14 +115,12 @@ def test_ppo_trains_policy_and_critic_as_two_lineages(tmp_path: Path):
     published, the critic's values move toward the returns, and old critic versions are pruned."""
     from rlpipe import loop
     from rlpipe.rollouts import read_table
-    from rlpipe.store.weights import read_ref, version_uri
+    from rlpipe.store.weights import read_weight_ref, version_uri
     from rlpipe.training.critic import load_critic
 
     spec = _ppo_spec(tmp_path, storage={"root": str(tmp_path / "runs"), "keep_versions": 1})
     run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
-    loop.prepare(spec, run_root)
-    staged, warm = loop.warm_start(spec, run_root, cache)
-    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    weights = initialize(spec, run_root, cache)
     first_values = None
     for iteration in (1, 2, 3):
         weights, metrics = loop.run_iteration(spec, run_root, weights, iteration, tmp_path, cache)
@@ -133,7 +131,7 @@ def test_ppo_trains_policy_and_critic_as_two_lineages(tmp_path: Path):
             assert max(abs(v) for v in first_values) == 0.0
         for key in ("critic/value_loss", "critic/value_mean", "critic/grad_norm", "time/values_s"):
             assert math.isfinite(metrics[key]), key
-        critic = read_ref(run_root, iteration, "critic")
+        critic = read_weight_ref(run_root, iteration, "critic")
         assert critic["version"] == weights["version"] == iteration
     assert not Path(version_uri(run_root, 1, "critic")).exists()  # pruned with the policy's v1
     later = [v for r in read_table(str(tmp_path / "valued.parquet")).to_pylist() for v in r["values"]]
@@ -148,9 +146,9 @@ def test_ppo_on_the_resident_trainer_matches_the_per_step_processes(tmp_path: Pa
     import threading
 
     from rlpipe import loop
-    from rlpipe.services.trainer_service import make_server
+    from rlpipe.services.trainer.server import make_server
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     server = make_server("127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -164,13 +162,11 @@ def test_ppo_on_the_resident_trainer_matches_the_per_step_processes(tmp_path: Pa
                 data["trainer"] |= {"resident": True, "endpoint": f"http://127.0.0.1:{server.server_address[1]}"}
                 spec = parse_spec(data)
             run_root, cache = str(root / "runs" / spec.name), spec.cache_root
-            loop.prepare(spec, run_root)
-            staged, warm = loop.warm_start(spec, run_root, cache)
-            weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+            weights = initialize(spec, run_root, cache)
             for iteration in (1, 2):
                 weights, metrics = loop.run_iteration(spec, run_root, weights, iteration, root, cache)
             assert metrics.get("trainer/reloaded", 0.0) == 0.0  # v2 came from the held policy and critic
-            shas.append((weights["sha256"], read_ref(run_root, 2, "critic")["sha256"]))
+            shas.append((weights["sha256"], read_weight_ref(run_root, 2, "critic")["sha256"]))
     finally:
         server.shutdown()
     assert shas[0] == shas[1]
@@ -201,7 +197,6 @@ def test_ppo_loop_on_the_kfp_local_runner(tmp_path: Path):
 
 def test_compiled_ppo_yaml_parses_strictly(tmp_path: Path):
     import subprocess
-    import sys
 
     import yaml
     from google.protobuf import json_format
@@ -210,7 +205,7 @@ def test_compiled_ppo_yaml_parses_strictly(tmp_path: Path):
     from .conftest import REPO
 
     out = tmp_path / "ppo.yaml"
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "compile", str(REPO / "examples" / "addition.yaml")]
+    command = [*RLPIPE, "compile", str(REPO / "examples" / "addition.yaml")]
     command += ["-o", str(out), "--run-root", "gs://bucket/runs/ppo", "--set", "algorithm.name=ppo"]
     command += ["--set", "trainer.endpoint=http://rlpipe-trainer.rlpipe.svc.cluster.local:8001"]
     subprocess.run(command, check=True)
@@ -226,10 +221,10 @@ def test_compiled_ppo_yaml_parses_strictly(tmp_path: Path):
 
 
 def test_the_memory_plan_counts_the_critic(tmp_path: Path):
-    from rlpipe.training.memory_plan import model_shape, plan_memory
+    from rlpipe.training.memory_estimate import estimate_memory, model_shape
 
     def rows(spec):
-        return dict(plan_memory(spec, model_shape(spec, tmp_path), 64, gpus=2, gpu_memory_gib=80).rows)
+        return dict(estimate_memory(spec, model_shape(spec, tmp_path), 64, gpus=2, gpu_memory_gib=80).rows)
 
     ppo = parse_spec(tiny_spec_dict(tmp_path, algorithm=PPO))
     shape = model_shape(ppo, tmp_path)
@@ -243,19 +238,17 @@ def test_ppo_update_in_two_torchrun_processes(tmp_path: Path):
     critic v1 (whole weights) and its AdamW state, which one process loads and trains on."""
     from rlpipe import loop
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
     from rlpipe.training.critic import load_critic
 
     spec = _ppo_spec(tmp_path)
     run_root, cache = str(tmp_path / "runs" / spec.name), spec.cache_root
-    loop.prepare(spec, run_root)
-    staged, warm = loop.warm_start(spec, run_root, cache)
-    weights, _ = loop.sync_weights(spec, run_root, staged, 0, warm)
+    weights = initialize(spec, run_root, cache)
     data = spec_to_dict(spec)
     data["trainer"] |= {"gpus": 2, "device": "cpu", "micro_batch_tokens": 64}
     two = parse_spec(data)
     weights, metrics = loop.run_iteration(two, run_root, weights, 1, tmp_path, cache)
     assert metrics["policy/processes"] == 2 and math.isfinite(metrics["critic/value_loss"])
-    assert read_ref(run_root, 1, "critic")["version"] == 1
+    assert read_weight_ref(run_root, 1, "critic")["version"] == 1
     critic = load_critic(spec, run_root, 1, cache, trainable=True)  # one process, from the 2-process save
     assert critic.optimizer.state and float(critic.model.score.weight.abs().max()) > 0  # the head trained

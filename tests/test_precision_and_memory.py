@@ -11,13 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlpipe.devices import resolve_device
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+from rlpipe.models.devices import resolve_device
+from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
 from rlpipe.training.batching import micro_batches
-from rlpipe.training.trainer import Trainer, train_on_batch
+from rlpipe.training.state import Trainer
+from rlpipe.training.trainer import train_on_batch
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 
 
 def _batch(tmp_path: Path, rows: int = 24) -> str:
@@ -177,7 +178,7 @@ LLAMA = {
 def test_parameter_count_matches_transformers(config: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlpipe.training.memory_plan import shape_from_config
+    from rlpipe.training.memory_estimate import shape_from_config
 
     hf_config = AutoConfig.for_model(**config)
     with torch.device("meta"):
@@ -188,10 +189,11 @@ def test_parameter_count_matches_transformers(config: dict):
 MEASURE = """
 import json, random, sys
 import pyarrow as pa, pyarrow.parquet as pq, torch
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
-from rlpipe.training.memory_plan import plan_memory, shape_from_config
-from rlpipe.training.trainer import Trainer, train_on_batch
+from rlpipe.training.memory_estimate import estimate_memory, shape_from_config
+from rlpipe.training.state import Trainer
+from rlpipe.training.trainer import train_on_batch
 
 def rss(field):
     return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
@@ -212,7 +214,7 @@ if checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 trainer = Trainer(spec, "-", {"version": 0}, model, tokenizer, torch.optim.AdamW(model.parameters()), None)
 train_on_batch(trainer, sys.argv[1], 1)
-plan = plan_memory(spec, shape_from_config(model.config.to_dict()), 124, 1, 80)
+plan = estimate_memory(spec, shape_from_config(model.config.to_dict()), 124, 1, 80)
 estimate = sum(b for what, b in plan.rows if not what.startswith("sampler"))
 print(json.dumps({"measured": rss("VmHWM") - before, "estimate": estimate}))
 """
@@ -243,7 +245,6 @@ def test_memory_estimate_is_near_the_measured_peak(tmp_path: Path, checkpointing
 
 def test_plan_says_what_to_change(tmp_path: Path):
     import subprocess
-    import sys
 
     import yaml
 
@@ -254,16 +255,18 @@ def test_plan_says_what_to_change(tmp_path: Path):
     data["data"] = {"max_prompt_tokens": 512}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
 
-    def plan(*extra: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "rlpipe.pipelines.cli", "plan", str(tmp_path / "spec.yaml"), *extra]
+    def estimate(*extra: str, command: str = "estimate-memory") -> subprocess.CompletedProcess:
+        command = [*RLPIPE, command, str(tmp_path / "spec.yaml"), *extra]
         return subprocess.run(command, capture_output=True, text=True)
 
-    full = plan()
+    renamed = estimate(command="plan")  # one meaning per name: `plan` is the loop's first step
+    assert renamed.returncode == 2 and "`rlpipe plan` is now `rlpipe estimate-memory`" in renamed.stderr
+    full = estimate()
     assert full.returncode == 1, full.stdout + full.stderr
     assert "1.544B parameters (28 layers, hidden 1536, vocab 151936), sequences of 1024 tokens" in full.stdout
     assert "policy weights (fp32)                           5.75 GiB" in full.stdout
     assert "trainer.gradient_checkpointing: true" in full.stdout and "trainer.micro_batch_tokens: " in full.stdout
-    tuned = plan(
+    tuned = estimate(
         "--set",
         "trainer.dtype=bfloat16",
         "--set",
@@ -272,17 +275,18 @@ def test_plan_says_what_to_change(tmp_path: Path):
         "trainer.micro_batch_tokens=8192",
     )
     assert tuned.returncode == 0 and "fits" in tuned.stdout, tuned.stdout
-    small_gpu = plan("--gpu-memory-gib", "16")
+    small_gpu = estimate("--gpu-memory-gib", "16")
     assert "shard them over 2 or more GPUs (FSDP), or train adapters (LoRA)" in small_gpu.stdout
 
 
 DATA_PARALLEL = """
 import copy, json, sys
 import torch
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
 from rlpipe.training.distributed import init_from_torchrun, shard
-from rlpipe.training.trainer import Trainer, save_trained, train_on_batch
+from rlpipe.training.state import Trainer
+from rlpipe.training.trainer import save_trained, train_on_batch
 
 batch, run_root, out = sys.argv[1:4]
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.preflight import gpus_problem, tracking_store_problem
+from rlpipe.run.preflight import gpus_problem, tracking_store_problem
 
 from .test_failures import _fails_clearly, _rlpipe, _spec
 

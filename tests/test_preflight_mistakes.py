@@ -4,7 +4,6 @@ key (issue 43, items 9-15): each is named at pre-flight, in seconds, with what t
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlpipe.preflight import CheckFailed, check_data, check_environment, check_evaluation, check_model
+from rlpipe.run.preflight import CheckFailed, check_data, check_environment, check_evaluation, check_model
 from rlpipe.spec import SpecError, parse_spec, with_overrides
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 from .test_failures import _fails_clearly, _rlpipe, _spec
 
 
@@ -83,14 +82,14 @@ def test_gates_on_recorded_metrics_pass(tmp_path: Path, gate: str):
 
 def test_a_harness_task_lm_eval_lacks_is_named_with_the_include_path(tmp_path: Path, monkeypatch):
     pytest.importorskip("lm_eval")
-    import rlpipe.harness
+    import rlpipe.evaluation.harness
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "doubles.yaml").write_text("task: rlpipe_doubles\ndataset_path: json\noutput_type: generate_until\n")
     # lm_eval's own thousands of tasks take seconds to index: the local ones alone here
     local_only = lambda manager_class, path, _: manager_class(include_path=path, include_defaults=False)  # noqa: E731
-    monkeypatch.setattr(rlpipe.harness, "task_manager", local_only)
+    monkeypatch.setattr(rlpipe.evaluation.harness, "task_manager", local_only)
     harness = {"tasks": ["rlpipe_doubles", "rlpipe_doubels"], "include_path": str(tasks)}
     spec = parse_spec(tiny_spec_dict(tmp_path, evaluation={"harness": harness}))
     with pytest.raises(CheckFailed) as failed:
@@ -155,7 +154,7 @@ def test_a_hub_id_is_read_from_the_cache_when_the_hub_does_not_answer(tmp_path: 
 def _rlpipe_env(env: dict, *args: str):
     import subprocess
 
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", *args]
+    command = [*RLPIPE, *args]
     return subprocess.run(command, capture_output=True, text=True, env=env)
 
 
@@ -166,7 +165,7 @@ def test_an_unreachable_bucket_is_named_in_seconds_without_library_tracebacks(tm
     pytest.importorskip("gcsfs")
     import fsspec
 
-    from rlpipe.preflight import storage
+    from rlpipe.run.preflight import storage
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{_closed_port()}")  # gcsfs retries it for ~1 min
     monkeypatch.setitem(fsspec.config.conf, "gcs", {"token": "anon"})
@@ -182,7 +181,7 @@ def test_an_unreachable_bucket_is_named_in_seconds_without_library_tracebacks(tm
 def test_library_messages_during_preflight_go_to_its_log(tmp_path: Path):
     import logging
 
-    from rlpipe.preflight import library_logs_to
+    from rlpipe.run.preflight import library_logs_to
 
     with library_logs_to(tmp_path / "logs" / "preflight.log") as logged:
         assert not logged()
@@ -244,7 +243,7 @@ def test_the_terminal_carries_the_exception_of_a_failed_step_whatever_its_name(t
         "17:33:33.947 - ERROR - Task 'warm-start' finished with status FAILURE\n"
         "17:33:33.948 - INFO - Executing task 'track'\n"
         "    Traceback (most recent call last):\n"
-        '      File "/work/main/rlpipe/tracking.py", line 1, in flush\n'
+        '      File "/work/main/rlpipe/run/tracking.py", line 1, in flush\n'
         "    mlflow.exceptions.MlflowException: no run to flush\n"
         "17:33:36.195 - INFO - Task 'track' finished with status SUCCESS\n"
     )

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlpipe.gguf_model import CONVERTED_MARKER, converted_dir, file_sha256, find_gguf
-from rlpipe.model_files import resolve_model_source
+from rlpipe.models.files import resolve_model_source
+from rlpipe.models.gguf import CONVERTED_MARKER, converted_dir, file_sha256, find_gguf
 from rlpipe.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def test_a_converted_gguf_is_reused_by_content(tmp_path: Path, monkeypatch):
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr("rlpipe.gguf_model.convert_gguf", convert)
+    monkeypatch.setattr("rlpipe.models.gguf.convert_gguf", convert)
     cache = tmp_path / "cache"
     target = cache / "models" / f"gguf-{file_sha256(original)[:16]}"
     target.mkdir(parents=True)  # an interrupted conversion's leftovers

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rlpipe.http_json import reply_json
 from rlpipe.rewards import RewardError, Rewards, call_reward, score_rollouts
 from rlpipe.rewards.sandbox import network_namespace
 from rlpipe.rollouts import ROLLOUT_SCHEMA, write_table
@@ -114,7 +115,7 @@ def test_reward_model_scores_from_a_tiny_local_classifier(tmp_path: Path):
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from rlpipe.modeling import build_char_tokenizer
+    from rlpipe.models.loading import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
@@ -161,12 +162,7 @@ class _Scorer(BaseHTTPRequestHandler):
             self.send_response(503)
             self.end_headers()
             return
-        answer = json.dumps({"rewards": [float(len(c)) for c in body["completions"]]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
+        reply_json(self, 200, {"rewards": [float(len(c)) for c in body["completions"]]})
 
     def log_message(self, *args):
         pass

@@ -16,7 +16,7 @@ from .test_local_run import _check_consistent, _rlpipe
 
 
 def test_stop_when_reads_a_metric_comparison():
-    from rlpipe.schedule import stop_reason
+    from rlpipe.evaluation.cadence import stop_reason
 
     spec = parse_spec({"name": "g", "loop": {"stop_when": "eval/accuracy_greedy >= 0.7"}})
     assert stop_reason(spec, {"eval/accuracy_greedy": 0.69}) is None
@@ -119,14 +119,14 @@ def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp
     # a fork from the latest iteration that changes nothing (but the gate) goes on exactly as the parent
     # does, which goes on once its gate is gone; the fork's optimizer state is the parent's
     from rlpipe import loop
-    from rlpipe.fork import fork_run as fork
-    from rlpipe.store.weights import read_ref
+    from rlpipe.run.fork import fork_run as fork
+    from rlpipe.store.weights import read_weight_ref
 
     same = tmp_path / "same"
     spec = fork(str(parent), str(same), 2, "same", {"loop.stop_when": None})
     assert json.loads((same / "state.json").read_text())["forked_from"]["optimizer_state"] == "parent's"
     (tmp_path / "work").mkdir()
-    loop.run_iteration(spec, str(same), read_ref(str(same), 2), 3, tmp_path / "work", spec.cache_root)
+    loop.run_iteration(spec, str(same), read_weight_ref(str(same), 2), 3, tmp_path / "work", spec.cache_root)
     result = _rlpipe("run", str(tmp_path / "spec.yaml"), "--run-dir", str(parent), "--iterations", "3",
                      "--set", "loop.stop_when=null")  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -139,7 +139,7 @@ def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp
 def test_a_fork_starts_its_own_local_services():
     """The parent's spec.json records the loopback addresses of the trainer and samplers its `rlpipe run`
     started; a fork drops them (its run starts its own), and keeps a cluster's."""
-    from rlpipe.fork import local_services
+    from rlpipe.run.fork import local_services
 
     local = {"trainer": {"endpoint": "http://127.0.0.1:40525"}, "samplers": {"endpoints": ["http://127.0.0.1:8001"]}}
     assert local_services(local) == {"trainer.endpoint": None, "samplers.endpoints": []}

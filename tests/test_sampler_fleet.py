@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.clients.sampler_client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
-from rlpipe.services.sampler_fleet import serve
+from rlpipe.http_json import reply_json
+from rlpipe.services.samplers.client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
+from rlpipe.services.samplers.fleet import serve
 
 
 def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, monkeypatch):
@@ -24,15 +25,15 @@ def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, 
         (run_root / "weights" / "v000000").mkdir(parents=True)
         (run_root / "weights" / "LATEST").write_text("v000000")
 
-    monkeypatch.setattr("rlpipe.services.sampler_fleet.time.sleep", publish_while_waiting)
-    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr("rlpipe.services.samplers.fleet.time.sleep", publish_while_waiting)
+    monkeypatch.setattr("rlpipe.services.samplers.fleet.os.execv", lambda exe, argv: calls.append(argv))
     monkeypatch.setenv("RLPIPE_RUN_ROOT", str(run_root))
     serve(["--port", "8000", "--max-num-seqs", "512"])
     (argv,) = calls
-    assert argv[1:3] == ["-m", "rlpipe.services.vllm_server"]
+    assert argv[1:3] == ["-m", "rlpipe.services.samplers.server"]
     flags = dict(zip(argv[3::1], argv[4::1]))
     assert flags["--model"] == str(run_root / "weights" / "v000000")
-    assert flags["--worker-extension-cls"] == "rlpipe.services.sampler_worker.PolicyReload"
+    assert flags["--worker-extension-cls"] == "rlpipe.services.samplers.worker.PolicyReload"
     assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in argv
     assert flags["--max-num-seqs"] == "512"  # extra args go to vLLM
 
@@ -50,8 +51,8 @@ def test_entrypoint_serves_an_adapter_version_as_its_base_with_lora(tmp_path: Pa
     (run_root / "weights" / "LATEST").write_text("v000001")
     calls: list[list[str]] = []
     environment: dict[str, str] = {}
-    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.execv", lambda exe, argv: calls.append(argv))
-    monkeypatch.setattr("rlpipe.services.sampler_fleet.os.environ", environment)
+    monkeypatch.setattr("rlpipe.services.samplers.fleet.os.execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr("rlpipe.services.samplers.fleet.os.environ", environment)
     serve(["--run-root", str(run_root)])
     (argv,) = calls
     flags = dict(zip(argv[3::1], argv[4::1]))
@@ -103,7 +104,7 @@ def test_the_log_probs_check_tells_log_probs_at_the_temperature_from_log_probs_a
     import math
     import random
 
-    from rlpipe.clients.sampler_client import at_temperature, logprob_gaps
+    from rlpipe.services.samplers.client import at_temperature, logprob_gaps
 
     def log_softmax(z: list[float]) -> list[float]:
         top = max(z)
@@ -156,11 +157,7 @@ class StandInHandler(BaseHTTPRequestHandler):
         pass
 
     def answer(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, 200, body)
 
     def do_GET(self) -> None:  # noqa: N802
         self.answer({"weight_version": self.server.label} if self.path == "/weight_info" else {})
@@ -185,7 +182,7 @@ def test_a_sampler_that_hangs_or_dies_mid_reload_fails_the_reload_in_its_timeout
     """The weights reload (sync_weights, generate's catch-up) ends within samplers.request_timeout_s, naming
     the replica; the replica is left labelled by no version, so once it serves again the next generate
     reloads it (and resumes it, paused or not) before sampling from it."""
-    from rlpipe.clients.sampler_client import ensure_version, sync_replicas
+    from rlpipe.services.samplers.client import ensure_version, sync_replicas
 
     sampler = StandInSampler(mode=failure)
     url, started = sampler.url, time.time()

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from rlpipe.algorithms import compute_advantages
-from rlpipe.engines import generate_rollouts, prompt_indices
+from rlpipe.data.order import prompt_indices
+from rlpipe.engines import generate_rollouts
 from rlpipe.loop import sync_weights
-from rlpipe.modeling import load_policy
+from rlpipe.models.loading import load_policy
 from rlpipe.rewards import RewardError, score_rollouts
 from rlpipe.rollouts import ROLLOUT_SCHEMA
 from rlpipe.spec import parse_spec, spec_to_dict
 from rlpipe.store.run_root import read_state
-from rlpipe.store.weights import latest_version, local_path, read_ref
+from rlpipe.store.weights import latest_version, local_path, read_weight_ref
 from rlpipe.training.batching import pack
 from rlpipe.training.logprobs import completion_logits, token_logprobs
 from rlpipe.training.trainer import NonFiniteLossError, update_policy
@@ -36,7 +37,7 @@ def test_light_steps_do_not_import_torch():
         "import sys\n"
         "import rlpipe.rewards, rlpipe.algorithms\n"
         "import rlpipe.store.commit, rlpipe.loop, rlpipe.data\n"
-        "import rlpipe.evaluation, rlpipe.tracking\n"
+        "import rlpipe.evaluation.accuracy, rlpipe.run.tracking\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -50,7 +51,7 @@ def test_prompt_cursor_covers_the_train_set_once_per_epoch():
 
 def test_one_iteration_end_to_end(initialized_run, tmp_path: Path):
     spec, run_root, cache = initialized_run
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     metrics = generate_rollouts(spec, run_root, weights, 1, str(tmp_path / "r.parquet"), cache)
     rollouts = pq.read_table(tmp_path / "r.parquet")
     assert rollouts.schema.names == ROLLOUT_SCHEMA.names + ["reference"]  # then the data's columns
@@ -93,7 +94,7 @@ def test_one_iteration_end_to_end(initialized_run, tmp_path: Path):
 
 def test_failing_reward_function_names_itself(initialized_run, tmp_path: Path):
     spec, run_root, cache = initialized_run
-    generate_rollouts(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
+    generate_rollouts(spec, run_root, read_weight_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
     for ref, match in (
         ("tests.test_steps:bad_reward", "tests.test_steps:bad_reward raised ZeroDivisionError: oops"),
         ("tests.test_steps:nan_reward", "rewards must be finite"),
@@ -108,7 +109,7 @@ def test_failing_reward_function_names_itself(initialized_run, tmp_path: Path):
 
 def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: Path):
     spec, run_root, cache = initialized_run
-    generate_rollouts(spec, run_root, read_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
+    generate_rollouts(spec, run_root, read_weight_ref(run_root, 0), 1, str(tmp_path / "r.parquet"), cache)
     score_rollouts(spec, str(tmp_path / "r.parquet"), str(tmp_path / "s.parquet"))
     compute_advantages(spec, str(tmp_path / "s.parquet"), str(tmp_path / "b.parquet"))
     table = pq.read_table(tmp_path / "b.parquet")
@@ -117,7 +118,7 @@ def test_nan_loss_stops_before_anything_is_published(initialized_run, tmp_path: 
     )
     pq.write_table(poisoned, tmp_path / "b.parquet")
     with pytest.raises(NonFiniteLossError, match="nothing was published"):
-        update_policy(spec, run_root, read_ref(run_root, 0), str(tmp_path / "b.parquet"), 1, cache)
+        update_policy(spec, run_root, read_weight_ref(run_root, 0), str(tmp_path / "b.parquet"), 1, cache)
     assert latest_version(run_root) == 0
     assert read_state(run_root)["iteration"] == 0
 

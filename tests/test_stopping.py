@@ -15,7 +15,7 @@ import yaml
 from rlpipe.services.local_servers import STARTUP_ATTEMPTS, LocalServers, last_error_line
 from rlpipe.spec import parse_spec
 
-from .conftest import tiny_spec_dict
+from .conftest import RLPIPE, tiny_spec_dict
 
 CRASHING_SERVER = """
 import sys
@@ -42,7 +42,7 @@ def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp
         "--- rlpipe: starting trainer on http://127.0.0.1:1\nTraceback (most recent call last):\n"
         '  File "x.py", line 1\nrlpipe.spec.SpecError: an older failure\n'
         "--- rlpipe: starting trainer on http://127.0.0.1:1\nloading\nTraceback (most recent call last):\n"
-        '  File "x.py", line 1\nrlpipe.clients.trainer_client.TrainerError: the real one\n  (a note)\n'
+        '  File "x.py", line 1\nrlpipe.services.trainer.client.TrainerError: the real one\n  (a note)\n'
     )
     assert last_error_line(log) == "TrainerError: the real one"
     log.write_text("--- rlpipe: starting sampler on http://127.0.0.1:1\nKilled\n")
@@ -51,10 +51,10 @@ def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp
 
 @pytest.mark.parametrize("kind", ["trainer", "sampler", "producer"])
 def test_a_service_that_dies_at_start_up_fails_the_waiting_step_at_once(tmp_path: Path, kind: str):
-    from rlpipe.clients.sampler_client import SamplerError, wait_ready
-    from rlpipe.clients.trainer_client import TrainerError, wait_for_trainer
     from rlpipe.data import prepare_data
-    from rlpipe.rollout_buffer import take
+    from rlpipe.services.producer.buffer import take
+    from rlpipe.services.samplers.client import SamplerError, wait_ready
+    from rlpipe.services.trainer.client import TrainerError, wait_for_trainer
 
     run_root = tmp_path / "run"
     servers = _crashing(kind, run_root)
@@ -138,7 +138,7 @@ def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
     spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, loop=loop, trainer={"resident": True})))
     run_dir = tmp_path / "run"
     log = run_dir / "logs" / "kfp-local.log"
-    command = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
+    command = [*RLPIPE, "run", str(spec), "--run-dir", str(run_dir)]
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     marker = "Executing task \x1b[96m'update-2'"  # the second iteration's update: a thin client mid-request
@@ -149,9 +149,9 @@ def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
     assert driver.poll() is None, "the run finished before the signal could land"
     started = _run_processes(driver.pid, run_dir)
     assert any("executor_main" in line for line in _alive(started)), "no KFP step was running"
-    assert any("trainer_service" in line for line in _alive(started))
+    assert any("rlpipe.services.trainer.server" in line for line in _alive(started))
     if max_staleness:
-        assert any("rollout_producer" in line for line in _alive(started))
+        assert any("rlpipe.services.producer.server" in line for line in _alive(started))
 
     sent = time.monotonic()
     driver.send_signal(signum)  # the driver alone, as a supervisor or `kill PID` does

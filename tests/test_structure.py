@@ -5,6 +5,7 @@ import ast
 import importlib
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,14 +81,19 @@ def test_light_steps_and_thin_clients_do_not_import_torch(resident: bool, stalen
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_newcomer_follows_one_iteration_in_at_most_8_files():
-    """The files README's "How to read the code" lists for one iteration exist, and there are <= 8."""
+def test_a_newcomer_follows_one_iteration_in_at_most_15_files():
+    """README's "How to read the code": every path on every line exists, one file an item, at most 15
+    on either path (the per-step path: items 1-13; the resident trainer's: 1-15)."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("## How to read the code", 1)[1].split("\n## ", 1)[0]
-    listed = [line.split("`")[1] for line in section.splitlines() if line.startswith(tuple("12345678")) and "`" in line]
-    assert 0 < len(listed) <= 8, listed
+    items = [line for line in section.splitlines() if line[:1].isdigit()]
+    paths = [[word for word in line.split("`")[1::2] if "/" in word or word.endswith(".py")] for line in items]
+    assert all(len(found) == 1 for found in paths), paths
+    listed = [found[0] for found in paths]
     for name in listed:
-        assert (REPO / name).exists(), name
+        assert (REPO / name).is_file(), name
+    assert len(set(listed)) == len(listed) <= 15, listed
+    assert listed[-2:] == ["rlpipe/services/trainer/client.py", "rlpipe/services/trainer/server.py"]
 
 
 def test_reports_are_the_steps_markdown_outputs_and_feed_no_step():
@@ -116,3 +122,43 @@ def test_sync_weights_merges_the_metrics_the_step_table_names():
     grpo = parse_spec({"name": "t"})
     assert merged_steps(ppo) == ("generate", "score", "values", "advantages", "update")
     assert merged_steps(grpo) == ("generate", "score", "advantages", "update")
+
+
+def test_the_docs_map_names_every_module():
+    """docs/how-to-read-the-code.md's layout names every module of rlpipe/, pipelines/ and benchmarks/."""
+    doc = (REPO / "docs" / "how-to-read-the-code.md").read_text()
+    layout = doc.split("## Layout", 1)[1].split("```")[1]
+    missing = [
+        str(path.relative_to(REPO))
+        for folder in ("rlpipe", "pipelines", "benchmarks")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path.name != "__init__.py" and path.name not in layout
+    ]
+    assert not missing, f"modules the docs' map does not name: {missing}"
+
+
+def test_the_reading_list_is_the_path_one_iteration_runs(initialized_run, tmp_path):
+    """Every file README's list names for the per-step path (items 1-13) runs Python in one GRPO
+    iteration, so the list cannot name a file the iteration does not pass through."""
+    from rlpipe import loop
+    from rlpipe.store.weights import read_weight_ref
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## How to read the code", 1)[1].split("\n## ", 1)[0]
+    listed = [line.split("`")[1] for line in section.splitlines() if line[:1].isdigit()][:13]
+    spec, run_root, cache = initialized_run
+    ran: set[str] = set()
+
+    def record(frame, event, arg) -> None:
+        if event == "call":
+            ran.add(frame.f_code.co_filename)
+
+    sys.setprofile(record)
+    threading.setprofile(record)  # rewards run in a thread of their own (reward.timeout_s)
+    try:
+        loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, tmp_path, cache)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    ran_here = {str(Path(name).resolve().relative_to(REPO)) for name in ran if str(REPO) in str(Path(name).resolve())}
+    assert [name for name in listed if name not in ran_here] == []

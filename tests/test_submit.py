@@ -1,13 +1,12 @@
 """`rlpipe submit` / `rlpipe schedule` against a STUB of the KFP v2beta1 REST API (tests/kfp_api_stub.py)."""
 
 import subprocess
-import sys
 
 import pytest
 
 from rlpipe.pipelines.submit import cron_for_kfp, interval_seconds
 
-from .conftest import REPO
+from .conftest import REPO, RLPIPE
 from .kfp_api_stub import KfpApiStub
 
 GKE_SPEC = str(REPO / "examples" / "addition-gke.yaml")
@@ -16,9 +15,7 @@ GKE_SPEC = str(REPO / "examples" / "addition-gke.yaml")
 def _rlpipe(*args: str, **env) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run(
-        [sys.executable, "-m", "rlpipe.pipelines.cli", *args], capture_output=True, text=True, env={**os.environ, **env}
-    )
+    return subprocess.run([*RLPIPE, *args], capture_output=True, text=True, env={**os.environ, **env})
 
 
 def _posts(stub: KfpApiStub, path: str) -> list[dict]:

@@ -6,9 +6,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from rlpipe.run.tracking import flush_metrics, tracking_uri
 from rlpipe.spec import parse_spec
 from rlpipe.store.run_root import eval_metrics_uri, iteration_metrics_uri, write_json
-from rlpipe.tracking import flush_metrics, tracking_uri
 
 from .conftest import set_state, tiny_spec_dict
 
@@ -52,9 +52,9 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     sealed version in the weight store (no copy), tagged with iteration, accuracy and sha256; the alias
     'best' moves with it, and pruning keeps the versions the registry points at."""
     from rlpipe import loop
+    from rlpipe.run.tracking import flush, versions_to_register
     from rlpipe.spec import spec_to_dict
-    from rlpipe.store.weights import read_ref
-    from rlpipe.tracking import flush, versions_to_register
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
@@ -74,7 +74,7 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     evaluated(0, 0.30)
     done = flush(spec, run_root)
     assert done["registered"] == [0] and best() == "0" and "spec.yaml" in done["artifacts"]
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     for iteration, accuracy in ((1, 0.50), (2, 0.40), (3, 0.50), (4, 0.45)):
         work = tmp_path / str(iteration)
         work.mkdir()
@@ -86,7 +86,10 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     versions = {v.tags["rlpipe.iteration"]: v for v in client.search_model_versions("name = 'tiny'")}
     assert sorted(versions) == ["0", "1"]
     one = versions["1"]
-    assert one.source == read_ref(run_root, 1)["uri"] and one.tags["rlpipe.sha256"] == read_ref(run_root, 1)["sha256"]
+    assert (
+        one.source == read_weight_ref(run_root, 1)["uri"]
+        and one.tags["rlpipe.sha256"] == read_weight_ref(run_root, 1)["sha256"]
+    )
     assert one.tags["eval/accuracy_greedy"] == "0.5000" and one.run_id == flush(spec, run_root)["run_id"]
     # keep_versions 1 pruned v2 and v3; v1 stays while the registry points at it
     kept = sorted(p.name for p in (Path(run_root) / "weights").glob("v0*"))
@@ -106,12 +109,12 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
 def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run):
     import json
 
-    from rlpipe.evaluation import evaluate_policy
-    from rlpipe.store.weights import read_ref
-    from rlpipe.tracking import flush
+    from rlpipe.evaluation.accuracy import evaluate_policy
+    from rlpipe.run.tracking import flush
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = initialized_run
-    accuracy = evaluate_policy(spec, run_root, read_ref(run_root, 0), 0, cache)["eval/accuracy_greedy"]
+    accuracy = evaluate_policy(spec, run_root, read_weight_ref(run_root, 0), 0, cache)["eval/accuracy_greedy"]
     done = flush(spec, run_root)
     assert done["artifacts"] == ["spec.yaml", "eval_samples/eval_000000.json"]
     client = MlflowClient(tracking_uri(spec, run_root))

@@ -1,4 +1,4 @@
-"""The resident trainer (rlpipe.services.trainer_service) against the per-step update it replaces."""
+"""The resident trainer (rlpipe.services.trainer.server) against the per-step update it replaces."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import load_file
 
 from rlpipe.algorithms import compute_advantages
-from rlpipe.clients.trainer_client import TrainerError, request_evaluate, request_generate, request_update
 from rlpipe.engines import generate_rollouts
-from rlpipe.evaluation import evaluate_policy
+from rlpipe.evaluation.accuracy import evaluate_policy
 from rlpipe.loop import sync_weights
 from rlpipe.rewards import score_rollouts
 from rlpipe.rollouts import read_table
-from rlpipe.services.trainer_service import LocalTrainer, make_server
+from rlpipe.services.trainer.client import TrainerError, request_evaluate, request_generate, request_update
+from rlpipe.services.trainer.server import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 from rlpipe.store.run_root import read_eval_samples
-from rlpipe.store.weights import read_ref
+from rlpipe.store.weights import read_weight_ref
 from rlpipe.training.trainer import update_policy
 
 
@@ -64,7 +64,7 @@ def served(initialized_run):
 
 def test_resident_trainer_equals_the_per_step_update(served, tmp_path: Path):
     spec, run_root, cache = served
-    v0 = read_ref(run_root, 0)
+    v0 = read_weight_ref(run_root, 0)
     batch1 = _batch(spec, run_root, cache, v0, 1, tmp_path)
     resident1, metrics1 = request_update(spec, run_root, v0, batch1, 1, cache)
     per_step1, _ = update_policy(spec, run_root, v0, batch1, 1, cache)
@@ -88,7 +88,7 @@ def test_resident_trainer_equals_the_per_step_update(served, tmp_path: Path):
 
 def test_nan_loss_on_the_resident_trainer_says_what_to_change(served, tmp_path: Path):
     spec, run_root, cache = served
-    v0 = read_ref(run_root, 0)
+    v0 = read_weight_ref(run_root, 0)
     batch = read_table(_batch(spec, run_root, cache, v0, 1, tmp_path))
     poisoned = batch.set_column(batch.schema.get_field_index("advantage"), "advantage", [[float("nan")] * len(batch)])
     pq.write_table(poisoned, tmp_path / "nan.parquet")
@@ -103,10 +103,12 @@ def test_unreachable_trainer_names_what_to_check(initialized_run, tmp_path: Path
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
     data["trainer"] |= {"resident": True, "endpoint": "http://127.0.0.1:9"}
-    monkeypatch.setattr("rlpipe.clients.trainer_client.READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("rlpipe.services.trainer.client.READY_TIMEOUT_S", 1.0)
     (tmp_path / "none.parquet").write_bytes(b"")
     with pytest.raises(TrainerError, match="not ready after 1 s.*trainer.endpoint.*trainer.resident: false"):
-        request_update(parse_spec(data), run_root, read_ref(run_root, 0), str(tmp_path / "none.parquet"), 1, cache)
+        request_update(
+            parse_spec(data), run_root, read_weight_ref(run_root, 0), str(tmp_path / "none.parquet"), 1, cache
+        )
 
 
 def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initialized_run, tmp_path: Path):
@@ -117,7 +119,7 @@ def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initi
         data = spec_to_dict(spec)
         data["trainer"] |= {"resident": True, "endpoint": trainer.urls[0]}
         resident = parse_spec(data)
-        v0 = read_ref(run_root, 0)
+        v0 = read_weight_ref(run_root, 0)
         batch = _batch(spec, run_root, cache, v0, 1, tmp_path)
         first, _ = request_update(resident, run_root, v0, batch, 1, cache)
         trainer.kill(0, signal.SIGKILL)
@@ -133,7 +135,7 @@ def test_local_trainer_is_restarted_after_a_crash_and_reloads_from_storage(initi
 
 
 def test_update_client_does_not_import_torch():
-    code = "import sys, rlpipe.clients.trainer_client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    code = "import sys, rlpipe.services.trainer.client\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -141,7 +143,7 @@ def test_resident_trainer_samples_what_the_torch_step_samples(served, tmp_path: 
     """rollout.engine torch + trainer.resident: the trainer samples and evaluates with the policy it
     holds; rollouts and accuracy equal the steps' own, and the next update reuses that policy."""
     spec, run_root, cache = served
-    v0 = read_ref(run_root, 0)
+    v0 = read_weight_ref(run_root, 0)
     metrics = request_generate(spec, run_root, v0, 1, str(tmp_path / "resident.parquet"), cache)
     assert metrics["trainer/reloaded"] == 1.0 and metrics["rollout/completion_tokens_mean"] > 0
     generate_rollouts(_in_step(spec), run_root, v0, 1, str(tmp_path / "step.parquet"), cache)
@@ -187,7 +189,7 @@ def test_resident_trainer_in_two_processes_equals_one_process(initialized_run, t
         data = spec_to_dict(spec)
         data["trainer"] |= {"resident": True, "endpoint": trainer.urls[0], "gpus": 2}
         two = parse_spec(data)
-        v0 = read_ref(run_root, 0)
+        v0 = read_weight_ref(run_root, 0)
         request_generate(two, run_root, v0, 1, str(tmp_path / "two.parquet"), cache)
         generate_rollouts(_in_step(spec), run_root, v0, 1, str(tmp_path / "one.parquet"), cache)
         assert read_table(tmp_path / "two.parquet").to_pylist() == read_table(tmp_path / "one.parquet").to_pylist()
@@ -243,7 +245,7 @@ import sys
 
 import torch.distributed as dist
 
-from rlpipe.services import trainer_service
+from rlpipe.services.trainer import server as trainer_service
 
 update = trainer_service.ROUTES["/update"]
 
@@ -263,7 +265,7 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
     """Rank 1 fails an update alone while rank 0 waits for it in FSDP's all-gather: rank 0's wait
     times out (--collective-timeout-s), the client gets a 500 naming both ranks' errors, and every
     process exits non-zero (to be restarted: see the test above)."""
-    from rlpipe.clients.http_json import is_healthy, request_json
+    from rlpipe.http_json import is_healthy, request_json
     from rlpipe.services.local_servers import free_port
 
     spec, run_root, cache = initialized_run
@@ -280,7 +282,7 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
         while not is_healthy(url):
             assert process.poll() is None and time.time() < deadline, (tmp_path / "trainer.log").read_text()
             time.sleep(0.5)
-        v0 = read_ref(run_root, 0)
+        v0 = read_weight_ref(run_root, 0)
         batch = _batch(spec, run_root, cache, v0, 1, tmp_path)
         data = spec_to_dict(spec)
         data["trainer"] |= {"gpus": 2}
@@ -299,7 +301,7 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
 def test_a_trainer_that_does_not_see_the_run_root_says_mount_it(tmp_path: Path):
     """A trainer container started without the run root's volume (a manifest's mount path that differs from
     the steps'): each request names the path and what to mount, and leaves nothing held."""
-    from rlpipe.services.trainer_service import Held, answer
+    from rlpipe.services.trainer.server import Held, answer
 
     held = Held()
     status, body = answer("/update", {"run_root": str(tmp_path / "not-mounted"), "weights": {}}, held)

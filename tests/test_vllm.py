@@ -21,7 +21,7 @@ from rlpipe.engines import generate_rollouts
 from rlpipe.environments.tools import calculator
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
-from .conftest import tiny_spec_dict
+from .conftest import initialized, tiny_spec_dict
 
 pytestmark = [
     pytest.mark.vllm,
@@ -37,29 +37,17 @@ SAMPLES = 4
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     """A tiny run with data and v0 published (the fleet loads v0 at start)."""
-    from rlpipe.data import prepare_data
-    from rlpipe.loop import sync_weights
-    from rlpipe.training.warm_start import warm_start
-
-    tmp = tmp_path_factory.mktemp("vllm")
-    spec = parse_spec(
-        tiny_spec_dict(
-            tmp,
-            rollout={"prompts_per_iteration": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": 6},
-            samplers={"replicas": 2, "requests_per_replica": 4, "startup_timeout_s": 300},
-        )
+    return initialized(
+        tmp_path_factory.mktemp("vllm"),
+        rollout={"prompts_per_iteration": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": 6},
+        samplers={"replicas": 2, "requests_per_replica": 4, "startup_timeout_s": 300},
     )
-    run_root, cache = str(tmp / "runs" / "tiny"), str(tmp / "cache")
-    prepare_data(spec, run_root)
-    staged, metrics = warm_start(spec, run_root, cache)
-    sync_weights(spec, run_root, staged, 0, metrics)
-    return spec, run_root, cache
 
 
 @pytest.fixture(scope="module")
 def fleet(run):
-    from rlpipe.clients.sampler_client import wait_ready
-    from rlpipe.services.sampler_fleet import LocalFleet
+    from rlpipe.services.samplers.client import wait_ready
+    from rlpipe.services.samplers.fleet import LocalFleet
 
     spec, run_root, _ = run
     fleet = LocalFleet(spec, run_root)
@@ -91,7 +79,7 @@ def service_spec(spec: RunSpec, fleet, engine: str = "sampler") -> RunSpec:
 
 def publish_random_version(run, version: int, seed: int) -> dict:
     """Publish a random-init model with the run's shape as `version` (what update + sync would do)."""
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
     from rlpipe.store.weights import publish, seal, stage_pretrained
 
     spec, run_root, cache = run
@@ -103,7 +91,7 @@ def publish_random_version(run, version: int, seed: int) -> dict:
 
 def torch_greedy(weights_dir: str, prompt_ids: list[int], tokens: int) -> list[int]:
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.modeling import load_policy
+    from rlpipe.models.loading import load_policy
 
     model, tokenizer = load_policy(weights_dir)
     out = sample(model, [prompt_ids], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
@@ -138,12 +126,12 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
     """engine: vllm writes the same rollout records; its log-probs are the policy's (checked with torch)."""
     import torch
 
-    from rlpipe.modeling import load_policy
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_policy
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     vllm_spec = service_spec(spec, None, engine="vllm")
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     metrics = generate_rollouts(vllm_spec, run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
     rows = rollouts(tmp_path / "a.parquet")
     check_rollout_contract(rows, 0)
@@ -164,8 +152,8 @@ def test_vllm_engines_sample_multi_turn_trajectories_token_in_token_out(run, req
     model's tokens are the policy's, recomputed over the whole trajectory."""
     import torch
 
-    from rlpipe.modeling import load_policy
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_policy
+    from rlpipe.store.weights import read_weight_ref
     from rlpipe.training.batching import pack
     from rlpipe.training.logprobs import completion_logits, token_logprobs
 
@@ -174,7 +162,7 @@ def test_vllm_engines_sample_multi_turn_trajectories_token_in_token_out(run, req
     data = spec_to_dict(service_spec(spec, fleet, engine=engine))
     data["rollout"]["environment"] = {"type": "calculator", "max_turns": 3, "max_tokens": 24}
     multi_turn = parse_spec(data)
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     metrics = generate_rollouts(multi_turn, run_root, weights, 1, str(tmp_path / "m.parquet"), cache)
     rows = rollouts(tmp_path / "m.parquet")
     assert len(rows) == PROMPTS * SAMPLES and metrics["rollout/tool_call_rate"] > 0
@@ -203,14 +191,14 @@ def test_the_update_measures_the_samplers_mismatch_as_recomputed_by_hand(run, fl
     import torch
 
     from rlpipe import loop
-    from rlpipe.modeling import load_policy
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_policy
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     data = spec_to_dict(service_spec(spec, fleet))
     data["trainer"]["mini_batches"] = 1  # the first optimizer step sees every row
     sampler_spec = parse_spec(data)
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     paths = [str(tmp_path / f"{name}.parquet") for name in ("rollouts", "scored", "batch")]
     generate_rollouts(sampler_spec, run_root, weights, 1, paths[0], cache)
     loop.score(sampler_spec, paths[0], paths[1])
@@ -235,10 +223,10 @@ def test_the_update_measures_the_samplers_mismatch_as_recomputed_by_hand(run, fl
 
 
 def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Path):
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
-    weights = read_ref(run_root, 0)
+    weights = read_weight_ref(run_root, 0)
     served_before = [_served_requests(u) for u in fleet.urls]
     metrics = generate_rollouts(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
     rows = rollouts(tmp_path / "a.parquet")
@@ -278,7 +266,7 @@ def _served_requests(url: str) -> float:
 def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
     from tokenizers import Tokenizer
 
-    from rlpipe.clients.sampler_client import generate_groups, wait_ready
+    from rlpipe.services.samplers.client import generate_groups, wait_ready
 
     spec, run_root, _ = run
     tokenizer = Tokenizer.from_file(str(Path(run_root) / "weights" / "v000000" / "tokenizer.json"))
@@ -308,7 +296,13 @@ def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
 def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fleet):
     """sync_weights' reload: greedy output becomes the new version's torch greedy output on every
     replica; a reload that fails (half-loaded engine) or finds its replica dead recovers."""
-    from rlpipe.clients.sampler_client import SamplerError, reload_replica, reload_samplers, wait_ready, weight_version
+    from rlpipe.services.samplers.client import (
+        SamplerError,
+        reload_replica,
+        reload_samplers,
+        wait_ready,
+        weight_version,
+    )
 
     spec, run_root, _ = run
     spec = service_spec(spec, fleet)
@@ -350,7 +344,7 @@ def publish_serving_versions(run, first: int) -> tuple[dict, dict]:
     moved, sealed as a delta against v(first) (what the update writes with storage.weights_dtype)."""
     import torch
 
-    from rlpipe.modeling import build_char_tokenizer, build_tiny_model
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
     from rlpipe.store.weight_deltas import content_sha256, encode_delta
     from rlpipe.store.weights import publish, seal, stage_delta, stage_pretrained
     from rlpipe.training.sealing import serving_tensors
@@ -379,7 +373,7 @@ def test_a_replica_holding_the_parent_applies_a_delta_version_in_place(run, flee
     """A replica that loaded a serving-copy version keeps its tensors and moves to the next version by
     applying its delta (reloading only the tensors it changes); one that holds something else rebuilds
     the version from its chain on the store. Both then sample what torch samples from the whole version."""
-    from rlpipe.clients.sampler_client import _post, reload_call, reload_replica
+    from rlpipe.services.samplers.client import _post, reload_call, reload_replica
     from rlpipe.store.weights import local_path
 
     spec, run_root, cache = run
@@ -415,9 +409,9 @@ def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):
         "import json, sys\n"
         "from rlpipe.engines import generate_rollouts\n"
         "from rlpipe.spec import parse_spec\n"
-        "from rlpipe.store.weights import read_ref\n"
+        "from rlpipe.store.weights import read_weight_ref\n"
         f"spec = parse_spec(json.loads({json.dumps(json.dumps(spec_to_dict(service_spec(spec, fleet))))}))\n"
-        f"generate_rollouts(spec, {run_root!r}, read_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
+        f"generate_rollouts(spec, {run_root!r}, read_weight_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
         f"{cache!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
@@ -491,9 +485,9 @@ def test_a_sampler_without_processed_log_probs_is_refused_before_it_samples(run,
     """rollout.temperature 0.7: the fleet's samplers (--logprobs-mode processed_logprobs) pass the check
     once and are recorded; a server started with vLLM's default (raw_logprobs, log-probs at temperature 1)
     in samplers.endpoints is refused by the generate step before anything is sampled, naming it and the flag."""
-    from rlpipe.clients.sampler_client import SamplerError, wait_ready
-    from rlpipe.services.sampler_fleet import LocalFleet
-    from rlpipe.store.weights import read_ref
+    from rlpipe.services.samplers.client import SamplerError, wait_ready
+    from rlpipe.services.samplers.fleet import LocalFleet
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     raw_root = tmp_path / "raw"  # its own run root (fleet.json), serving the run's v0
@@ -506,7 +500,7 @@ def test_a_sampler_without_processed_log_probs_is_refused_before_it_samples(run,
     raw.start()
     try:
         assert len(wait_ready(raw.urls, 300)) == 1
-        weights = read_ref(run_root, 0)
+        weights = read_weight_ref(run_root, 0)
         data = spec_to_dict(service_spec(spec, fleet))
         data["rollout"]["temperature"] = 0.7
         generate_rollouts(parse_spec(data), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
@@ -536,8 +530,8 @@ def test_a_sampler_that_hangs_or_dies_mid_reload_ends_sync_weights_in_time_and_t
     import psutil
 
     from rlpipe import loop
-    from rlpipe.clients.sampler_client import SamplerError, _post, wait_ready, weight_version
     from rlpipe.data import prepare_data
+    from rlpipe.services.samplers.client import SamplerError, _post, wait_ready, weight_version
     from rlpipe.store.run_root import read_state
     from rlpipe.training.warm_start import warm_start
 

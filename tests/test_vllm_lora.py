@@ -16,7 +16,7 @@ import torch
 from rlpipe.engines import generate_rollouts
 from rlpipe.spec import RunSpec, parse_spec
 
-from .conftest import tiny_spec_dict
+from .conftest import initialized, tiny_spec_dict
 from .test_vllm import PROMPTS, SAMPLES, check_rollout_contract, group_alive, rollouts, service_spec
 
 pytestmark = [
@@ -33,23 +33,12 @@ PROMPT = [1, 5, 6, 14, 7, 8, 16]  # "<bos>12+34="
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     """A tiny LoRA run with v0 (the base) and two random adapter versions v1, v2 published."""
-    from rlpipe.data import prepare_data
-    from rlpipe.loop import sync_weights
-    from rlpipe.training.warm_start import warm_start
-
-    tmp = tmp_path_factory.mktemp("vllm_lora")
-    spec = parse_spec(
-        tiny_spec_dict(
-            tmp,
-            model={"lora": LORA},
-            rollout={"prompts_per_iteration": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": 6},
-            samplers={"replicas": 1, "startup_timeout_s": 300},
-        )
+    spec, run_root, cache = initialized(
+        tmp_path_factory.mktemp("vllm_lora"),
+        model={"lora": LORA},
+        rollout={"prompts_per_iteration": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": 6},
+        samplers={"replicas": 1, "startup_timeout_s": 300},
     )
-    run_root, cache = str(tmp / "runs" / "tiny"), str(tmp / "cache")
-    prepare_data(spec, run_root)
-    staged, metrics = warm_start(spec, run_root, cache)
-    sync_weights(spec, run_root, staged, 0, metrics)
     for version in (1, 2):
         publish_random_adapter((spec, run_root, cache), version, seed=10 + version)
     return spec, run_root, cache
@@ -57,11 +46,11 @@ def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
 
 def publish_random_adapter(run, version: int, seed: int) -> dict:
     """Publish adapters with random (nonzero) B over v0 as `version` (what update + sync would do)."""
-    from rlpipe.modeling import add_lora, load_weights
-    from rlpipe.store.weights import publish, read_ref, seal, stage_pretrained
+    from rlpipe.models.loading import add_lora, load_weights
+    from rlpipe.store.weights import publish, read_weight_ref, seal, stage_pretrained
 
     spec, run_root, cache = run
-    base = read_ref(run_root, 0)
+    base = read_weight_ref(run_root, 0)
     model, tokenizer = load_weights(base, cache, threads=1)
     adapted = add_lora(model, spec.model.lora)
     torch.manual_seed(seed)
@@ -75,11 +64,11 @@ def publish_random_adapter(run, version: int, seed: int) -> dict:
 
 def merged_logprobs(run, version: int, rows: list[dict]) -> list[torch.Tensor]:
     """The completions' log-probs under the version merged into its base (torch)."""
-    from rlpipe.modeling import load_weights
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_weights
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
-    model, _ = load_weights(read_ref(run_root, version), cache, threads=1)
+    model, _ = load_weights(read_weight_ref(run_root, version), cache, threads=1)
     out = []
     with torch.no_grad():
         for row in rows:
@@ -92,11 +81,11 @@ def merged_logprobs(run, version: int, rows: list[dict]) -> list[torch.Tensor]:
 
 def merged_greedy(run, version: int, tokens: int = 6) -> list[int]:
     from rlpipe.engines.torch_engine import sample
-    from rlpipe.modeling import load_weights
-    from rlpipe.store.weights import read_ref
+    from rlpipe.models.loading import load_weights
+    from rlpipe.store.weights import read_weight_ref
 
     _, run_root, cache = run
-    model, tokenizer = load_weights(read_ref(run_root, version), cache, threads=1)
+    model, tokenizer = load_weights(read_weight_ref(run_root, version), cache, threads=1)
     out = sample(model, [PROMPT], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
     return out.token_ids[0]
 
@@ -116,11 +105,16 @@ def check_logprobs(run, version: int, rows: list[dict]) -> None:
 
 
 def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_path: Path):
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     metrics = generate_rollouts(
-        service_spec(spec, None, engine="vllm"), run_root, read_ref(run_root, 1), 1, str(tmp_path / "a.parquet"), cache
+        service_spec(spec, None, engine="vllm"),
+        run_root,
+        read_weight_ref(run_root, 1),
+        1,
+        str(tmp_path / "a.parquet"),
+        cache,
     )
     rows = rollouts(tmp_path / "a.parquet")
     check_rollout_contract(rows, 1)
@@ -130,8 +124,8 @@ def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_pa
 
 def start_fleet(spec: RunSpec, run_root: str):
     """One LoRA sampler, started while the latest version is an adapter: it serves v0."""
-    from rlpipe.clients.sampler_client import wait_ready
-    from rlpipe.services.sampler_fleet import LocalFleet
+    from rlpipe.services.samplers.client import wait_ready
+    from rlpipe.services.samplers.fleet import LocalFleet
 
     fleet = LocalFleet(spec, run_root)
     fleet.start()
@@ -151,7 +145,7 @@ def fleet(run):
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
-    from rlpipe.clients.sampler_client import (
+    from rlpipe.services.samplers.client import (
         SamplerError,
         ensure_version,
         generate_groups,
@@ -159,11 +153,11 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
         sync_replicas,
         weight_version,
     )
-    from rlpipe.store.weights import read_ref
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     (url,) = fleet.urls
-    dirs = {v: read_ref(run_root, v)["uri"] for v in (0, 1, 2)}
+    dirs = {v: read_weight_ref(run_root, v)["uri"] for v in (0, 1, 2)}
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["root"] for m in models] == [dirs[0]]  # the base, no adapter yet
 
@@ -183,7 +177,9 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
     assert ensure_version([url], dirs[2], 2, 120, adapters=True) == {"samplers/reloaded_stale": 0.0}
 
     # the sampler engine names the adapter: the rollouts are v2's (merged model's log-probs)
-    generate_rollouts(service_spec(spec, fleet), run_root, read_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache)
+    generate_rollouts(
+        service_spec(spec, fleet), run_root, read_weight_ref(run_root, 2), 1, str(tmp_path / "s.parquet"), cache
+    )
     rows = rollouts(tmp_path / "s.parquet")
     check_rollout_contract(rows, 2)
     check_logprobs(run, 2, rows[:16])
@@ -204,16 +200,16 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
 def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: Path):
     """The CPU default: no LoRA in the engine; each version's adapter is merged into the base in
     place (W + alpha/r B A), so plain requests get the version's answers and log-probs."""
-    from rlpipe.clients.sampler_client import ensure_version, reload_replica, sync_replicas, weight_version
-    from rlpipe.services.sampler_worker import merged_lora_weights
-    from rlpipe.store.weights import read_ref
-    from rlpipe.vllm_environment import local_samplers, serves_adapters
+    from rlpipe.services.samplers.client import ensure_version, reload_replica, sync_replicas, weight_version
+    from rlpipe.services.samplers.vllm_settings import local_samplers, serves_adapters
+    from rlpipe.services.samplers.worker import merged_lora_weights
+    from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
     assert spec.samplers.lora_adapters is None and serves_adapters(spec)  # endpoints' samplers: GPUs
     spec = local_samplers(spec)  # what `rlpipe run` starts here: no GPU, so merged
     assert spec.samplers.lora_adapters is False and not serves_adapters(spec)
-    dirs = {v: read_ref(run_root, v)["uri"] for v in (0, 1, 2)}
+    dirs = {v: read_weight_ref(run_root, v)["uri"] for v in (0, 1, 2)}
     assert len(merged_lora_weights(dirs[0], dirs[1])) == 7 * spec.model.tiny.num_layers  # every projection
     greedy = {v: merged_greedy(run, v) for v in (0, 1, 2)}
     for fleet in start_fleet(spec, run_root):
@@ -225,7 +221,7 @@ def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: P
         assert served_greedy(url, None).json()["choices"][0]["token_ids"] == greedy[2]  # merged into the base, not v1
 
         merged = service_spec(spec, fleet)
-        generate_rollouts(merged, run_root, read_ref(run_root, 2), 1, str(tmp_path / "m.parquet"), cache)
+        generate_rollouts(merged, run_root, read_weight_ref(run_root, 2), 1, str(tmp_path / "m.parquet"), cache)
         rows = rollouts(tmp_path / "m.parquet")
         check_rollout_contract(rows, 2)
         check_logprobs(run, 2, rows[:16])

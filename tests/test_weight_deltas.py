@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from rlpipe.store import weights as ws
 from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256, encode_delta
 
+from .conftest import initialize
+
 
 def _chain(steps: int = 5, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """bf16 weights moved as an AdamW step at lr 1e-6 would move their fp32 masters, step by step."""
@@ -64,7 +66,8 @@ def test_a_dense_delta_is_a_bitmap_and_rebuilds_bit_for_bit():
 
 
 def test_sealing_in_parallel_threads_gives_the_delta_and_hash_of_one_tensor_at_a_time():
-    from rlpipe.training.sealing import Served, delta_against
+    from rlpipe.training.sealing import delta_against
+    from rlpipe.training.state import Served
 
     parent, child = _chain(steps=2, seed=1)
     policy = torch.nn.Module()
@@ -101,9 +104,7 @@ def _run(tmp_path: Path, full_every: int, iterations: int = 4, **storage):
     spec = parse_spec(data)
     run_root = str(tmp_path / "runs" / "tiny")
     cache = str(tmp_path / "cache")
-    loop.prepare(spec, run_root)
-    staged, metrics = loop.warm_start(spec, run_root, cache)
-    weights, _ = loop.sync_weights(spec, run_root, staged, 0, metrics)
+    weights = initialize(spec, run_root, cache)
     evals = []
     for iteration in range(1, iterations + 1):
         work = Path(run_root, "work", str(iteration))
@@ -138,7 +139,7 @@ def test_deltas_store_the_same_versions_as_whole_ones(runs):
     delta_bytes = Path(delta_root, "weights", "v000002", DELTA_FILE).stat().st_size
     whole_bytes = Path(whole_root, "weights", "v000002", "model.safetensors").stat().st_size
     assert delta_bytes < 0.5 * whole_bytes
-    rebuilt = ws.local_path(ws.read_ref(delta_root, 4), cache)
+    rebuilt = ws.local_path(ws.read_weight_ref(delta_root, 4), cache)
     expected = load_file(Path(whole_root, "weights", "v000004", "model.safetensors"))
     assert content_sha256(load_file(Path(rebuilt, "model.safetensors"))) == content_sha256(expected)
 
@@ -153,7 +154,7 @@ def test_a_tampered_delta_is_refused_with_its_file_named(runs, tmp_path: Path):
         f.seek(-2, 2)
         f.write(b"\x7f\x7f")
     with pytest.raises(ws.CorruptWeightsError, match=DELTA_FILE):
-        ws.local_path(ws.read_ref(str(copy), 2), tmp_path / "cache")
+        ws.local_path(ws.read_weight_ref(str(copy), 2), tmp_path / "cache")
 
 
 def test_pruning_keeps_the_versions_a_kept_delta_is_rebuilt_from(runs, tmp_path: Path):
@@ -169,17 +170,17 @@ def test_pruning_keeps_the_versions_a_kept_delta_is_rebuilt_from(runs, tmp_path:
     assert ws.prune(copy, keep=1, current=3) == []  # v3 is a delta of v2, a delta of v1: all stay
     for path in Path(copy, "weights").glob("v00000[4]"):
         shutil.rmtree(path)
-    assert ws.local_path(ws.read_ref(copy, 3), tmp_path / "cache")
+    assert ws.local_path(ws.read_weight_ref(copy, 3), tmp_path / "cache")
 
 
 def test_a_sampler_holding_the_parent_applies_the_delta_in_place(runs):
-    from rlpipe.modeling import load_weights
+    from rlpipe.models.loading import load_weights
     from rlpipe.store.weight_deltas import apply_delta_to_model
 
     _, (_, delta_root, cache, _) = runs
-    held, _ = load_weights(ws.read_ref(delta_root, 2), cache, threads=1)  # fp32, upcast from bf16 v2
+    held, _ = load_weights(ws.read_weight_ref(delta_root, 2), cache, threads=1)  # fp32, upcast from bf16 v2
     apply_delta_to_model(held, load_file(Path(delta_root, "weights", "v000003", DELTA_FILE)))
-    fresh, _ = load_weights(ws.read_ref(delta_root, 3), cache, threads=1)
+    fresh, _ = load_weights(ws.read_weight_ref(delta_root, 3), cache, threads=1)
     for (name, a), (_, b) in zip(held.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
@@ -202,13 +203,13 @@ def test_tensors_written_from_their_own_memory_read_back_as_safetensors(tmp_path
 
 
 def test_a_fork_from_a_delta_version_gets_the_versions_it_is_rebuilt_from(runs, tmp_path: Path):
-    from rlpipe.fork import fork_run
+    from rlpipe.run.fork import fork_run
 
     _, (_, delta_root, _, _) = runs
     child = str(tmp_path / "child")
     fork_run(delta_root, child, 3, "child", {})
     assert sorted(p.name for p in Path(child, "weights").glob("v0*")) == ["v000000", "v000001", "v000002", "v000003"]
-    rebuilt = ws.local_path(ws.read_ref(child, 3), tmp_path / "cache")
+    rebuilt = ws.local_path(ws.read_weight_ref(child, 3), tmp_path / "cache")
     parent = json.loads(Path(delta_root, "weights", "v000003", ws.MANIFEST).read_text())
     assert content_sha256(load_file(Path(rebuilt, "model.safetensors"))) == parent["weights_sha256"]
     # the store kept only v4's optimizer state and masters: the fork starts AdamW anew from v3's weights

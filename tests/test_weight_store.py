@@ -22,9 +22,9 @@ def test_publish_moves_latest_last_and_verifies(tmp_path: Path):
     root = str(tmp_path / "run")
     ref = ws.publish(root, _stage(root, 0, 1))
     assert ws.latest_version(root) == 0
-    assert ws.read_ref(root, 0) == ref
+    assert ws.read_weight_ref(root, 0) == ref
     assert not any(Path(root, "weights", ".staging").iterdir())  # staged dir moved, not copied
-    ws.check_ref(ref)
+    ws.check_weight_ref(ref)
 
 
 def test_reader_during_publish_never_sees_a_partial_version(tmp_path: Path):
@@ -38,7 +38,7 @@ def test_reader_during_publish_never_sees_a_partial_version(tmp_path: Path):
         while True:
             finished = stop.is_set()  # read once more after the last publish
             version = ws.latest_version(root)
-            ref = ws.read_ref(root, version)
+            ref = ws.read_weight_ref(root, version)
             sha, _ = ws.directory_sha256(ref["uri"])  # every file of the version LATEST names
             if sha != ref["sha256"]:
                 errors.append(f"v{version}: partial or corrupt")
@@ -74,18 +74,18 @@ def test_publish_replaces_a_leftover_uncommitted_version(tmp_path: Path):
     first = ws.publish(root, _stage(root, 1, 1))
     second = ws.publish(root, _stage(root, 1, 1))  # a rerun of the same iteration after a kill
     assert first["sha256"] != second["sha256"]
-    assert ws.read_ref(root, 1) == second
+    assert ws.read_weight_ref(root, 1) == second
 
 
 def test_refs_survive_kfp_float_conversion_and_mismatch_is_caught(tmp_path: Path):
     root = str(tmp_path / "run")
     ref = ws.publish(root, _stage(root, 0, 1))
     floated = json.loads(json.dumps({**ref, "version": 0.0}))
-    assert ws.as_ref(floated)["version"] == 0
+    assert ws.as_weight_ref(floated)["version"] == 0
     with pytest.raises(ValueError, match="handed version"):
-        ws.check_ref({**ref, "sha256": "0" * 64})
+        ws.check_weight_ref({**ref, "sha256": "0" * 64})
     with pytest.raises(ValueError, match="not a weights reference"):
-        ws.as_ref({"uri": "x"})
+        ws.as_weight_ref({"uri": "x"})
 
 
 def test_prune_keeps_v0_and_the_last_versions(tmp_path: Path):

@@ -13,14 +13,14 @@ def dpo_update(
     iteration: int,
     metrics: dsl.Output[dsl.Metrics],
 ) -> NamedTuple("Outputs", staged=dict, step_metrics=dict):
-    """DPO on `weights` with the iteration's pairs; stages v(N+1) (rlpipe.preferences.dpo_update)."""
+    """DPO on `weights` with the iteration's pairs; stages v(N+1) (rlpipe.dpo_loop.dpo_update)."""
     import time
 
     entered = time.time()
     from rlpipe.components import finish, start
 
     run_spec, values = start("dpo_update", spec, entered)
-    from rlpipe import preferences as dpo
+    from rlpipe import dpo_loop as dpo
 
     staged, trained = dpo.dpo_update(run_spec, run_root, weights, iteration, run_spec.cache_root)
     values |= trained

@@ -7,8 +7,8 @@ from rlpipe.components import STEP_IMAGE
 def track(spec: str, run_root: str, status: dsl.PipelineTaskFinalStatus) -> str:
     """Exit task: log what MLflow lacks of the committed run (metrics, eval samples, registered versions),
     even when an iteration failed (what was committed is kept). Returns the MLflow run id."""
+    from rlpipe.run.tracking import flush
     from rlpipe.spec import spec_from_json
-    from rlpipe.tracking import flush
 
     done = flush(spec_from_json(spec), run_root)
     print(f"MLflow run {done['run_id']}: {done}; pipeline {status.state}")

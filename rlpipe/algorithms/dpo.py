@@ -19,7 +19,7 @@ fraction of pairs with h_w > h_l, the reward margin mean beta (h_w - h_l).
 Two algorithms share the loss:
     dpo         offline: its own pipeline (pipelines/dpo_pipeline.py) over a preference set (built
                 from the task once, or read from prompt/chosen/rejected files), the reference
-                log-probs computed once and stored beside the pairs (rlpipe/preferences.py)
+                log-probs computed once and stored beside the pairs (rlpipe/dpo_loop.py)
     online_dpo  the RL DAG: each iteration samples G completions per prompt from v(N), scores them,
                 and the advantages step pairs them within each group (`preference_roles`): the
                 best with the worst, the second best with the second worst, ..., while the better

@@ -203,9 +203,9 @@ def behaviour_weights(
         raise ValueError(f"algorithm.is_level must be token, sequence or geometric, got {level!r}")
     log_c = math.log(threshold)
     if correction == "truncate":
-        weights, cut = torch.exp(log_w.clamp(max=log_c)), unit_log_w > log_c
+        is_weights, cut = torch.exp(log_w.clamp(max=log_c)), unit_log_w > log_c
     elif correction == "mask":
-        weights = torch.where(log_w.abs() > log_c, torch.zeros_like(log_w), torch.exp(log_w.clamp(-log_c, log_c)))
+        is_weights = torch.where(log_w.abs() > log_c, torch.zeros_like(log_w), torch.exp(log_w.clamp(-log_c, log_c)))
         cut = unit_log_w.abs() > log_c
     else:
         raise ValueError(f"algorithm.off_policy_correction must be none, truncate or mask, got {correction!r}")
@@ -216,4 +216,4 @@ def behaviour_weights(
         "is_weight_max": float(raw.max()) if raw.numel() else 0.0,
         "truncated_fraction" if correction == "truncate" else "masked_fraction": float(cut[units].sum()) / count,
     }
-    return weights * mask, stats
+    return is_weights * mask, stats

@@ -89,7 +89,7 @@ def prepared_rows(spec: RunSpec) -> tuple[Rows, Rows, dict[str, int]]:
     """(train rows, held-out rows, counts): prompts rendered and tokenized with the model's
     tokenizer, too-long prompts dropped and counted."""
     from rlpipe.data.prompts import encode_prompts
-    from rlpipe.model_files import load_prompt_tokenizer
+    from rlpipe.models.files import load_prompt_tokenizer
 
     train, held_out = task_rows(spec)
     if not train or not held_out:
@@ -142,7 +142,7 @@ def eval_set_rows(spec: RunSpec, held_out: EvalSetSpec) -> Rows:
     """A named held-out set's rows (evaluation.sets), prompts rendered and tokenized as the data's are;
     a generator's are seeded apart from the training rows."""
     from rlpipe.data.prompts import encode_prompts
-    from rlpipe.model_files import load_prompt_tokenizer
+    from rlpipe.models.files import load_prompt_tokenizer
 
     key = f"evaluation set {held_out.name!r}"
     if held_out.generator is not None:

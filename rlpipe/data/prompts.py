@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rlpipe.rollouts import ROLLOUT_SCHEMA, SCORED_COLUMNS
 
 if TYPE_CHECKING:
-    from rlpipe.model_files import PromptTokenizer
+    from rlpipe.models.files import PromptTokenizer
     from rlpipe.spec import DataSpec
 
 # A data column named as a rollout column, or one the score and advantages steps add, would be

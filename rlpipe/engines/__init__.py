@@ -1,10 +1,11 @@
 """Generation engines, and the generate step's work where it runs (`generate_rollouts`).
 
-Every engine (rollout.engine) is a module with one function and returns one typed record:
-    sample_prompts(spec, run_root, weights, cache_root, prompt_ids, iteration, policy=None) -> Sampled
+Every engine (rollout.engine) is a module with one function (the Engine protocol), one typed record
+in and one out:
+    sample_prompts(SampleRequest) -> Sampled
 `prompt_ids` are the prompts' token ids as the prepare step computed them (rlpipe.data.prompts).
   torch    rlpipe.engines.torch_engine    the HF model in this process, batched KV-cache sampling, or
-                                          the resident trainer's in memory (`policy`, colocated as TRL)
+                                          the resident trainer's in memory (`loaded`, colocated as TRL)
   vllm     rlpipe.engines.vllm_engine     vllm.LLM in this process
   sampler  rlpipe.engines.sampler_engine  long-lived vLLM servers; an HTTP client, no torch
 """
@@ -12,15 +13,13 @@ Every engine (rollout.engine) is a module with one function and returns one type
 from __future__ import annotations
 
 import importlib
-import math
-import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
-from rlpipe.metric_keys import GENERATE_LOAD, GENERATE_TIME, GENERATE_TOKENS_PER_S, ZERO_VARIANCE_GROUPS
+from rlpipe.metric_keys import GENERATE_LOAD, GENERATE_TIME, GENERATE_TOKENS_PER_S
 from rlpipe.rollouts import (
     ROLLOUT_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -31,7 +30,7 @@ from rlpipe.rollouts import (
     write_table,
 )
 from rlpipe.store.run_root import data_uri
-from rlpipe.store.weights import WeightRef, as_ref
+from rlpipe.store.weights import WeightRef, as_weight_ref
 
 if TYPE_CHECKING:
     from rlpipe.environments import Codec, Trajectory
@@ -45,8 +44,8 @@ ENGINES = {
 
 
 @dataclass(frozen=True)
-class Policy:
-    """A policy in memory at some weights version: the resident trainer's (model, tokenizer)."""
+class LoadedModel:
+    """A model in memory at some weights version to sample with: the resident trainer's or the producer's."""
 
     model: Any
     tokenizer: Any
@@ -75,6 +74,26 @@ class Sampling:
         r = spec.rollout
         bf16 = spec.trainer.dtype == "bfloat16"
         return cls(r.samples_per_prompt, r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.batch_size, bf16=bf16)
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One engine call: rollout.samples_per_prompt completions of each prompt with the policy at `weights`."""
+
+    spec: RunSpec
+    run_root: str
+    weights: WeightRef
+    cache_root: str
+    prompt_ids: list[list[int]]  # the prompts' token ids, as the prepare step computed them
+    stream: int  # seeds the sampling: the iteration, or a producer's batch
+    loaded: LoadedModel | None = None  # one already in memory at `weights` (torch engine: the resident trainer's)
+    rows: list[dict] | None = None  # the prompts' data rows, for rollout.environment's multi-turn trajectories
+
+
+class Engine(Protocol):
+    """What rlpipe.engines.torch_engine, vllm_engine and sampler_engine each are."""
+
+    def sample_prompts(self, request: SampleRequest) -> Sampled: ...
 
 
 @dataclass
@@ -122,52 +141,6 @@ def sampled_trajectories(trajectories: list[Trajectory], codec: Codec, loaded_at
     )
 
 
-def prompt_indices(num_rows: int, per_iteration: int, iteration: int, seed: int) -> list[int]:
-    """Rows for `iteration` (1-based): consecutive slices of a per-epoch shuffle of the train set.
-
-    data cursor = (iteration - 1) * per_iteration; epoch e uses permutation Random((seed, e)).
-    """
-    cursor = (iteration - 1) * per_iteration
-    indices: list[int] = []
-    while len(indices) < per_iteration:
-        epoch, offset = divmod(cursor, num_rows)
-        order = list(range(num_rows))
-        random.Random(f"{seed}-{epoch}").shuffle(order)
-        take = order[offset : offset + per_iteration - len(indices)]
-        indices += take
-        cursor += len(take)
-    return indices
-
-
-REFILL_MARGIN = 1.1  # dynamic sampling samples 10% more than the last informative fraction asks for
-
-
-def iteration_prompts(spec: RunSpec, run_root: str, num_rows: int, iteration: int) -> list[int]:
-    """The iteration's prompt rows: its slice of the data (`prompt_indices`), then, with dynamic
-    sampling (algorithm.dynamic_sampling), refill prompts drawn apart from that slice:
-        sampled = clamp(ceil(margin P / f), P, floor(P max_oversample))
-    P = rollout.prompts_per_iteration, f = the informative (non-zero-spread) fraction of the previous
-    iteration's groups (asynchronous runs: of iteration N - 1 - loop.max_staleness, the last one
-    committed before iteration N's rollouts may be sampled); the first iteration, with none before it,
-    samples the cap. The advantages step keeps the first P informative groups."""
-    from rlpipe.algorithms import resolve_options
-    from rlpipe.store.run_root import iteration_metrics_uri, read_json
-
-    options, per_iteration = resolve_options(spec), spec.rollout.prompts_per_iteration
-    order = prompt_indices(num_rows, per_iteration, iteration, spec.seed)
-    if not options.dynamic_sampling:
-        return order
-    cap = math.floor(per_iteration * options.max_oversample)
-    known = iteration - 1 - spec.loop.max_staleness  # committed before iteration's rollouts may be sampled
-    previous = read_json(iteration_metrics_uri(run_root, known)) if known >= 1 else None
-    informative = 1.0 - previous[ZERO_VARIANCE_GROUPS] if previous else 0.0
-    wanted = cap if informative <= 0 else math.ceil(REFILL_MARGIN * per_iteration / informative)
-    extra = min(max(wanted, per_iteration), cap) - per_iteration
-    taken = set(order)
-    rest = [row for row in range(num_rows) if row not in taken]
-    return order + random.Random(f"{spec.seed}-refill-{iteration}").sample(rest, min(extra, len(rest)))
-
-
 def sample_seed(seed: int, iteration: int) -> int:
     """Seed of this iteration's sampling; vLLM engines seed sample j of prompt i with
     sample_seed + i * G + j."""
@@ -181,16 +154,18 @@ def generate_rollouts(
     iteration: int,
     out_path: str,
     cache_root: str,
-    policy: Policy | None = None,
+    loaded: LoadedModel | None = None,
 ) -> dict[str, float]:
     """Write one rollout row per completion to `out_path` (Parquet); return step metrics.
-    `policy`: sample with a model already in memory at `weights` (torch engine; the resident
+    `loaded`: sample with a model already in memory at `weights` (torch engine; the resident
     trainer's)."""
     t0 = time.time()
-    weights = as_ref(weights)
+    weights = as_weight_ref(weights)
     table = read_train_rows(run_root)
+    from rlpipe.data.order import iteration_prompts
+
     order = iteration_prompts(spec, run_root, table.num_rows, iteration)
-    sampled = sample_rows(spec, run_root, weights, cache_root, table, order, iteration, policy)
+    sampled = sample_rows(spec, run_root, weights, cache_root, table, order, iteration, loaded)
     sampled_at = time.time()
     completions = sampled.completions
     write_table(rollout_table(spec, table, order, list(range(len(order))), iteration, sampled, weights), out_path)
@@ -220,16 +195,14 @@ def sample_rows(
     table: pa.Table,
     order: list[int],
     stream: int,
-    policy: Policy | None = None,
+    loaded: LoadedModel | None = None,
 ) -> Sampled:
     """rollout.samples_per_prompt completions of each train row in `order` with `weights` (the engine's
     Sampled, prompt-major); `stream` seeds the sampling (the iteration, or a producer's batch)."""
     prompt_ids = [list(ids) for ids in table.take(order).column("prompt_token_ids").to_pylist()]
-    engine = importlib.import_module(ENGINES[spec.rollout.engine])
-    if spec.rollout.environment is None:
-        return engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy)
-    rows = table.take(order).to_pylist()
-    return engine.sample_prompts(spec, run_root, weights, cache_root, prompt_ids, stream, policy, rows=rows)
+    engine: Engine = importlib.import_module(ENGINES[spec.rollout.engine])  # type: ignore[assignment]
+    rows = table.take(order).to_pylist() if spec.rollout.environment is not None else None
+    return engine.sample_prompts(SampleRequest(spec, run_root, weights, cache_root, prompt_ids, stream, loaded, rows))
 
 
 def rollout_table(

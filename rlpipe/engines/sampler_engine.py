@@ -1,4 +1,4 @@
-"""The sampler engine: long-lived vLLM servers (rlpipe.clients.sampler_client); the generate
+"""The sampler engine: long-lived vLLM servers (rlpipe.services.samplers.client); the generate
 step is an HTTP client and imports no torch."""
 
 from __future__ import annotations
@@ -7,33 +7,25 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.engines import Policy, Sampled, sample_seed
+from rlpipe.engines import Sampled, SampleRequest, sample_seed
 from rlpipe.rollouts import Completions
 from rlpipe.store.weights import stored_path
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
-    from rlpipe.store.weights import WeightRef
 
 
-def sample_prompts(
-    spec: RunSpec,
-    run_root: str,
-    weights: WeightRef,
-    cache_root: str,
-    prompt_ids: list[list[int]],
-    iteration: int,
-    policy: Policy | None = None,
-    rows: list[dict] | None = None,
-) -> Sampled:
+def sample_prompts(request: SampleRequest) -> Sampled:
     """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
     ready replica serves `weights` (reloaded in place when it does not; an adapter version's
     requests name its adapter where the samplers serve adapters) and reports log-probs at
     rollout.temperature (checked once per replica: check_logprobs); with rollout.environment,
     multi-turn trajectories of `rows`, each turn one request per sequence."""
+    spec, run_root, weights, cache_root = request.spec, request.run_root, request.weights, request.cache_root
+    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     from tokenizers import Tokenizer
 
-    from rlpipe.clients.sampler_client import (
+    from rlpipe.services.samplers.client import (
         adapter_name,
         check_logprobs,
         ensure_version,
@@ -41,7 +33,7 @@ def sample_prompts(
         ready_replicas,
         sampler_weights_dir,
     )
-    from rlpipe.vllm_environment import serves_adapters
+    from rlpipe.services.samplers.vllm_settings import serves_adapters
 
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
@@ -87,9 +79,9 @@ def sample_trajectories(
     """rollout.samples_per_prompt trajectories per row against rollout.environment
     (rlpipe.environments.run_trajectories), each turn's sequences fanned across the samplers as
     generate_groups fans prompts; request k of the n-th sequence drawn is seeded seed + n."""
-    from rlpipe.clients.sampler_client import generate_groups
     from rlpipe.engines import sampled_trajectories
     from rlpipe.environments import Codec, environment_factory, run_trajectories
+    from rlpipe.services.samplers.client import generate_groups
 
     r, s = spec.rollout, spec.samplers
     drawn = 0

@@ -7,16 +7,15 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from rlpipe.engines import Policy, Sampled, Sampling, sampled_trajectories
+from rlpipe.engines import LoadedModel, Sampled, SampleRequest, Sampling, sampled_trajectories
 from rlpipe.environments import Codec, environment_factory, run_trajectories
 from rlpipe.rollouts import Completions
 
-if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
+if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
     from transformers import PreTrainedModel
 
     from rlpipe.environments import Trajectory
-    from rlpipe.spec import EnvironmentSpec, RunSpec
-    from rlpipe.store.weights import WeightRef
+    from rlpipe.spec import EnvironmentSpec
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -70,7 +69,7 @@ def sample(
     `refresh` (partial rollouts): asked between decode steps; once it returns a newer version's (model,
     version), the rows go on under it (`prefilled_again`), each token's version in `token_versions`.
     `on_groups` (the rollout producer's): each group handed over as it finishes (`GroupPublisher`)."""
-    batch = len(prompts)
+    rows = len(prompts)
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
@@ -84,11 +83,11 @@ def sample(
     if samples > 1:
         cache.batch_repeat_interleave(samples)
         logits, attention, positions = (t.repeat_interleave(samples, dim=0) for t in (logits, attention, positions))
-        batch *= samples
+        rows *= samples
     next_position = positions[:, -1:] + 1
     ends_set = {eos_id, *stop_ids}
     ends = torch.tensor(sorted(ends_set), device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logprobs = [], []  # per decode step: [rows]
     version = refresh.version if refresh is not None else 0
     step_versions: list[int] = []  # the version that sampled each decode step's tokens
@@ -109,15 +108,15 @@ def sample(
             publish(finished, tokens, logprobs, step_versions if refresh else None)
         if bool(finished.all()):
             break
-        attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
+        attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=-1)
         swapped = refresh.newer() if refresh is not None else None
         with autocast:
             if swapped is not None:
                 model, version = swapped
                 out = prefilled_again(model, input_ids.repeat_interleave(samples, dim=0), tokens, attention)
             else:
-                step = {"attention_mask": attention, "position_ids": next_position, "past_key_values": cache}
-                out = model(input_ids=token.unsqueeze(-1), use_cache=True, **step)
+                decode_inputs = {"attention_mask": attention, "position_ids": next_position, "past_key_values": cache}
+                out = model(input_ids=token.unsqueeze(-1), use_cache=True, **decode_inputs)
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
     if publish is not None:  # the groups that ran to max_new_tokens
@@ -190,7 +189,7 @@ def completions_through_end(
 
 
 class Refresh(Protocol):
-    """A partial rollout's view of the published versions (rlpipe.buffer_producer.LatestVersion): `model` at
+    """A partial rollout's view of the published versions (rlpipe.services.producer.server.LatestVersion): `model` at
     `version`, the one held; `newer()`, between decode steps: (model, version) once it has loaded a newer
     one, else None."""
 
@@ -220,10 +219,10 @@ def sample_in_batches(
     return result
 
 
-def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
+def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
     """`sampling.samples` completions per prompt (prompt-major), drawn from a generator seeded `seed`
     (the generate step's, and offline DPO's preference sampling)."""
-    model, tokenizer = policy.model, policy.tokenizer
+    model, tokenizer = loaded.model, loaded.tokenizer
     return sample_in_batches(
         model,
         prompt_ids,
@@ -237,13 +236,13 @@ def sample_groups(policy: Policy, prompt_ids: list[list[int]], sampling: Samplin
         top_p=sampling.top_p,
         generator=torch.Generator(device=model.device).manual_seed(seed),
         bf16=sampling.bf16,
-        **({"refresh": policy.refresh} if policy.refresh is not None else {}),
-        **({"on_groups": policy.publish} if policy.publish is not None else {}),
+        **({"refresh": loaded.refresh} if loaded.refresh is not None else {}),
+        **({"on_groups": loaded.publish} if loaded.publish is not None else {}),
     )
 
 
 def sample_trajectories(
-    policy: Policy,
+    loaded: LoadedModel,
     rows: list[dict],
     sampling: Sampling,
     seed: int,
@@ -252,7 +251,7 @@ def sample_trajectories(
 ) -> list[Trajectory]:
     """`sampling.samples` multi-turn trajectories per row (prompt-major) against `environment`, each
     turn drawn with `sample` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
-    model, tokenizer = policy.model, policy.tokenizer
+    model, tokenizer = loaded.model, loaded.tokenizer
     generator = torch.Generator(device=model.device).manual_seed(seed)
 
     def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
@@ -285,36 +284,29 @@ def sample_trajectories(
     )
 
 
-def sample_prompts(
-    spec: RunSpec,
-    run_root: str,
-    weights: WeightRef,
-    cache_root: str,
-    prompt_ids: list[list[int]],
-    iteration: int,
-    policy: Policy | None = None,
-    rows: list[dict] | None = None,
-) -> Sampled:
-    """rollout.samples_per_prompt completions per prompt with the policy at `weights` (`policy`:
+def sample_prompts(request: SampleRequest) -> Sampled:
+    """rollout.samples_per_prompt completions per prompt with the policy at `weights` (`loaded`:
     one already in memory at them, the resident trainer's); with rollout.environment, multi-turn
     trajectories of `rows` (their prompt_token_ids are `prompt_ids`)."""
-    from rlpipe.modeling import load_weights
+    spec, weights, loaded, rows = request.spec, request.weights, request.loaded, request.rows
+    prompt_ids, iteration, cache_root = request.prompt_ids, request.stream, request.cache_root
+    from rlpipe.models.loading import load_weights
 
-    if policy is None:
-        policy = Policy(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
-    model, tokenizer = policy.model, policy.tokenizer
+    if loaded is None:
+        loaded = LoadedModel(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
+    model, tokenizer = loaded.model, loaded.tokenizer
     was_training = model.training
     model.eval()
-    loaded = time.time()
+    loaded_at = time.time()
     seed = spec.seed * 1_000_003 + iteration
     environment = spec.rollout.environment
     if environment is not None:
-        trajectories = sample_trajectories(policy, rows or [], Sampling.of(spec), seed, environment)
+        trajectories = sample_trajectories(loaded, rows or [], Sampling.of(spec), seed, environment)
         model.train(was_training)
-        return sampled_trajectories(trajectories, Codec.of(tokenizer), loaded)
-    completions = sample_groups(policy, prompt_ids, Sampling.of(spec), seed)
+        return sampled_trajectories(trajectories, Codec.of(tokenizer), loaded_at)
+    completions = sample_groups(loaded, prompt_ids, Sampling.of(spec), seed)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     if completions.token_versions is None:
-        return Sampled(completions, texts, loaded, {})
-    return Sampled(completions, texts, loaded, {}, {"token_versions": completions.token_versions})
+        return Sampled(completions, texts, loaded_at, {})
+    return Sampled(completions, texts, loaded_at, {}, {"token_versions": completions.token_versions})

@@ -12,12 +12,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from rlpipe.engines import Policy, Sampled, Sampling
+from rlpipe.engines import Sampled, SampleRequest, Sampling
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:
-    from rlpipe.spec import RunSpec
-    from rlpipe.store.weights import WeightRef
+    pass
 
 # the engine in this process: no engine-core subprocess to start and feed
 IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -25,17 +24,17 @@ IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 def load_engine(model_dir: str, seed: int, gpu: bool):
     """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
-    from rlpipe.vllm_environment import (
+    from rlpipe.services.samplers.vllm_settings import (
         VLLM_CPU_ENGINE_OPTIONS,
-        VLLM_CPU_ENVIRONMENT,
-        VLLM_ENVIRONMENT,
+        VLLM_CPU_ENV,
+        VLLM_ENV,
         cpu_kv_cache,
     )
 
-    environment = VLLM_ENVIRONMENT | IN_STEP | ({} if gpu else VLLM_CPU_ENVIRONMENT | cpu_kv_cache(1))
-    for key, value in environment.items():
+    env = VLLM_ENV | IN_STEP | ({} if gpu else VLLM_CPU_ENV | cpu_kv_cache(1))
+    for key, value in env.items():
         os.environ.setdefault(key, value)
-    from rlpipe.optional_imports import hide_vision_and_audio
+    from rlpipe.models.optional_imports import hide_vision_and_audio
 
     hide_vision_and_audio()
     from vllm import LLM
@@ -45,7 +44,7 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
         model=model_dir,
         seed=seed,
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="rlpipe.services.sampler_worker.PolicyReload",
+        worker_extension_cls="rlpipe.services.samplers.worker.PolicyReload",
         **options,
     )
 
@@ -112,29 +111,24 @@ def completions_of(outputs) -> Completions:
     return result
 
 
-def sample_prompts(
-    spec: RunSpec,
-    run_root: str,
-    weights: WeightRef,
-    cache_root: str,
-    prompt_ids: list[list[int]],
-    iteration: int,
-    policy: Policy | None = None,
-    rows: list[dict] | None = None,
-) -> Sampled:
+def sample_prompts(request: SampleRequest) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
     adapter version: its base, with the adapter merged in); with rollout.environment, multi-turn
     trajectories of `rows` (rlpipe.environments.run_trajectories)."""
-    from rlpipe.clients.sampler_client import MERGE_METHOD
+    spec, weights, cache_root = request.spec, request.weights, request.cache_root
+    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     from rlpipe.engines import sample_seed
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.models.loading import load_tokenizer
+    from rlpipe.services.samplers.client import MERGE_METHOD
     from rlpipe.store.weights import adapter_base, local_path
 
     weights_dir = local_path(weights, cache_root)
     base = adapter_base(weights_dir)
     model_dir = weights_dir if base is None else local_path(base, cache_root)
     llm = load_engine(model_dir, spec.seed, gpu=False)
-    if base is not None:  # on CPU the adapter is merged into the base (rlpipe.vllm_environment.serves_adapters)
+    if (
+        base is not None
+    ):  # on CPU the adapter is merged into the base (rlpipe.services.samplers.vllm_settings.serves_adapters)
         llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": model_dir, "adapter_path": weights_dir})
     # rlpipe's loader, not vLLM's AutoTokenizer: that one reads the tiny model's character tokenizer as
     # Qwen2's, which drops spaces, and observations must be tokenized as the policy's tokenizer does

@@ -3,7 +3,7 @@
 An environment (rollout.environment) is one object per trajectory, as TRL's environment_factory and
 SkyRL's BaseTextEnv are:
     reset(row) -> str                         the first observation after the prompt ("" for none)
-    step(text, token_ids) -> Step             the model's turn (decoded, and as sampled) -> the next
+    step(text, token_ids) -> StepResult       the model's turn (decoded, and as sampled) -> the next
                                               observation, this turn's reward, done, info
     close()
 `step` may be `async def` (a remote environment): the turns of a batch then run concurrently.
@@ -30,58 +30,20 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from rlpipe.plugins import look_up
+from rlpipe.environments.registry import (
+    ENVIRONMENTS,
+    Environment,
+    EnvironmentFailure,
+    StepResult,
+    environment_factory,
+    register_environment,
+)
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:
     from rlpipe.spec import EnvironmentSpec
-
-
-@dataclass
-class Step:
-    """What an environment answers to one model turn."""
-
-    observation: str = ""  # appended before the model's next turn (tokenized alone)
-    reward: float = 0.0  # this turn's reward (the trajectory's: their sum)
-    done: bool = False
-    info: dict[str, Any] = field(default_factory=dict)  # tool_call: True counts a tool call
-
-
-class Environment(Protocol):
-    stop: tuple[str, ...]
-
-    def reset(self, row: dict[str, Any]) -> str: ...
-
-    def step(self, text: str, token_ids: list[int]) -> Step: ...
-
-    def close(self) -> None: ...
-
-
-class EnvironmentFailure(RuntimeError):
-    """An environment failed in a way that ends its trajectory (recorded, zero reward) or, when every
-    trajectory of a step fails, the step (the message names the environment and what to change)."""
-
-
-# an environment type: (its options, the spec key naming it) -> a factory of one environment per trajectory
-ENVIRONMENTS: dict[str, Callable[[dict[str, Any], str], Callable[[], Environment]]] = {}
-
-
-def register_environment(name: str, build: Callable[[dict[str, Any], str], Callable[[], Environment]]) -> None:
-    ENVIRONMENTS[name] = build
-
-
-def environment_factory(spec: EnvironmentSpec) -> Callable[[], Environment]:
-    """The factory rollout.environment names, built from its options."""
-    _, build = look_up(
-        spec.type,
-        ENVIRONMENTS,
-        "rollout.environment.type",
-        "environment",
-        "rlpipe.environments.register_environment",
-    )
-    return build(dict(spec.options), "rollout.environment")
 
 
 # (sequences: prompt and everything so far, max new tokens, stop ids) -> one more turn each, through eos or a stop id
@@ -206,25 +168,25 @@ def run_trajectories(
                 texts.append(codec.decode(ids))
                 trajectories[i].final_text = texts[-1]
                 ended[i] = sampled.finish_reasons[k] == "stop" and len(ids) == len(sampled.token_ids[k])
-            steps = answers(
+            results = answers(
                 [
                     lambda e=environments[i], t=t, ids=trajectories[i].last_turn(): e.step(t, ids)
                     for i, t in zip(active, texts, strict=True)
                 ]
             )
             still = []
-            for i, step in zip(active, steps, strict=True):
+            for i, result in zip(active, results, strict=True):
                 trajectory = trajectories[i]
-                if isinstance(step, Exception):
-                    fail(trajectory, step)
+                if isinstance(result, Exception):
+                    fail(trajectory, result)
                     continue
-                trajectory.turn_rewards.append(float(step.reward))
-                trajectory.tool_calls += bool(step.info.get("tool_call"))
-                if step.done:
+                trajectory.turn_rewards.append(float(result.reward))
+                trajectory.tool_calls += bool(result.info.get("tool_call"))
+                if result.done:
                     trajectory.finish_reason = "stop" if ended[i] else "length"
                 elif turn == spec.max_turns - 1:
                     trajectory.finish_reason = "turns"
-                elif append_observation(trajectory, step.observation, codec, spec.max_tokens):
+                elif append_observation(trajectory, result.observation, codec, spec.max_tokens):
                     still.append(i)
             active = still
         if rows and all(t.error for t in trajectories):
@@ -258,14 +220,6 @@ def fail(trajectory: Trajectory, err: Exception) -> None:
     trajectory.turn_rewards.append(0.0)
 
 
-from rlpipe.environments import remote, text_gym, tools  # noqa: E402 (the built-in environments)
-
-register_environment("calculator", tools.calculator_environment)
-register_environment("tools", tools.tool_environment)
-register_environment("remote", remote.remote_environment)
-register_environment("gymnasium", text_gym.gymnasium_environment)
-
-
 def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """rollout/turns_mean, tool_call_rate (the share of trajectories with a tool call), tool_calls_mean,
     model_tokens_mean, environment_error_fraction."""
@@ -277,3 +231,26 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/model_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
         "rollout/environment_error_fraction": sum(bool(t.error) for t in trajectories) / n,
     }
+
+
+from rlpipe.environments import remote, text_gym, tools  # noqa: E402 (the built-ins)
+
+register_environment("calculator", tools.calculator_environment)
+register_environment("tools", tools.tool_environment)
+register_environment("remote", remote.remote_environment)
+register_environment("gymnasium", text_gym.gymnasium_environment)
+
+__all__ = [
+    "ENVIRONMENTS",
+    "Environment",
+    "EnvironmentFailure",
+    "StepResult",
+    "environment_factory",
+    "register_environment",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Step":  # one meaning per name: a Step is a pipeline step (rlpipe.steps)
+        raise ImportError("rlpipe.environments.Step is now StepResult: rename it in your environment")
+    raise AttributeError(f"module 'rlpipe.environments' has no attribute {name!r}")

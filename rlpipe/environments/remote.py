@@ -9,7 +9,7 @@ egress, like the score step's sandbox), and the generate step speaks to it over 
                                                                            "done": bool, "info": {...}}
     POST {url}/close  {"session": str}                                 (best effort)
 
-`rlpipe serve-environment` (rlpipe.services.environment_server) serves any registered environment
+`rlpipe serve-environment` (rlpipe.environments.server) serves any registered environment
 so. Calls run concurrently (each trajectory's in a thread); one that cannot connect, times out
 (`timeout_s`) or gets 429/5xx is retried `retries` times with backoff; what still fails, or an answer
 that is not the shape above, ends that trajectory with the error recorded (reward 0).
@@ -19,40 +19,31 @@ Options: url, timeout_s (30), retries (2), stop (the turn-ending strings, ["</to
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
-from rlpipe.environments import Environment, EnvironmentFailure, Step
+from rlpipe.environments.registry import Environment, EnvironmentFailure, StepResult
 
-RETRIED_STATUS = (429, 500, 502, 503, 504)
 NOT_SENT = ("prompt_token_ids",)
 
 
 def call(url: str, route: str, payload: dict, timeout_s: float, retries: int) -> dict:
     """The service's JSON answer to POST {url}/{route}, retried with backoff 0.5 s, 1 s, ..."""
-    from rlpipe.clients.http_json import Unreachable, request_json
+    from rlpipe.http_json import Unanswered, post_with_retries
 
-    problem = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(0.5 * 2 ** (attempt - 1))
-        try:
-            status, body = request_json("POST", f"{url}/{route}", payload, timeout_s, timeout_s)
-        except Unreachable as err:
-            problem = str(err)
-            continue
-        if status in RETRIED_STATUS:
-            problem = f"HTTP {status}"
-            continue
-        if status != 200 or not isinstance(body, dict):
-            raise EnvironmentFailure(f"remote environment {url}/{route} answered HTTP {status}: {body!r}")
-        return body
-    raise EnvironmentFailure(f"remote environment {url}/{route} failed after {retries + 1} attempts ({problem})")
+    try:
+        status, body = post_with_retries(f"{url}/{route}", payload, timeout_s, retries)
+    except Unanswered as err:
+        raise EnvironmentFailure(
+            f"remote environment {url}/{route} failed after {retries + 1} attempts ({err})"
+        ) from None
+    if status != 200 or not isinstance(body, dict):
+        raise EnvironmentFailure(f"remote environment {url}/{route} answered HTTP {status}: {body!r}")
+    return body
 
 
-def checked_step(body: dict, url: str) -> Step:
-    """A /step answer as a Step; EnvironmentFailure naming the field when it is malformed."""
+def checked_step(body: dict, url: str) -> StepResult:
+    """A /step answer as a StepResult; EnvironmentFailure naming the field when it is malformed."""
     expected = {"observation": str, "reward": (int, float), "done": bool}
     for name, kind in expected.items():
         if not isinstance(body.get(name), kind):
@@ -61,7 +52,7 @@ def checked_step(body: dict, url: str) -> Step:
                 f"{kind.__name__ if isinstance(kind, type) else 'number'}"
             )
     info = body.get("info") or {}
-    return Step(body["observation"], float(body["reward"]), body["done"], info if isinstance(info, dict) else {})
+    return StepResult(body["observation"], float(body["reward"]), body["done"], info if isinstance(info, dict) else {})
 
 
 class RemoteEnvironment:
@@ -82,7 +73,7 @@ class RemoteEnvironment:
         self.session = body["session"]
         return body["observation"]
 
-    async def step(self, text: str, token_ids: list[int]) -> Step:
+    async def step(self, text: str, token_ids: list[int]) -> StepResult:
         payload = {"session": self.session, "text": text, "token_ids": list(token_ids)}
         body = await asyncio.to_thread(call, self.url, "step", payload, self.timeout_s, self.retries)
         return checked_step(body, self.url)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlpipe.environments import Environment, Step
+from rlpipe.environments.registry import Environment, StepResult
 
 
 class GymTextEnvironment:
@@ -24,10 +24,10 @@ class GymTextEnvironment:
         observation, _ = self.env.reset(options={"row": row})
         return str(observation or "")
 
-    def step(self, text: str, token_ids: list[int]) -> Step:
+    def step(self, text: str, token_ids: list[int]) -> StepResult:
         observation, reward, terminated, truncated, info = self.env.step(text)
         done = bool(terminated or truncated)
-        return Step("" if done else str(observation or ""), float(reward), done, dict(info or {}))
+        return StepResult("" if done else str(observation or ""), float(reward), done, dict(info or {}))
 
     def close(self) -> None:
         self.env.close()

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rlpipe.environments import Environment, Step
+from rlpipe.environments.registry import Environment, StepResult
 
 EXPRESSION = re.compile(r"\s*-?\d+(\s*[-+*]\s*-?\d+)*\s*")
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>)?\s*$", re.DOTALL)
@@ -81,13 +81,13 @@ class ToolEnvironment:
     def reset(self, row: dict[str, Any]) -> str:
         return ""
 
-    def step(self, text: str, token_ids: list[int]) -> Step:
+    def step(self, text: str, token_ids: list[int]) -> StepResult:
         try:
             call = parse_call(text, self.call_format)
         except ValueError as err:
-            return Step(self.observation.format(result=f"error: {err}"), info={"tool_call": True, "tool": None})
+            return StepResult(self.observation.format(result=f"error: {err}"), info={"tool_call": True, "tool": None})
         if call is None:
-            return Step(done=True)
+            return StepResult(done=True)
         name, arguments = call
         if name not in self.tools:
             result = f"error: no tool {name!r}; tools: {', '.join(self.tools)}"
@@ -96,7 +96,7 @@ class ToolEnvironment:
                 result = str(self.tools[name](**arguments))
             except Exception as err:  # noqa: BLE001 (the model sees the error, as from a real tool)
                 result = f"error: {type(err).__name__}: {err}"
-        return Step(self.observation.format(result=result), info={"tool_call": True, "tool": name})
+        return StepResult(self.observation.format(result=result), info={"tool_call": True, "tool": name})
 
     def close(self) -> None:
         pass

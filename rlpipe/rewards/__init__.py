@@ -36,47 +36,28 @@ import numpy as np
 
 from rlpipe.metric_keys import REWARD_MEAN, REWARD_STD
 from rlpipe.plugins import look_up
+from rlpipe.rewards.registry import REWARD_TYPES, RewardError, RewardFunction, Rewards, register_reward_type
 from rlpipe.rollouts import read_table, validate_rollouts, write_table
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
 
-RewardFunction = Callable[..., Sequence[float]]
-# a reward type: (the entry's options, the spec key naming it) -> a reward function
-REWARD_TYPES: dict[str, Callable[[dict[str, Any], str], RewardFunction]] = {}
 
-
-def register_reward_type(name: str, build: Callable[[dict[str, Any], str], RewardFunction]) -> None:
-    REWARD_TYPES[name] = build
-
-
-class RewardError(RuntimeError):
-    """A reward function or verifier failed or returned something unusable; the message names it."""
-
-
-class Rewards(list):
-    """A reward function's values with a reason for each (e.g. why a program scored 0)."""
-
-    def __init__(self, values: Sequence[float], reasons: Sequence[str]) -> None:
-        super().__init__(values)
-        self.reasons = list(reasons)
-
-
-def load_reward_function(ref: str, key: str = "reward.functions") -> Callable[..., Any]:
+def load_reward_function(target: str, key: str = "reward.functions") -> Callable[..., Any]:
     """The callable behind 'module:function'; `key` is the spec key that named it."""
-    module_name, _, function_name = ref.partition(":")
+    module_name, _, function_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or the module itself failing at import
         raise RewardError(
-            f"{key}: cannot import module {module_name!r} for {ref!r} ({type(err).__name__}: {err}); "
+            f"{key}: cannot import module {module_name!r} for {target!r} ({type(err).__name__}: {err}); "
             "check the module name and that it is importable (installed, or on PYTHONPATH)"
         ) from None
     fn = getattr(module, function_name, None)
     if fn is None:
-        raise RewardError(f"{key}: module {module_name!r} has no function {function_name!r} (from {ref!r})")
+        raise RewardError(f"{key}: module {module_name!r} has no function {function_name!r} (from {target!r})")
     if not callable(fn):
-        raise RewardError(f"{key}: {ref} is a {type(fn).__name__}, not a function")
+        raise RewardError(f"{key}: {target} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -149,7 +130,7 @@ async def _awaited(awaitable: Any) -> Any:
 
 
 def checked_rewards(
-    ref: str,
+    target: str,
     fn: RewardFunction,
     prompts: Sequence[str],
     completions: Sequence[str],
@@ -158,28 +139,28 @@ def checked_rewards(
     timeout_s: float | None = None,
 ) -> list[float]:
     """fn's rewards for the batch, checked: one finite number per completion (RewardError naming
-    `ref`); a `Rewards` result keeps its reasons."""
+    `target`); a `Rewards` result keeps its reasons."""
     try:
-        values = call_with_timeout(fn, (list(prompts), list(completions)), columns, timeout_s, ref)
+        values = call_with_timeout(fn, (list(prompts), list(completions)), columns, timeout_s, target)
     except Exception as err:  # a user function: say which one, keep storage untouched
-        raise RewardError(f"{key}: {ref} raised {type(err).__name__}: {err}") from None
+        raise RewardError(f"{key}: {target} raised {type(err).__name__}: {err}") from None
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RewardError(
-            f"{key}: {ref} returned {type(values).__name__}; it must return a list of floats, one per completion"
+            f"{key}: {target} returned {type(values).__name__}; it must return a list of floats, one per completion"
         )
     if len(values) != len(completions):
-        raise RewardError(f"{key}: {ref} returned {len(values)} values for {len(completions)} completions")
+        raise RewardError(f"{key}: {target} returned {len(values)} values for {len(completions)} completions")
     rewards: list[float] = []
     for index, value in enumerate(values):
         try:
             number = float(value)
         except (TypeError, ValueError):
             raise RewardError(
-                f"{key}: {ref} returned {value!r} for completion {index}; rewards must be numbers"
+                f"{key}: {target} returned {value!r} for completion {index}; rewards must be numbers"
             ) from None
         if not math.isfinite(number):
             raise RewardError(
-                f"{key}: {ref} returned {number} for completion {index}; rewards must be finite (no NaN or inf)"
+                f"{key}: {target} returned {number} for completion {index}; rewards must be finite (no NaN or inf)"
             )
         rewards.append(number)
     return Rewards(rewards, values.reasons) if isinstance(values, Rewards) else rewards
@@ -192,10 +173,10 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     validate_rollouts(table)
     columns = table.to_pydict()
     extra = {k: v for k, v in columns.items() if k not in ("prompt", "completion")}
-    weights = spec.reward.weights or [1.0] * len(spec.reward.functions)
+    reward_weights = spec.reward.weights or [1.0] * len(spec.reward.functions)
     total = np.zeros(table.num_rows)
     stats: dict[str, float] = {}
-    for entry, weight in zip(spec.reward.functions, weights, strict=True):
+    for entry, reward_weight in zip(spec.reward.functions, reward_weights, strict=True):
         name, fn = load_reward(entry, "reward.functions")
         values = checked_rewards(
             reward_label(entry, name),
@@ -210,7 +191,7 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
         stats[f"reward/{name}/mean"] = float(np.mean(values))
         if isinstance(values, Rewards):
             columns[f"reward/{name}/reason"] = values.reasons
-        total += weight * np.asarray(values)
+        total += reward_weight * np.asarray(values)
     if "environment_error" in columns:  # a trajectory its environment ended by failing scores 0
         failed = np.asarray([bool(error) for error in columns["environment_error"]])
         total[failed] = 0.0
@@ -252,5 +233,7 @@ def _environment_reward(options: dict[str, Any], key: str) -> RewardFunction:
 register_reward_type("function", _function_reward)
 register_reward_type("environment", _environment_reward)
 
-# the built-in reward types register themselves (each imports its heavy parts when built)
+# the built-in reward types register themselves in rlpipe.rewards.registry (each imports its heavy parts when built)
 from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers  # noqa: E402, F401
+
+__all__ = ["REWARD_TYPES", "RewardError", "RewardFunction", "Rewards", "register_reward_type"]

@@ -18,7 +18,7 @@ import inspect
 import re
 from typing import Any
 
-from rlpipe.rewards import RewardFunction, Rewards
+from rlpipe.rewards.registry import RewardFunction, Rewards
 from rlpipe.rewards.verifiers import NUMBER, answer_text, final_answer
 
 ECHO_WORDS = 12

@@ -11,41 +11,30 @@ Secret exposed by cluster.secrets), so no secret enters the spec.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlpipe.rewards import RewardError, RewardFunction, register_reward_type
+from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
 from rlpipe.rewards.shaping import options_of
 
 # per-token lists a scoring service has no use for; `columns` sends them when named
 NOT_SENT = ("prompt_token_ids", "completion_token_ids", "logprobs")
-RETRIED_STATUS = (429, 500, 502, 503, 504)
 
 
 def post_batch(url: str, payload: dict, timeout_s: float, retries: int, headers: dict[str, str], key: str) -> list:
     """The rewards the service answers for one batch, retried with backoff 0.5 s, 1 s, 2 s, ..."""
-    from rlpipe.clients.http_json import Unreachable, request_json
+    from rlpipe.http_json import Unanswered, post_with_retries
 
-    problem = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(0.5 * 2 ** (attempt - 1))
-        try:
-            status, body = request_json("POST", url, payload, timeout_s, timeout_s, headers)
-        except Unreachable as err:
-            problem = str(err)
-            continue
-        if status in RETRIED_STATUS:
-            problem = f"HTTP {status}"
-            continue
-        if status != 200:
-            raise RewardError(f"{key}: remote reward {url} answered HTTP {status}: {body}")
-        rewards = body.get("rewards") if isinstance(body, dict) else body
-        if not isinstance(rewards, list):
-            raise RewardError(f'{key}: remote reward {url} answered {body!r}; expected {{"rewards": [...]}}')
-        return rewards
-    raise RewardError(f"{key}: remote reward {url} failed after {retries + 1} attempts (last: {problem})")
+    try:
+        status, body = post_with_retries(url, payload, timeout_s, retries, headers)
+    except Unanswered as err:
+        raise RewardError(f"{key}: remote reward {url} failed after {retries + 1} attempts (last: {err})") from None
+    if status != 200:
+        raise RewardError(f"{key}: remote reward {url} answered HTTP {status}: {body}")
+    rewards = body.get("rewards") if isinstance(body, dict) else body
+    if not isinstance(rewards, list):
+        raise RewardError(f'{key}: remote reward {url} answered {body!r}; expected {{"rewards": [...]}}')
+    return rewards
 
 
 def remote_reward(options: dict[str, Any], key: str) -> RewardFunction:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpipe.rewards import RewardError, RewardFunction, register_reward_type
+from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
 from rlpipe.rewards.shaping import options_of
 
 _LOADED: dict[tuple[str, str], Any] = {}  # (path, device) -> (model, tokenizer): one load per process
@@ -24,13 +24,13 @@ def load_reward_model(path: str, device: str, key: str) -> tuple[Any, Any]:
 
     import torch
 
-    from rlpipe.model_files import resolve_model_source
-    from rlpipe.optional_imports import unused_hidden
+    from rlpipe.models.files import resolve_model_source
+    from rlpipe.models.optional_imports import unused_hidden
 
     with unused_hidden():
         from transformers import AutoModelForSequenceClassification
 
-    from rlpipe.modeling import load_tokenizer
+    from rlpipe.models.loading import load_tokenizer
 
     try:
         source = resolve_model_source(path, Path.home() / ".cache" / "rlpipe")  # a URI is copied here once
@@ -77,14 +77,14 @@ def reward_model(options: dict[str, Any], key: str) -> RewardFunction:
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         scores: list[float] = []
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(
+            encoded = tokenizer(
                 texts[start : start + batch_size],
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
                 max_length=max_length,
             ).to(device)
-            scores += model(**batch).logits[:, label].float().tolist()
+            scores += model(**encoded).logits[:, label].float().tolist()
         return scores
 
     return score

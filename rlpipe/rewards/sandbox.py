@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.rewards import RewardError, RewardFunction, Rewards, register_reward_type
+from rlpipe.rewards.registry import RewardError, RewardFunction, Rewards, register_reward_type
 from rlpipe.rewards.shaping import options_of
 
 GUARD = Path(__file__).with_name("sandbox_guard.py")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlpipe.rewards import RewardError, RewardFunction, register_reward_type
+from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
 
 
 def options_of(options: dict[str, Any], allowed: dict[str, type], required: tuple[str, ...], key: str, kind: str):

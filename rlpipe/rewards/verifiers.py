@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rlpipe.rewards import RewardError, RewardFunction, register_reward_type
+from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
 from rlpipe.rewards.shaping import options_of
 
 
@@ -39,9 +39,9 @@ def math_equivalence(prompts: list[str], completions: list[str], reference: list
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     scores = []
-    for completion, ref in zip(completions, reference, strict=True):
-        ref = str(ref)
-        gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=None)
+    for completion, expected in zip(completions, reference, strict=True):
+        expected = str(expected)
+        gold = parse(expected if "$" in expected or "\\boxed" in expected else f"${expected}$", parsing_timeout=None)
         answer = final_answer(completion)
         parsed = parse(f"${answer}$", parsing_timeout=None) if answer else []
         scores.append(float(bool(gold) and bool(parsed) and verify(gold, parsed, timeout_seconds=None)))

@@ -14,7 +14,7 @@ trainer, samplers, rollout producer) run as containers of the same images instea
     workdir     <run root>/containers/workdir: links to the working directory's entries (relative paths,
                 and modules such as a reward `my_rewards:score`, import as with processes), except an
                 `rlpipe/` source tree, which would shadow the image's installed rlpipe (run from a checkout).
-    environment the steps' settings (rlpipe.pipelines.local_run.STEP_ENVIRONMENT) and what processes would
+    env         the steps' settings (rlpipe.pipelines.local_run.STEP_ENV) and what processes would
                 inherit from this one of libraries' settings, credentials and endpoints (FORWARDED_PREFIXES).
     user        this user's uid:gid, so what the steps write stays this user's, as with processes.
                 The images' own user (1000) is what clusters run: the contract tests
@@ -39,7 +39,7 @@ from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import is_local
 
 RUN_LABEL = "rlpipe.run-root"
-# what the steps' environment takes from this one, as processes inherit it: libraries' settings, credentials
+# what the steps' env takes from this one's, as processes inherit it: libraries' settings, credentials
 # and endpoints (Hugging Face, MLflow, clouds, storage emulators, vLLM); not PATH, HOME or PYTHONPATH
 FORWARDED_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "MLFLOW_", "AWS_", "GOOGLE_", "GCSFS_", "FSSPEC_",
                       "STORAGE_EMULATOR_HOST", "VLLM_", "RLPIPE_", "KFP_")  # fmt: skip
@@ -58,7 +58,7 @@ class LocalContainers:
     docker_host: str  # the Docker API DockerRunner's docker SDK speaks
     run_root: str
     mounts: list[str]
-    environment: dict[str, str]
+    base_env: dict[str, str]
     workdir: str
     user: str = field(default_factory=lambda: f"{os.getuid()}:{os.getgid()}")
     service: subprocess.Popen | None = None  # `podman system service`, when this run started it
@@ -73,7 +73,7 @@ class LocalContainers:
         return local.DockerRunner(
             network_mode="host",
             user=self.user,
-            environment=self.environment,
+            environment=self.base_env,  # docker SDK containers.run's name for the env
             working_dir=self.workdir,
             mounts=[Mount(target=path, source=path, type="bind") for path in self.mounts],
             labels={RUN_LABEL: self.run_root},
@@ -82,12 +82,22 @@ class LocalContainers:
     def run_argv(self, image: str, name: str, argv: list[str], env: dict[str, str]) -> list[str]:
         """`<cli> run` of `argv` (a process's command line, sys.executable first) in `image`, in the
         foreground: stopping this process stops the container (the CLI passes the signal on)."""
-        settings = ["--rm", "--name", name, "--network", "host", "--user", self.user, "--label", f"{RUN_LABEL}={self.run_root}"]
+        settings = [
+            "--rm",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "--user",
+            self.user,
+            "--label",
+            f"{RUN_LABEL}={self.run_root}",
+        ]
         # vLLM's engine exchanges tensors through /dev/shm: the runtimes' 64 MiB default is too small
         settings += ["--shm-size", "1g", "--entrypoint", "python3", "--workdir", self.workdir]
         for path in self.mounts:
             settings += ["--volume", f"{path}:{path}"]
-        for key, value in {**self.environment, **env}.items():
+        for key, value in {**self.base_env, **env}.items():
             settings += ["--env", f"{key}={value}"]
         return [self.cli, "run", *settings, image, *argv[1:]]
 
@@ -175,12 +185,12 @@ def container_workdir(spec: RunSpec, run_root: str) -> str:
     return str(workdir)
 
 
-def start_containers(spec: RunSpec, run_root: str, environment: dict[str, str]) -> LocalContainers:
+def start_containers(spec: RunSpec, run_root: str, step_env: dict[str, str]) -> LocalContainers:
     """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise."""
     mounts = container_mounts(spec, run_root)
     workdir = container_workdir(spec, run_root)
     forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
-    env = {**forwarded, **environment, "PYTHONPATH": workdir, "HOME": "/tmp"}
+    env = {**forwarded, **step_env, "PYTHONPATH": workdir, "HOME": "/tmp"}
     docker_cli = shutil.which("docker")
     if docker_cli and _answers(os.environ.get("DOCKER_HOST")):
         containers = LocalContainers(docker_cli, os.environ.get("DOCKER_HOST", ""), run_root, mounts, env, workdir)
@@ -234,8 +244,10 @@ def check_images(containers: LocalContainers, images: list[str]) -> None:
     missing = [
         image
         for image in dict.fromkeys(images)
-        if subprocess.run([containers.cli, "image", "exists" if "podman" in containers.cli else "inspect", image],
-                          capture_output=True).returncode != 0
+        if subprocess.run(
+            [containers.cli, "image", "exists" if "podman" in containers.cli else "inspect", image], capture_output=True
+        ).returncode
+        != 0
     ]
     if missing:
         raise ContainersUnavailable(

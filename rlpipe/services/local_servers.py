@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlpipe.clients.http_json import is_healthy
+from rlpipe.http_json import is_healthy
 from rlpipe.store.run_root import filesystem, fleet_uri, join
 
 MAX_RESTARTS = 5

@@ -1,4 +1,4 @@
-"""The held-out evaluation sections (rlpipe.evaluation): what each eval measures beyond greedy accuracy,
+"""The held-out evaluation sections (rlpipe.evaluation.accuracy): what each eval measures beyond greedy accuracy,
 and named held-out sets beside the data section's."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class EvalSetSpec:
 
 @section
 class HarnessSpec:
-    """EleutherAI's lm-evaluation-harness on evaluated versions (rlpipe.harness; the `harness` extra)."""
+    """EleutherAI's lm-evaluation-harness on evaluated versions (rlpipe.evaluation.harness; the `harness` extra)."""
 
     tasks: list[str] = setting(
         min_length=1, doc="lm_eval task names: its registry's (they download their data) or include_path's"
@@ -55,7 +55,7 @@ class HarnessSpec:
 
 @section
 class EvaluationSpec:
-    """What each held-out eval measures beyond greedy accuracy (rlpipe.evaluation)."""
+    """What each held-out eval measures beyond greedy accuracy (rlpipe.evaluation.accuracy)."""
 
     samples: int = setting(
         0,

@@ -197,12 +197,13 @@ class RewardSpec:
     timeout_s: float = setting(600.0, gt=0, doc="Longest one call of a reward function may take (per batch)")
 
     def __post_init__(self) -> None:
-        for key, ref in [("reward.verifier", self.verifier)] + [("reward.functions entry", f) for f in self.functions]:
-            if isinstance(ref, dict):
-                if not isinstance(ref.get("type"), str):
-                    raise ValueError(f"{key} {ref!r} needs a `type`: a reward type (rlpipe.rewards.REWARD_TYPES)")
-            elif ref.count(":") != 1 or not all(ref.split(":")):
-                raise ValueError(f"{key} {ref!r} must look like 'package.module:function'")
+        entries = [("reward.verifier", self.verifier)] + [("reward.functions entry", f) for f in self.functions]
+        for key, target in entries:
+            if isinstance(target, dict):
+                if not isinstance(target.get("type"), str):
+                    raise ValueError(f"{key} {target!r} needs a `type`: a reward type (rlpipe.rewards.REWARD_TYPES)")
+            elif target.count(":") != 1 or not all(target.split(":")):
+                raise ValueError(f"{key} {target!r} must look like 'package.module:function'")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries but reward.functions has {len(self.functions)}"
@@ -479,7 +480,7 @@ class LoopSpec:
         0,
         ge=0,
         doc="Asynchronous RL: iteration N may train on rollouts from v(N-1-s) .. v(N-1) that a producer generated "
-        "ahead, while the trainer updated (rlpipe.rollout_buffer). 0: the synchronous loop",
+        "ahead, while the trainer updated (rlpipe.services.producer.buffer). 0: the synchronous loop",
     )
     partial_rollouts: bool = setting(
         False,

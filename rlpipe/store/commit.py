@@ -7,9 +7,9 @@ from the rollout buffer, and a fork's parent. Every change replaces the whole fi
 callers say what changed through the functions here:
     commit_iteration     iteration N+1 with v(N+1) (rlpipe.loop.sync_weights: after publishing the
                          weights and writing the iteration's metrics, before pruning)   <- the commit point
-    record_tracking_run  the MLflow run this RL run logs to (rlpipe.tracking)
+    record_tracking_run  the MLflow run this RL run logs to (rlpipe.run.tracking)
     record_stopped       the loop stopped by loop.stop_when (rlpipe.loop.evaluate)
-    commit_fork          a forked run's first state (rlpipe.fork)
+    commit_fork          a forked run's first state (rlpipe.run.fork)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from rlpipe.store.run_root import read_state, state_uri, write_json
-from rlpipe.store.weights import WeightRef, read_ref
+from rlpipe.store.weights import WeightRef, read_weight_ref
 
 
 def _write_state(run_root: str, **changes: Any) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def already_committed(run_root: str, iteration: int) -> WeightRef | None:
     state = read_state(run_root) or {}
     committed = state.get("iteration", -1)
     if committed >= iteration:
-        return read_ref(run_root, state["weights_version"])
+        return read_weight_ref(run_root, state["weights_version"])
     if committed != iteration - 1:
         raise RuntimeError(
             f"state.json is at iteration {committed}, cannot commit iteration {iteration}; "
@@ -53,7 +53,7 @@ def commit_iteration(
     groups_consumed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Commit `iteration`: it published `published` (and, asynchronous, trained on `rollouts_taken`, after
-    which the buffer's `groups_consumed` are consumed: rlpipe.rollout_buffer). A kill before this redoes
+    which the buffer's `groups_consumed` are consumed: rlpipe.services.producer.buffer). A kill before this redoes
     the iteration from v(N); after it, the iteration is done."""
     if already_committed(run_root, iteration) is not None:
         raise RuntimeError(f"iteration {iteration} is committed already: a second writer on {run_root}?")
@@ -78,7 +78,7 @@ def record_stopped(run_root: str, stopped: dict[str, Any]) -> dict[str, Any]:
 
 
 def commit_fork(run_root: str, iteration: int, weights_sha256: str, forked_from: dict[str, Any]) -> dict[str, Any]:
-    """A fork's first state: at its parent's iteration N, with v(N) (rlpipe.fork)."""
+    """A fork's first state: at its parent's iteration N, with v(N) (rlpipe.run.fork)."""
     return _write_state(
         run_root, iteration=iteration, weights_version=iteration, weights_sha256=weights_sha256, forked_from=forked_from
     )

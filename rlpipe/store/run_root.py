@@ -168,7 +168,7 @@ def write_eval_samples(run_root: str, iteration: int, samples: list[dict[str, An
 
 
 def read_eval_samples(run_root: str, iteration: int, name: str | None = None) -> list[dict[str, Any]]:
-    """The held-out rows of iteration N's eval (rlpipe.evaluation.evaluate_policy): dicts with index,
+    """The held-out rows of iteration N's eval (rlpipe.evaluation.accuracy.evaluate_policy): dicts with index,
     prompt, completion, answer, reward (the verifier's score), correct and strict (absent in runs recorded
     before it), and with evaluation.samples the sampled `samples` (completion, reward); [] when none were
     recorded. `name`: an evaluation set's."""

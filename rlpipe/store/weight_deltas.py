@@ -192,24 +192,3 @@ def apply_delta_to_model(model: torch.nn.Module, delta: dict[str, torch.Tensor])
             target.view(-1).index_copy_(0, index, values.to(device=target.device, dtype=target.dtype))
         written += values.numel() if part in ("whole", "value") else 0
     return written
-
-
-def advance_in_place(model: torch.nn.Module, held: dict, new: dict, cache_dir: str | Path) -> bool:
-    """Move a model holding version `held` (a WeightRef) to `new` by writing in `new`'s delta, when `new`
-    is a delta against exactly `held`; the result is checked against `new`'s weights_sha256 (the model's
-    weights cast to the version's dtype). False when `new` must be loaded whole instead (not a delta of
-    `held`, or the check failed: the model is then neither version)."""
-    from safetensors.torch import load_file
-
-    from rlpipe.store.weights import read_manifest, stored_path, version_chain
-
-    chain = version_chain(new)
-    if len(chain) < 2 or chain[1][0]["version"] != held["version"] or chain[1][0]["sha256"] != held["sha256"]:
-        return False
-    delta = load_file(Path(stored_path(new, cache_dir), DELTA_FILE))
-    apply_delta_to_model(model, delta)
-    manifest = read_manifest(new["uri"])
-    dtype = WEIGHTS_DTYPES[manifest["weights_dtype"]]
-    state = model.state_dict()
-    names = {key.rsplit("#", 1)[0] for key in delta}
-    return content_sha256({name: state[name].to(dtype) for name in names}) == manifest["weights_sha256"]

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from rlpipe.store.run_root import atomic_write_text, filesystem, is_local, join, move, optimizer_dir
 
@@ -41,7 +41,7 @@ class WeightRef(TypedDict):
     sha256: str
 
 
-def as_ref(data: dict) -> WeightRef:
+def as_weight_ref(data: dict) -> WeightRef:
     """A WeightRef from a dict that crossed KFP (protobuf Struct turns ints into floats)."""
     try:
         return {"uri": str(data["uri"]), "version": int(data["version"]), "sha256": str(data["sha256"])}
@@ -77,7 +77,7 @@ def adapter_base(local_dir: str | Path) -> WeightRef | None:
     path = Path(local_dir)
     if not (path / ADAPTER_CONFIG).exists():
         return None
-    return as_ref(json.loads((path / BASE_FILE).read_text()))
+    return as_weight_ref(json.loads((path / BASE_FILE).read_text()))
 
 
 def weights_bytes(uri: str) -> int:
@@ -155,7 +155,7 @@ def directory_sha256(uri: str) -> tuple[str, dict[str, str]]:
 
 
 def seal(uri: str, version: int, iteration: int, parent: int | None, contents: dict | None = None) -> WeightRef:
-    """Hash a staged directory and write its manifest; returns the ref to hand to publish. `contents`:
+    """Hash a staged directory and write its manifest; returns the WeightRef to hand to publish. `contents`:
     what the trainer knows of the tensors (weights_sha256, weights_dtype, delta_of, chain)."""
     sha, files = directory_sha256(uri)
     manifest = {
@@ -173,7 +173,7 @@ def seal(uri: str, version: int, iteration: int, parent: int | None, contents: d
 
 def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> WeightRef:
     """Verify a staged version and make it v{N}; move LATEST last. Idempotent per version."""
-    staged = as_ref(staged)
+    staged = as_weight_ref(staged)
     version = staged["version"]
     final = version_uri(run_root, version, lineage)
     fs, final_path = filesystem(final)
@@ -196,7 +196,7 @@ def read_manifest(uri: str) -> dict:
         return json.load(f)
 
 
-def read_ref(run_root: str, version: int, lineage: str = "policy") -> WeightRef:
+def read_weight_ref(run_root: str, version: int, lineage: str = "policy") -> WeightRef:
     uri = version_uri(run_root, version, lineage)
     fs, path = filesystem(join(uri, MANIFEST))
     if not fs.exists(path):
@@ -214,18 +214,18 @@ def latest_version(run_root: str) -> int | None:
         return int(f.read().strip().lstrip("v"))
 
 
-def check_ref(ref: WeightRef) -> None:
-    """Cheap check that a ref points at the published version it claims (manifest, not a re-hash)."""
-    ref = as_ref(ref)
-    fs, path = filesystem(join(ref["uri"], MANIFEST))
+def check_weight_ref(weight_ref: WeightRef) -> None:
+    """Cheap check that a WeightRef points at the published version it claims (manifest, not a re-hash)."""
+    weight_ref = as_weight_ref(weight_ref)
+    fs, path = filesystem(join(weight_ref["uri"], MANIFEST))
     if not fs.exists(path):
-        raise FileNotFoundError(f"weights {ref['uri']} are not published (no manifest)")
+        raise FileNotFoundError(f"weights {weight_ref['uri']} are not published (no manifest)")
     with fs.open(path, "r") as f:
         manifest = json.load(f)
-    if manifest["sha256"] != ref["sha256"] or manifest["version"] != ref["version"]:
+    if manifest["sha256"] != weight_ref["sha256"] or manifest["version"] != weight_ref["version"]:
         raise ValueError(
-            f"weights at {ref['uri']} are version {manifest['version']} sha {manifest['sha256'][:12]}, "
-            f"but the step was handed version {ref['version']} sha {ref['sha256'][:12]}"
+            f"weights at {weight_ref['uri']} are version {manifest['version']} sha {manifest['sha256'][:12]}, "
+            f"but the step was handed version {weight_ref['version']} sha {weight_ref['sha256'][:12]}"
         )
 
 
@@ -233,46 +233,46 @@ class CorruptWeightsError(ValueError):
     """A sealed version whose files no longer hash to its manifest; the message names them."""
 
 
-def verify(ref: WeightRef, files_uri: str | None = None) -> None:
-    """Re-hash the version's files (at `files_uri`, default the ref's own) against the sealed sha256;
+def verify(weight_ref: WeightRef, files_uri: str | None = None) -> None:
+    """Re-hash the version's files (at `files_uri`, default the WeightRef's own) against the sealed sha256;
     on a mismatch name the files that differ from the manifest."""
-    root = files_uri or ref["uri"]
+    root = files_uri or weight_ref["uri"]
     sha, files = directory_sha256(root)
-    if sha == ref["sha256"]:
+    if sha == weight_ref["sha256"]:
         return
     fs, path = filesystem(join(root, MANIFEST))
     with fs.open(path, "r") as f:
         sealed = json.load(f)["files"]
     changed = sorted(name for name in set(files) | set(sealed) if files.get(name) != sealed.get(name))
     raise CorruptWeightsError(
-        f"weights version {ref['version']} at {ref['uri']} changed after it was sealed: {', '.join(changed)} "
+        f"weights version {weight_ref['version']} at {weight_ref['uri']} changed after it was sealed: {', '.join(changed)} "
         "differ from its manifest.json. Nothing was trained on them. Restore those files (they are the exact "
         "bytes the manifest's sha256 names), or start a new run (another name) with model.path at an intact version"
     )
 
 
-def local_path(ref: WeightRef, cache_dir: str | Path) -> str:
-    """A local directory holding the ref's whole weights, verified: the stored files against their
+def local_path(weight_ref: WeightRef, cache_dir: str | Path) -> str:
+    """A local directory holding the WeightRef's whole weights, verified: the stored files against their
     sha256 (the store itself when local, else a cached copy verified when downloaded); a delta version
     rebuilt from its chain into the cache, checked against its weights_sha256."""
-    ref = as_ref(ref)
-    check_ref(ref)
-    stored = stored_path(ref, cache_dir)
+    weight_ref = as_weight_ref(weight_ref)
+    check_weight_ref(weight_ref)
+    stored = stored_path(weight_ref, cache_dir)
     if "delta_of" in (manifest := json.loads(Path(stored, MANIFEST).read_text())) and manifest["delta_of"] is not None:
-        return rebuilt_path(ref, manifest, cache_dir)
+        return rebuilt_path(weight_ref, manifest, cache_dir)
     return stored
 
 
-def version_chain(ref: WeightRef) -> list[tuple[WeightRef, dict]]:
-    """(ref, manifest) of `ref` and each version its delta is against, back to a whole one; newest first."""
-    chain = [(ref, read_manifest(ref["uri"]))]
+def version_chain(weight_ref: WeightRef) -> list[tuple[WeightRef, dict]]:
+    """(weight_ref, manifest) of `weight_ref` and each version its delta is against, back to a whole one; newest first."""
+    chain = [(weight_ref, read_manifest(weight_ref["uri"]))]
     while chain[-1][1].get("delta_of") is not None:
-        parent_uri = join(ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))
+        parent_uri = join(weight_ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))
         try:
             manifest = read_manifest(parent_uri)
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"weights version {ref['version']} is a delta whose chain needs {parent_uri}, which is gone; "
+                f"weights version {weight_ref['version']} is a delta whose chain needs {parent_uri}, which is gone; "
                 "a pruned chain should never happen (prune keeps every version a kept one is rebuilt from): "
                 "restore that version, or resume from an earlier whole version"
             ) from None
@@ -280,8 +280,8 @@ def version_chain(ref: WeightRef) -> list[tuple[WeightRef, dict]]:
     return chain
 
 
-def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
-    """cache/rebuilt/<weights_sha256>/: the delta version `ref` as whole weights (model.safetensors),
+def rebuilt_path(weight_ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
+    """cache/rebuilt/<weights_sha256>/: the delta version `weight_ref` as whole weights (model.safetensors),
     made once from the last whole version before it and the deltas since, and checked against the
     manifest's weights_sha256; the two most recent rebuilt versions are kept."""
     from safetensors.torch import load_file
@@ -292,7 +292,7 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     out = rebuilt_root / manifest["weights_sha256"]
     if (out / MANIFEST).exists():
         return str(out)
-    chain = version_chain(ref)
+    chain = version_chain(weight_ref)
     whole = Path(stored_path(chain[-1][0], cache_dir))
     tensors: dict = {}
     for file in sorted(whole.glob("*.safetensors")):
@@ -306,7 +306,7 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
                 "after it was sealed. Restore it, or resume from an earlier whole version"
             )
     tmp = rebuilt_root / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(stored_path(ref, cache_dir), tmp, ignore=shutil.ignore_patterns(DELTA_FILE))
+    shutil.copytree(stored_path(weight_ref, cache_dir), tmp, ignore=shutil.ignore_patterns(DELTA_FILE))
     with open(tmp / "model.safetensors", "wb") as f:
         write_safetensors(tensors, f, {"format": "pt"})
     try:
@@ -321,19 +321,19 @@ def rebuilt_path(ref: WeightRef, manifest: dict, cache_dir: str | Path) -> str:
     return str(out)
 
 
-def stored_path(ref: WeightRef, cache_dir: str | Path) -> str:
-    """A local directory holding the ref's stored files (a delta's are its delta), verified against its
+def stored_path(weight_ref: WeightRef, cache_dir: str | Path) -> str:
+    """A local directory holding the weight_ref's stored files (a delta's are its delta), verified against its
     sha256: the store itself when local, else a cached copy (verified when downloaded)."""
-    if is_local(ref["uri"]):
-        verify(ref)
-        return filesystem(ref["uri"])[1]
-    local = Path(cache_dir) / "weights" / ref["sha256"]
+    if is_local(weight_ref["uri"]):
+        verify(weight_ref)
+        return filesystem(weight_ref["uri"])[1]
+    local = Path(cache_dir) / "weights" / weight_ref["sha256"]
     if not (local / MANIFEST).exists():
         tmp = local.with_name(f"{local.name}.tmp-{uuid.uuid4().hex[:8]}")
-        fs, remote = filesystem(ref["uri"])
+        fs, remote = filesystem(weight_ref["uri"])
         fs.get(remote.rstrip("/") + "/", str(tmp), recursive=True)
         try:
-            verify(ref, str(tmp))
+            verify(weight_ref, str(tmp))
         except CorruptWeightsError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -397,3 +397,24 @@ def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy")
         stale = name.endswith((".pt", ".safetensors")) and int(name[1:7]) < newest
         if stale or (name.endswith(".tmp") and int(name[1:7]) < current):
             fs.rm(join(optimizer_dir(run_root, lineage), name))
+
+
+def advance_in_place(model: Any, held: dict, new: dict, cache_dir: str | Path) -> bool:
+    """Move a model holding version `held` (a WeightRef) to `new` by writing in `new`'s delta, when `new`
+    is a delta against exactly `held`; the result is checked against `new`'s weights_sha256 (the model's
+    weights cast to the version's dtype). False when `new` must be loaded whole instead (not a delta of
+    `held`, or the check failed: the model is then neither version)."""
+    from safetensors.torch import load_file
+
+    from rlpipe.store.weight_deltas import DELTA_FILE, WEIGHTS_DTYPES, apply_delta_to_model, content_sha256
+
+    chain = version_chain(new)
+    if len(chain) < 2 or chain[1][0]["version"] != held["version"] or chain[1][0]["sha256"] != held["sha256"]:
+        return False
+    delta = load_file(Path(stored_path(new, cache_dir), DELTA_FILE))
+    apply_delta_to_model(model, delta)
+    manifest = read_manifest(new["uri"])
+    dtype = WEIGHTS_DTYPES[manifest["weights_dtype"]]
+    state = model.state_dict()
+    names = {key.rsplit("#", 1)[0] for key in delta}
+    return content_sha256({name: state[name].to(dtype) for name in names}) == manifest["weights_sha256"]

@@ -33,7 +33,7 @@ from rlpipe.store.run_root import filesystem, is_local, join, move, optimizer_ur
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
     from rlpipe.store.weights import WeightRef
-    from rlpipe.training.trainer import Trainer
+    from rlpipe.training.state import Trainer
 
 
 def keeps_state_in_memory(spec: RunSpec) -> bool:
@@ -64,14 +64,14 @@ def record_replay(run_root: str, version: int, iteration: int, batch_path: str) 
 
 @dataclass(frozen=True)
 class Replay:
-    """Resume v(version) from the checkpoint at v(checkpoint) by replaying `steps`: (version, iteration,
+    """Resume v(version) from the checkpoint at v(checkpoint) by replaying `updates`: (version, iteration,
     batch uri) in order."""
 
     checkpoint: int
-    steps: list[tuple[int, int, str]]
+    updates: list[tuple[int, int, str]]
 
 
-def replay_plan(spec: RunSpec, run_root: str, version: int) -> Replay | None:
+def find_replay(spec: RunSpec, run_root: str, version: int) -> Replay | None:
     """None when v(version)'s own state is there, or no state nor batch was ever kept (v0, a fork that
     starts AdamW anew); else the last checkpoint below it and the recorded batches since, all of which
     must be there (whatever storage.optimizer_every says now: a resumed run may have changed it)."""

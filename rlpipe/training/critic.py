@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rlpipe.devices import resolve_device
 from rlpipe.metric_keys import VALUES_LOAD, VALUES_TIME
-from rlpipe.modeling import configure_torch, disable_dropout
+from rlpipe.models.devices import resolve_device
+from rlpipe.models.loading import configure_torch, disable_dropout
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
-from rlpipe.store.weights import WeightRef, local_path, publish, read_ref, seal, staging_uri
+from rlpipe.store.weights import WeightRef, local_path, publish, read_weight_ref, seal, staging_uri
 from rlpipe.training.batching import MicroBatch, micro_batches, pack, window_column
 from rlpipe.training.distributed import full_model_state, full_optimizer_state, load_optimizer_state, shard, world
 
@@ -80,11 +80,11 @@ def load_critic(
     configure_torch(spec.trainer.threads)
     device = resolve_device(spec.trainer.device)
     if version == 0:
-        base = read_ref(run_root, 0)
+        base = read_weight_ref(run_root, 0)
         model = critic_from_policy(local_path(base, cache_root))  # v0 is full weights, also under model.lora
     else:
-        ref = read_ref(run_root, version, "critic")
-        model = AutoModelForTokenClassification.from_pretrained(local_path(ref, cache_root))
+        critic_weights = read_weight_ref(run_root, version, "critic")
+        model = AutoModelForTokenClassification.from_pretrained(local_path(critic_weights, cache_root))
     model = model.to(device)
     model.train(trainable).requires_grad_(trainable)
     if not trainable:
@@ -176,7 +176,7 @@ def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | No
     else:
         model_state, optimizer_state = None, critic.optimizer.state_dict()
     new_version = critic.version + 1
-    ref = None
+    published = None
     if rank == 0:
         staged = staging_uri(run_root, new_version, "critic")
         fs, staged_path = filesystem(staged)
@@ -185,7 +185,7 @@ def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | No
             if not is_local(staged):
                 fs.put(local.rstrip("/") + "/", staged_path, recursive=True)
         sealed = seal(staged, version=new_version, iteration=iteration, parent=critic.version)
-        ref = publish(run_root, sealed, "critic")
+        published = publish(run_root, sealed, "critic")
         final_opt = optimizer_uri(run_root, new_version, "critic")
         fs, tmp_path = filesystem(final_opt + ".tmp")
         fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
@@ -193,4 +193,4 @@ def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | No
             torch.save(optimizer_state, f)
         move(final_opt + ".tmp", final_opt)
     critic.version = new_version
-    return ref
+    return published

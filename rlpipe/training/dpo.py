@@ -1,6 +1,6 @@
 """Offline DPO's torch work: sample the preference set from v0, the reference's log-probs of each pair
 (once), and one iteration of DPO updates on the next slice of pairs. The step functions that call
-these are in rlpipe/preferences.py; the loss is rlpipe.algorithms.dpo."""
+these are in rlpipe/dpo_loop.py; the loss is rlpipe.algorithms.dpo."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from rlpipe.metric_keys import UPDATE_LOAD, UPDATE_TIME
-from rlpipe.modeling import load_weights
+from rlpipe.models.loading import load_weights
 from rlpipe.rollouts import write_table
 from rlpipe.training.logprobs import completion_logprobs
 from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
@@ -27,11 +27,11 @@ if TYPE_CHECKING:
 
 def sample_and_decode(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
     """rollout.samples_per_prompt completions per prompt (prompt-major): (token ids, decoded texts)."""
-    from rlpipe.engines import Policy, Sampling
+    from rlpipe.engines import LoadedModel, Sampling
     from rlpipe.engines.torch_engine import sample_groups as sample_completions
 
     model.eval()
-    completions = sample_completions(Policy(model, tokenizer), prompt_ids, Sampling.of(spec), seed)
+    completions = sample_completions(LoadedModel(model, tokenizer), prompt_ids, Sampling.of(spec), seed)
     return completions.token_ids, tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
 
 
@@ -110,15 +110,15 @@ def batch_rows(pairs: list[dict]) -> list[dict]:
     rows = []
     for k, pair in enumerate(pairs):
         for index, (role, sign) in enumerate((("chosen", 1.0), ("rejected", -1.0))):
-            ref = pair[f"ref_{role}_logprobs"]
+            reference = pair[f"ref_{role}_logprobs"]
             rows.append(
                 {
                     "group_id": k,
                     "sample_index": index,
                     "prompt_token_ids": pair["prompt_token_ids"],
                     "completion_token_ids": pair[f"{role}_token_ids"],
-                    "logprobs": ref,
-                    "ref_logprobs": ref,
+                    "logprobs": reference,
+                    "ref_logprobs": reference,
                     "advantage": sign,
                 }
             )
@@ -151,8 +151,8 @@ def dpo_iteration(
             metrics[f"dpo/{name}_{key}"] = value
     trainer.policy.train()
     checked = time.time()
-    ref = save_trained(trainer, iteration, cache_root)
-    return ref, metrics | {
+    sealed = save_trained(trainer, iteration, cache_root)
+    return sealed, metrics | {
         UPDATE_LOAD: loaded - t0,
         UPDATE_TIME: trained - loaded + time.time() - checked,
         "time/preference_check_s": checked - trained,

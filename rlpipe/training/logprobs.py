@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlpipe.training.batching import MicroBatch, pack, window_column
 
-if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
+if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
     from transformers import PreTrainedModel
 
 # config fields of heads that do more than hidden @ W^T (Gemma 2's soft-capping, Cohere's and Granite's

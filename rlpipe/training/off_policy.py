@@ -20,7 +20,7 @@ from rlpipe.training.logprobs import completion_logprobs, sequence_key
 
 if TYPE_CHECKING:
     from rlpipe.spec import AlgorithmSpec
-    from rlpipe.training.trainer import Trainer
+    from rlpipe.training.state import Trainer
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,13 @@ class Correction:
 
 
 def decoupled(mb: MicroBatch, correction: Correction) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(advantages weighted by pi_prox / pi_behaviour, pi_prox as the ratio's old log-probs, the weights'
+    """(advantages weighted by pi_prox / pi_behaviour, pi_prox as the ratio's old log-probs, the is_weights'
     statistics: is_weight_mean, is_weight_max, and the cut fraction)."""
-    weights, stats = behaviour_weights(
+    is_weights, stats = behaviour_weights(
         mb.proximal_logprobs, mb.old_logprobs, mb.completion_mask, correction.kind, correction.threshold,
         correction.level,
     )  # fmt: skip
-    return mb.advantages * weights, mb.proximal_logprobs, stats
+    return mb.advantages * is_weights, mb.proximal_logprobs, stats
 
 
 def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:

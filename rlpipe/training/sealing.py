@@ -13,9 +13,7 @@ compares each tensor on its own, a tensor per thread: no second copy of the mode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,23 +29,13 @@ from rlpipe.store.weight_deltas import (
     write_safetensors,
 )
 from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, stage_delta, stage_pretrained
+from rlpipe.training.state import Served
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
-    from rlpipe.training.trainer import Trainer
+    from rlpipe.training.state import Trainer
 
 LARGEST_DELTA = 0.5  # of the whole version's bytes: beyond it, store the version whole
-
-
-@dataclass
-class Served:
-    """The stored tensors of the version the trainer last sealed or loaded, and deltas since a whole one:
-    in memory (the resident trainer's, as it sealed them) or read one at a time from the version's whole
-    files (StoredTensors: a trainer that loaded the version holds no second copy)."""
-
-    tensors: Mapping[str, torch.Tensor]
-    version: int
-    chain: int
 
 
 def stores_serving_copy(spec: RunSpec) -> bool:
@@ -145,7 +133,7 @@ def seal_serving_copy(
     served: Served | None,
 ) -> tuple[WeightRef, Served | None]:
     """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `served` when that
-    is v(version - 1) and the rules above allow; returns its ref and what the next version can be a
+    is v(version - 1) and the rules above allow; returns the sealed version and what the next version can be a
     delta against (held in memory by a resident trainer; None for a one-update process)."""
     dtype = WEIGHTS_DTYPES[spec.storage.weights_dtype]
     state = state if state is not None else policy.state_dict()
@@ -169,8 +157,8 @@ def seal_serving_copy(
         "delta_of": parent["version"] if delta is not None else None,
         "chain": chain,
     }
-    ref = seal(staged, version=version, iteration=iteration, parent=parent["version"], contents=contents)
-    return ref, Served(tensors, version, chain) if keep else None
+    sealed = seal(staged, version=version, iteration=iteration, parent=parent["version"], contents=contents)
+    return sealed, Served(tensors, version, chain) if keep else None
 
 
 def seal_new_version(trainer: Trainer, iteration: int, cache_root: str, state: dict | None) -> WeightRef:
@@ -180,10 +168,10 @@ def seal_new_version(trainer: Trainer, iteration: int, cache_root: str, state: d
     run_root, weights, new_version = trainer.run_root, trainer.weights, trainer.weights["version"] + 1
     if stores_serving_copy(trainer.spec):
         served, trainer.served = trainer.served, None  # sealing writes over it: gone if sealing fails
-        ref, trainer.served = seal_serving_copy(
+        sealed, trainer.served = seal_serving_copy(
             trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
             cache_root, state, served,
         )  # fmt: skip
-        return ref
+        return sealed
     staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, state, trainer.base)
     return seal(staged, version=new_version, iteration=iteration, parent=weights["version"])

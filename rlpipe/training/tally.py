@@ -15,11 +15,11 @@ from rlpipe.training.distributed import all_max, all_sum
 from rlpipe.training.off_policy import mismatch_metrics
 
 if TYPE_CHECKING:
-    from rlpipe.training.trainer import Trainer
+    from rlpipe.training.state import Trainer
 
 
 @dataclass
-class StepStats:
+class OptimizerStepStats:
     """One optimizer step's statistics (torchtune's GRPOStats), summed over its micro-batches: token means
     weighed by each micro-batch's share of the step's completion tokens, the loss and the algorithm's own
     statistics by its loss weight; then over processes (`summed`). None: the step does not have it."""
@@ -39,7 +39,7 @@ class StepStats:
     is_weight_max: float = 0.0  # before the correction: a max, this process's
     extra: dict[str, float] = field(default_factory=dict)  # the algorithm's own: DPO's preference_accuracy, ...
 
-    def __iadd__(self, other: StepStats) -> StepStats:
+    def __iadd__(self, other: OptimizerStepStats) -> OptimizerStepStats:
         for name in SUMMED:
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(self, name, theirs if mine is None else mine if theirs is None else mine + theirs)
@@ -51,7 +51,7 @@ class StepStats:
                 mine[key] = mine.get(key, 0.0) + value
         return self
 
-    def summed(self, device: torch.device) -> StepStats:
+    def summed(self, device: torch.device) -> OptimizerStepStats:
         """Each sum over the processes (is_weight_max and kl_measured stay this process's)."""
         flat = {name: getattr(self, name) for name in SUMMED if getattr(self, name) is not None}
         flat |= {f"off_policy/{k}": v for k, v in self.off_policy.items()}
@@ -73,18 +73,18 @@ SUMMED = ("loss", "entropy", "clip_fraction", "ratio", "dual_clip_fraction", "kl
 class Tally:
     """What an update's metrics sum over its optimizer steps."""
 
-    total: StepStats = field(default_factory=StepStats)
-    steps: int = 0
+    total: OptimizerStepStats = field(default_factory=OptimizerStepStats)
+    optimizer_steps: int = 0
     kl_steps: int = 0
-    micro_steps: int = 0
+    micro_batches: int = 0
     tokens: int = 0
     padded: int = 0  # rows x width of every forward pass: tokens plus the padding computed beside them
     mismatch: list[torch.Tensor] = field(default_factory=list)  # d per token, the first optimizer step's
 
-    def add(self, step: StepStats) -> None:
-        self.kl_steps += int(step.kl_measured)
-        self.total += step
-        self.steps += 1
+    def add(self, stats: OptimizerStepStats) -> None:
+        self.kl_steps += int(stats.kl_measured)
+        self.total += stats
+        self.optimizer_steps += 1
 
 
 def update_metrics(
@@ -95,7 +95,7 @@ def update_metrics(
     device = trainer.policy.device
     summed = all_sum({"tokens": tally.tokens, "padded": tally.padded}, device)
     tokens = int(summed["tokens"])
-    total, steps = tally.total, tally.steps
+    total, steps = tally.total, tally.optimizer_steps
     metrics = {}
     if total.value_loss is not None:
         metrics = {
@@ -123,7 +123,7 @@ def update_metrics(
             "policy/ratio_mean": total.ratio / steps,
             KL_MEAN: total.kl / max(tally.kl_steps, 1),
             OPTIMIZER_STEPS: float(steps),
-            "policy/micro_batches": float(tally.micro_steps),
+            "policy/micro_batches": float(tally.micro_batches),
             "policy/lr": trainer.optimizer.param_groups[0]["lr"],
             "throughput/update_tokens_per_s": tokens / max(trained - started, 1e-9),
             "policy/padding_share": 1.0 - tokens / max(summed["padded"], 1.0),  # of the forward passes' positions

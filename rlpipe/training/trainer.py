@@ -14,22 +14,21 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlpipe.algorithms import PolicyInputs, get_algorithm, needs_critic, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
-from rlpipe.devices import resolve_device
 from rlpipe.metric_keys import OPTIMIZER_STEPS, UPDATE_LOAD, UPDATE_TIME
-from rlpipe.modeling import add_lora, disable_dropout, is_adapted, load_weights
+from rlpipe.models.devices import resolve_device
+from rlpipe.models.loading import add_lora, disable_dropout, is_adapted, load_weights
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, optimizer_uri
-from rlpipe.store.weights import WeightRef, as_ref, read_ref
+from rlpipe.store.weights import WeightRef, as_weight_ref, read_weight_ref
 from rlpipe.training.batching import (
     MicroBatch,
     micro_batch_weight,
@@ -39,8 +38,8 @@ from rlpipe.training.batching import (
     trained_tokens,
     update_order,
 )
-from rlpipe.training.checkpoints import load_sealed, matches_sealed, replay_plan, save_state
-from rlpipe.training.critic import Critic, load_critic, save_critic, value_step
+from rlpipe.training.checkpoints import find_replay, load_sealed, matches_sealed, save_state
+from rlpipe.training.critic import load_critic, save_critic, value_step
 from rlpipe.training.distributed import (
     clip_grad_norm,
     full_model_state,
@@ -58,12 +57,11 @@ from rlpipe.training.off_policy import (
     mismatch_differences,
     sampled_by,
 )
-from rlpipe.training.sealing import Served, load_masters, seal_new_version, served_from_version, stores_serving_copy
-from rlpipe.training.tally import StepStats, Tally, update_metrics
+from rlpipe.training.sealing import load_masters, seal_new_version, served_from_version, stores_serving_copy
+from rlpipe.training.state import Trainer
+from rlpipe.training.tally import OptimizerStepStats, Tally, update_metrics
 
-if TYPE_CHECKING:  # transformers is imported through rlpipe.modeling (rlpipe.optional_imports)
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
+if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
     from rlpipe.algorithms.policy_gradient import Aggregation
     from rlpipe.algorithms.registry import PolicyLoss, ValueLoss
 
@@ -72,43 +70,20 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient went NaN/inf; nothing was published."""
 
 
-@dataclass
-class Trainer:
-    """What training holds between optimizer steps: the policy at `weights`, its optimizer, the
-    frozen reference (when the KL is used; with LoRA the policy itself, adapters disabled), the
-    sealed base its adapters apply to (LoRA), the critic at the same version (PPO), and the spec
-    it was built for."""
-
-    spec: RunSpec
-    run_root: str
-    weights: WeightRef
-    policy: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    optimizer: torch.optim.Optimizer
-    reference: PreTrainedModel | None
-    base: WeightRef | None = None
-    critic: Critic | None = None
-    # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}
-    proximal: dict = field(default_factory=dict)
-    served: Served | None = None  # the stored tensors of `weights`, when the next version may be a delta
-    checkpoint_writer: threading.Thread | None = None  # the resident trainer's checkpoint, written in the background
-    replayed: dict[str, float] = field(default_factory=dict)  # trainer/replayed_updates, trainer/replay_exact
-
-
 def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
     """The trainer at `weights`: the policy with the optimizer state saved beside that version, or,
     where it was not saved (storage.optimizer_every), at the last checkpoint with the updates since
     replayed from their recorded batches (rlpipe.training.checkpoints)."""
-    weights = as_ref(weights)
-    replay = replay_plan(spec, run_root, weights["version"])
+    weights = as_weight_ref(weights)
+    replay = find_replay(spec, run_root, weights["version"])
     if replay is None:
         return load_checkpoint(spec, run_root, weights, cache_root)
     if replay.checkpoint == 0:  # the run's start: v0's weights, a fresh optimizer
-        trainer = load_checkpoint(spec, run_root, read_ref(run_root, 0), cache_root)
+        trainer = load_checkpoint(spec, run_root, read_weight_ref(run_root, 0), cache_root)
     else:  # v(N)'s files for the model's shape and tokenizer; the checkpoint's masters replace every weight
         trainer = load_checkpoint(spec, run_root, weights, cache_root, state_version=replay.checkpoint)
         trainer.weights = {**weights, "version": replay.checkpoint}
-    for version, iteration, batch in replay.steps:
+    for version, iteration, batch in replay.updates:
         train_on_batch(trainer, batch, iteration)
         trainer.weights = {**trainer.weights, "version": version}
     exact = matches_sealed(trainer, weights, cache_root)
@@ -117,7 +92,7 @@ def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: s
     trainer.weights = weights
     if world()[0] == 0:
         trainer.served = served_from_version(spec, weights, cache_root)
-    trainer.replayed = {"trainer/replayed_updates": float(len(replay.steps)), "trainer/replay_exact": float(exact)}
+    trainer.replayed = {"trainer/replayed_updates": float(len(replay.updates)), "trainer/replay_exact": float(exact)}
     return trainer
 
 
@@ -127,7 +102,7 @@ def load_checkpoint(
     """The policy at `weights` with the trainer's state saved beside that version (or beside
     v(state_version)): its fp32 master weights, when saved (a serving-copy version, or a resident
     trainer's checkpoint), and its optimizer state (fresh where none was)."""
-    weights = as_ref(weights)
+    weights = as_weight_ref(weights)
     state_version = weights["version"] if state_version is None else state_version
     sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
     policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
@@ -137,7 +112,7 @@ def load_checkpoint(
         served = served_from_version(spec, weights, cache_root)
     base = None
     if spec.model.lora is not None:
-        base = read_ref(run_root, 0)
+        base = read_weight_ref(run_root, 0)
         if not is_adapted(policy):  # v0: the adapters start here
             policy = add_lora(policy, spec.model.lora)
     policy.train()
@@ -161,7 +136,7 @@ def load_checkpoint(
     if wants_reference and base is not None:
         reference = policy  # the base = the policy with its adapters disabled: no second copy
     elif wants_reference:
-        reference, _ = load_weights(read_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
+        reference, _ = load_weights(read_weight_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
         reference.eval().requires_grad_(False)
         if sharded:
             shard(reference, reference.device)
@@ -233,12 +208,15 @@ def train_on_batch(trainer: Trainer, batch_path: str, iteration: int) -> dict[st
         trainer.checkpoint_writer = None
     prefetched = attach_proximal_logprobs(trainer, minis) if objective.correction else 0.0
     proximal_s = time.time() - started
+    steps_before = (
+        (iteration - 1) * spec.trainer.epochs * len(minis)
+    )  # before this iteration: where the learning rate's warmup and decay stand
     for _ in range(spec.trainer.epochs):
         for mini in minis:
-            set_learning_rates(trainer, objective, (iteration - 1) * spec.trainer.epochs * len(minis) + tally.steps)
-            step = accumulate_gradients(trainer, objective, mini, tally)
-            optimizer_step(trainer, step, iteration)
-            tally.add(step)
+            set_learning_rates(trainer, objective, steps_before + tally.optimizer_steps)
+            stats = accumulate_gradients(trainer, objective, mini, tally)
+            optimizer_step(trainer, stats, iteration)
+            tally.add(stats)
     metrics = update_metrics(trainer, tally, started, proximal_s, prefetched)
     return metrics | ({"policy/pairs": len(rows) / 2} if pairs else {})
 
@@ -254,18 +232,18 @@ def set_learning_rates(trainer: Trainer, objective: Objective, global_step: int)
             group["lr"] = objective.critic_lr * warmup
 
 
-def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict], tally: Tally) -> StepStats:
+def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict], tally: Tally) -> OptimizerStepStats:
     """Forward and backward passes over this process's micro-batches of a mini-batch, their gradients
     accumulating (weights: micro_batch_weight); gradients scale by the number of processes, which FSDP
     averages over. Returns the step's statistics, summed over processes."""
     completion_tokens = float(sum(map(trained_tokens, mini)))
     # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
     # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-    use_reference = trainer.reference is not None and (objective.reference_each_step or tally.steps == 0)
+    use_reference = trainer.reference is not None and (objective.reference_each_step or tally.optimizer_steps == 0)
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.critic is not None:
         trainer.critic.optimizer.zero_grad(set_to_none=True)
-    step = StepStats(kl_measured=use_reference)
+    stats = OptimizerStepStats(kl_measured=use_reference)
     for part, present in rank_parts(mini, trainer.spec.trainer.micro_batch_tokens, objective.unit):
         mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
@@ -273,13 +251,13 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
         # before the first optimizer step the policy is the weights that sampled this iteration's rows (all
         # of them at s=0): their forward pass measures the training-inference mismatch at no extra cost
         measure = None
-        if tally.steps == 0 and present and mb.old_logprobs is not None:
+        if tally.optimizer_steps == 0 and present and mb.old_logprobs is not None:
             measure = sampled_by(part, trainer.weights["version"])
-        step += micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
+        stats += micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
         tally.tokens += int(present * mb.attention.sum())
         tally.padded += int(present * mb.attention.numel())
-        tally.micro_steps += 1
-    return step.summed(trainer.policy.device)
+        tally.micro_batches += 1
+    return stats.summed(trainer.policy.device)
 
 
 def micro_step(
@@ -291,7 +269,7 @@ def micro_step(
     use_reference: bool,
     measure: torch.Tensor | None = None,
     mismatch: list[torch.Tensor] | None = None,
-) -> StepStats:
+) -> OptimizerStepStats:
     """One micro-batch's forward and backward passes: the policy's loss back-propagated with weight
     `weight`, the critic's (a token mean) with `share` = T_j / T, both times the number of processes.
     Returns its part of the step's statistics: token means by `share`, the loss and the algorithm's own
@@ -322,7 +300,7 @@ def micro_step(
         entropy = entropy.detach()
     (processes * weight * loss).backward()
     mask = mb.completion_mask  # entropy: averaged over completion tokens
-    stats = StepStats(
+    stats = OptimizerStepStats(
         loss=weight * loss.item(),
         entropy=share * float((entropy * mask).sum() / mask.sum().clamp(min=1)),
         clip_fraction=share * float(terms.clip_fraction),
@@ -350,17 +328,17 @@ def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> 
         return completion_logprobs_and_entropy(reference, mb, temperature, chunk_tokens, precision=autocast(trainer))[0]
 
 
-def optimizer_step(trainer: Trainer, step: StepStats, iteration: int) -> None:
+def optimizer_step(trainer: Trainer, stats: OptimizerStepStats, iteration: int) -> None:
     """Clip the policy's gradients (and the critic's) to trainer.max_grad_norm and step, recording the norms
-    in `step`; a non-finite loss or norm raises NonFiniteLossError before anything moves."""
+    in `stats`; a non-finite loss or norm raises NonFiniteLossError before anything moves."""
     max_norm = trainer.spec.trainer.max_grad_norm
-    step.grad_norm = float(clip_grad_norm(trainer.policy, max_norm))
+    stats.grad_norm = float(clip_grad_norm(trainer.policy, max_norm))
     if trainer.critic is not None:
-        step.critic_grad_norm = float(clip_grad_norm(trainer.critic.model, max_norm))
-    finite = [step.loss, step.value_loss or 0.0, step.grad_norm, step.critic_grad_norm or 0.0]
+        stats.critic_grad_norm = float(clip_grad_norm(trainer.critic.model, max_norm))
+    finite = [stats.loss, stats.value_loss or 0.0, stats.grad_norm, stats.critic_grad_norm or 0.0]
     if not all(math.isfinite(value) for value in finite):
         raise NonFiniteLossError(
-            f"iteration {iteration}: loss {step.loss} / grad norm {step.grad_norm} is not finite; "
+            f"iteration {iteration}: loss {stats.loss} / grad norm {stats.grad_norm} is not finite; "
             "nothing was published. Lower trainer.lr or trainer.max_grad_norm, or check the reward "
             "functions for extreme values; then run again: the loop resumes from the last version."
         )
@@ -381,7 +359,7 @@ def save_trained(
     rank, processes = world()
     new_version = weights["version"] + 1
     model_state = full_model_state(trainer.policy) if processes > 1 else None  # a collective: every process
-    ref = seal_new_version(trainer, iteration, cache_root, model_state) if rank == 0 else None
+    sealed = seal_new_version(trainer, iteration, cache_root, model_state) if rank == 0 else None
     staged_at = time.time()
     save_state(trainer, new_version, iteration, model_state, batch_path)
     if timings is not None:
@@ -389,11 +367,11 @@ def save_trained(
     if trainer.critic is not None:
         save_critic(trainer.critic, run_root, iteration)
     if processes > 1:
-        shared = [ref]
+        shared = [sealed]
         torch.distributed.broadcast_object_list(shared, src=0)
-        ref = shared[0]
-    trainer.weights = ref
-    return ref
+        sealed = shared[0]
+    trainer.weights = sealed
+    return sealed
 
 
 def update_policy(
@@ -409,9 +387,9 @@ def update_policy(
     metrics = train_on_batch(trainer, batch_path, iteration)
     trained = time.time()
     timings: dict[str, float] = {}
-    ref = save_trained(trainer, iteration, cache_root, timings)
+    sealed = save_trained(trainer, iteration, cache_root, timings)
     done = time.time()
-    return ref, metrics | timings | {
+    return sealed, metrics | timings | {
         UPDATE_LOAD: loaded - t0,
         UPDATE_TIME: done - loaded,
         "weights/stage_s": done - trained,  # within time/update_s

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.devices import resolve_device
-from rlpipe.model_files import resolve_model_source
-from rlpipe.modeling import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
+from rlpipe.models.devices import resolve_device
+from rlpipe.models.files import resolve_model_source
+from rlpipe.models.loading import build_char_tokenizer, build_tiny_model, configure_torch, load_policy
 from rlpipe.rollouts import read_table
 from rlpipe.spec import WARM_START_KEYS, EnvironmentSpec, RewardSpec, RunSpec, WarmStartSpec, pick, section_dict
 from rlpipe.store.run_root import data_counts_uri, data_uri, filesystem, read_json
@@ -105,7 +105,7 @@ def supervised_warm_start(
     """Next-token cross-entropy on answers until greedy accuracy on the first `ws.validation_size`
     rows (held out of the SFT batches) reaches `ws.target_accuracy`, checked every `ws.check_every`
     steps, for at most `ws.max_steps` steps. Returns the warm start's metrics."""
-    from rlpipe.evaluation import greedy_accuracy
+    from rlpipe.evaluation.accuracy import greedy_samples
 
     validation, train = rows[: ws.validation_size], rows[ws.validation_size :]
     if len(train) < ws.batch_size:
@@ -120,10 +120,11 @@ def supervised_warm_start(
     accuracy, step = float("nan"), 0
 
     def validation_accuracy() -> float:
-        return greedy_accuracy(
+        _, scores = greedy_samples(
             model, tokenizer, validation, reward.verifier, max_new_tokens, len(validation), reward.timeout_s,
             environment=environment,
         )  # fmt: skip
+        return sum(scores) / len(scores)
 
     model.train()
     while step < ws.max_steps:

@@ -1,0 +1,375 @@
+"""MLflow tracking: one MLflow run per RL run, metrics at step = iteration, no duplicates; the
+evaluated weight versions in the Model Registry; the spec and the eval samples as artifacts.
+
+Metrics are first written to the run root (metrics/*.json, by sync_weights and evaluate);
+`flush` copies every committed point MLflow does not yet have, registers the evaluated versions
+tracking.register asks for, and logs what the run's artifacts lack. MLflow is the record of what
+was logged, so a flush killed halfway is simply repeated.
+
+On a cluster with KFP 2.17's MLflow integration (KEP-12862) each pipeline run has an MLflow run of its
+own and each task one nested under it; the launcher logs the tasks' Metrics artifacts and inputs
+there. When a task sees the variables KFP injects (`kfp_mlflow`), rlpipe tracks into that server and
+the pipeline run's experiment (unless tracking.uri names another), tags the pipeline run's MLflow run
+and the RL run with each other (`link_pipeline_run`), and its steps leave their Metrics artifacts
+empty (rlpipe.components.finish): every metric is logged once, in the RL run, by iteration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import time
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_WEIGHTS_VERSION, REWARD_MEAN
+from rlpipe.spec import RunSpec, flatten, spec_to_dict
+from rlpipe.store.commit import record_tracking_run
+from rlpipe.store.run_root import is_local, list_metrics, read_state
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+RUN_TAG = "rlpipe.run_uid"
+ITERATION_TAG = "rlpipe.iteration"
+BEST_ALIAS = "best"  # follows the best held-out eval
+GATE_ALIAS = "gate_passed"  # the version that passed loop.stop_when
+SPEC_ARTIFACT = "spec.yaml"
+# the MLflow 3 UI files an experiment under GenAI unless told otherwise: this tag says model training
+# (the UI's own toggle, ?workflowType=machine_learning in its URL, overrides it)
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
+KFP_MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
+
+
+def kfp_mlflow() -> dict[str, str] | None:
+    """What KFP 2.17's MLflow integration injects into this task (its API server's
+    settings.injectUserEnvVars: true): the server, the experiment of the pipeline run's MLflow run and
+    this task's run nested under it; None outside it. The MLflow client reads MLFLOW_WORKSPACE and the
+    auth variables (MLFLOW_TRACKING_TOKEN, ...) itself."""
+    if all(os.environ.get(name) for name in KFP_MLFLOW_VARIABLES):
+        return {name: os.environ[name] for name in KFP_MLFLOW_VARIABLES}
+    return None
+
+
+def tracking_uri(spec: RunSpec, run_root: str) -> str:
+    """The spec's URI, else the server KFP's MLflow integration names (`kfp_mlflow`), else
+    sqlite:///<run root>/mlflow.db (MLflow 3 has no file store)."""
+    if spec.tracking.uri:
+        return spec.tracking.uri
+    if kfp := kfp_mlflow():
+        return kfp["MLFLOW_TRACKING_URI"]
+    if not is_local(run_root):
+        raise ValueError("tracking.uri must be set when storage.root is remote (sqlite needs a local file)")
+    return f"sqlite:///{Path(run_root.removeprefix('file://')) / 'mlflow.db'}"
+
+
+def registered_model_name(spec: RunSpec) -> str:
+    return spec.tracking.registered_model or spec.name
+
+
+def ensure_run(spec: RunSpec, run_root: str) -> str:
+    """The MLflow run id for this RL run: from state.json, by tag, or newly created (a fork's run
+    names its parent: tags mlflow.parentRunId and rlpipe.forked_from_*)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    state = read_state(run_root) or {}
+    if state.get("mlflow_run_id"):
+        return state["mlflow_run_id"]
+    uri = tracking_uri(spec, run_root)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient()
+    kfp = None if spec.tracking.uri else kfp_mlflow()
+    experiment = client.get_experiment(kfp["MLFLOW_EXPERIMENT_ID"]) if kfp else None  # the pipeline run's
+    experiment = experiment or client.get_experiment_by_name(spec.tracking.experiment)
+    if experiment is None:
+        # sqlite keeps artifacts beside the database (MLflow's default is ./mlruns of whichever process asks)
+        location = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts" if uri.startswith("sqlite:") else None
+        experiment_id = client.create_experiment(
+            spec.tracking.experiment, artifact_location=location.as_uri() if location else None, tags=EXPERIMENT_KIND
+        )
+    else:
+        experiment_id = experiment.experiment_id
+    # a kill between create_run and record_tracking_run must not make a second MLflow run
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{state['run_uid']}'")
+    if found:
+        run_id = found[0].info.run_id
+    else:
+        tags = {RUN_TAG: state["run_uid"], "rlpipe.run_root": run_root}
+        if parent := state.get("forked_from"):
+            tags |= {
+                "rlpipe.forked_from_run_root": parent["run_root"],
+                "rlpipe.forked_at_iteration": str(parent["iteration"]),
+            }
+            if parent.get("mlflow_run_id") and parent.get("tracking_uri") == uri:  # the UI nests the fork under it
+                tags |= {
+                    "mlflow.parentRunId": parent["mlflow_run_id"],
+                    "rlpipe.forked_from_run_id": parent["mlflow_run_id"],
+                }
+        run_id = client.create_run(experiment_id, run_name=spec.name, tags=tags).info.run_id
+        params = {k: str(v)[:6000] for k, v in flatten(spec_to_dict(spec)).items()}
+        items = list(params.items())
+        for start in range(0, len(items), 100):
+            client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in items[start : start + 100]])
+    record_tracking_run(run_root, run_id)
+    return run_id
+
+
+def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
+    """The track step: log what MLflow lacks of the committed run (metrics, the spec, eval samples)
+    and register the evaluated versions tracking.register asks for. Returns what it did."""
+    run_id, logged, iterations = flush_metrics(spec, run_root)
+    if not run_id:
+        return {"run_id": "", "points": 0}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(spec, run_root))
+    artifacts = log_artifacts(spec, run_root, run_id, client)
+    registered = register_versions(spec, run_root, run_id, client)
+    done = {"run_id": run_id, "points": logged, "artifacts": artifacts, "registered": registered}
+    if kfp_mlflow():
+        done["pipeline_run"] = link_pipeline_run(spec, run_root, run_id, iterations, client)
+    return done
+
+
+def link_pipeline_run(
+    spec: RunSpec, run_root: str, run_id: str, iterations: list[int], client: MlflowClient
+) -> dict[str, str]:
+    """Tag the pipeline run's MLflow run (the parent of this task's, which KFP's MLflow integration made)
+    and the RL run `run_id` with each other: the parent gets rlpipe.rl_run_id, rlpipe.run_uid,
+    rlpipe.run_root and rlpipe.iterations (those this pipeline run committed, "first-last", or "none");
+    the RL run gets rlpipe.pipeline_run.<parent run id> (its KFP run id and URL and the iterations) and
+    rlpipe.last_pipeline_run. Idempotent: a repeated track step sets the same tags."""
+    from mlflow.tracking import MlflowClient
+
+    kfp = kfp_mlflow() or {}
+    pipeline_client = MlflowClient(kfp["MLFLOW_TRACKING_URI"])
+    task = pipeline_client.get_run(kfp["MLFLOW_RUN_ID"])
+    parent_id = task.data.tags.get("mlflow.parentRunId", task.info.run_id)
+    parent = pipeline_client.get_run(parent_id).data.tags
+    covered = f"{min(iterations)}-{max(iterations)}" if iterations else "none"
+    state = read_state(run_root) or {}
+    for key, value in {
+        "rlpipe.rl_run_id": run_id,
+        "rlpipe.run_uid": state.get("run_uid", ""),
+        "rlpipe.run_root": run_root,
+        "rlpipe.iterations": covered,
+        **({"rlpipe.rl_tracking_uri": spec.tracking.uri} if spec.tracking.uri else {}),
+    }.items():
+        pipeline_client.set_tag(parent_id, key, value)
+    link = {
+        "mlflow_run_id": parent_id,
+        "kfp_run_id": parent.get("kfp.pipeline_run_id", ""),
+        "kfp_run_url": parent.get("kfp.pipeline_run_url", ""),
+        "iterations": covered,
+    }
+    client.set_tag(run_id, f"rlpipe.pipeline_run.{parent_id}", json.dumps(link, sort_keys=True))
+    client.set_tag(run_id, "rlpipe.last_pipeline_run", parent_id)
+    return link
+
+
+def flush_metrics(spec: RunSpec, run_root: str) -> tuple[str, int, list[int]]:
+    """Log committed iteration and eval metrics MLflow lacks; returns (run id, points logged, the
+    iterations whose metrics it logged)."""
+    import mlflow
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    state = read_state(run_root)
+    if state is None:  # initialization failed before state.json: nothing to log yet
+        return "", 0, []
+    mlflow.set_tracking_uri(tracking_uri(spec, run_root))
+    run_id = ensure_run(spec, run_root)
+    client = MlflowClient()
+    committed = state.get("iteration", -1)
+    logged, iterations = 0, []
+    for kind, marker in (("iter", REWARD_MEAN), ("eval", EVAL_ACCURACY)):
+        have = {m.step for m in client.get_metric_history(run_id, marker)}
+        for iteration, values in sorted(list_metrics(run_root, kind).items()):
+            if iteration > committed or iteration in have:
+                continue
+            now = int(time.time() * 1000)
+            records = [Metric(key, float(value), now, iteration) for key, value in sorted(values.items())]
+            # the marker goes last: its presence means the whole point was logged
+            records.sort(key=lambda m: m.key == marker)
+            for start in range(0, len(records), 1000):
+                client.log_batch(run_id, metrics=records[start : start + 1000])
+            logged += 1
+            iterations += [iteration] if kind == "iter" else []
+    return run_id, logged, iterations
+
+
+def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[str]:
+    """The spec (spec.yaml), and each committed eval's held-out samples as an MLflow table
+    (eval_samples/eval_N.json: prompt, completion, answer, reward, correct, strict, and with
+    evaluation.samples sampled_correct; a named set's eval_N_<name>.json), unless the run has them."""
+    from rlpipe.store.run_root import read_eval_samples
+
+    have = {a.path for a in client.list_artifacts(run_id)}
+    if "eval_samples" in have:
+        have |= {a.path for a in client.list_artifacts(run_id, "eval_samples")}
+    logged = []
+    if SPEC_ARTIFACT not in have:
+        client.log_dict(run_id, spec_to_dict(spec), SPEC_ARTIFACT)
+        logged.append(SPEC_ARTIFACT)
+    committed = (read_state(run_root) or {}).get("iteration", -1)
+    names = [None] + [held_out.name for held_out in spec.evaluation.sets]
+    for iteration, name in itertools.product(sorted(list_metrics(run_root, "eval")), names):
+        path = f"eval_samples/eval_{iteration:06d}{'' if name is None else '_' + name}.json"
+        if iteration > committed or path in have or not (samples := read_eval_samples(run_root, iteration, name)):
+            continue
+        columns = ["index", "prompt", "completion", "answer", "reward", "correct", "strict"]
+        rows = [[row.get(c) for c in columns] for row in samples]
+        if "samples" in samples[0]:  # evaluation.samples: how many of the k sampled were correct
+            columns.append("sampled_correct")
+            for row, sample in zip(rows, samples, strict=True):
+                row.append(f"{sum(s['reward'] >= 1.0 for s in sample['samples'])}/{len(sample['samples'])}")
+        log_table(client, run_id, columns, rows, path)
+        logged.append(path)
+    return logged
+
+
+def log_table(client: MlflowClient, run_id: str, columns: list[str], rows: list[list[Any]], path: str) -> None:
+    """What mlflow.log_table writes (a {columns, data} JSON the UI shows as a table, listed in the
+    run's mlflow.loggedArtifacts tag), without pandas: the step image has mlflow-skinny."""
+    import json
+
+    client.log_dict(run_id, {"columns": columns, "data": rows}, path)
+    tag = client.get_run(run_id).data.tags.get("mlflow.loggedArtifacts")
+    listed = json.loads(tag) if tag else []
+    if {"path": path, "type": "table"} not in listed:
+        client.set_tag(run_id, "mlflow.loggedArtifacts", json.dumps([*listed, {"path": path, "type": "table"}]))
+
+
+def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, Any]]:
+    """{iteration: its eval metrics} for the committed evals tracking.register keeps: each new best
+    held-out accuracy ('best'; ties keep the earlier), or every eval; and the one that passed
+    loop.stop_when. The weight store keeps these versions (rlpipe.store.weights.prune)."""
+    if spec.tracking.register == "none":
+        return {}
+    state = read_state(run_root) or {}
+    evals = {n: m for n, m in sorted(list_metrics(run_root, "eval").items()) if n <= state.get("iteration", -1)}
+    chosen, best = {}, None
+    for iteration, metrics in evals.items():
+        if best is None or metrics[EVAL_ACCURACY] > best:
+            best = metrics[EVAL_ACCURACY]
+            chosen[iteration] = metrics
+        elif spec.tracking.register == "every_eval":
+            chosen[iteration] = metrics
+    stopped = state.get("stopped")
+    if stopped and stopped["iteration"] in evals:
+        chosen[stopped["iteration"]] = evals[stopped["iteration"]]
+    return dict(sorted(chosen.items()))
+
+
+def eval_weights_version(iteration: int, metrics: dict[str, float]) -> int:
+    """The weights version an eval measured (iteration N's eval: vN, unless its metrics say otherwise)."""
+    return int(metrics.get(EVAL_WEIGHTS_VERSION, iteration))
+
+
+def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:
+    """The weight versions `versions_to_register` names: the store keeps them (rlpipe.store.commit)."""
+    return frozenset(eval_weights_version(n, m) for n, m in versions_to_register(spec, run_root).items())
+
+
+def record_harness(spec: RunSpec, run_root: str, version: int, metrics: dict[str, float]) -> list[str]:
+    """A harness run on version N outside the loop (rlpipe.evaluation.harness.harness_version): its metrics on the RL
+    run at step N, and as tags of each model version registered from vN. Returns those model versions."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    run_id = ensure_run(spec, run_root)
+    client = MlflowClient(tracking_uri(spec, run_root))
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(key, value, now, version) for key, value in sorted(metrics.items())])
+    name, uid = registered_model_name(spec), (read_state(run_root) or {}).get("run_uid")
+    tagged = []
+    for model_version in client.search_model_versions(f"name = '{name}'"):
+        tags = model_version.tags
+        if tags.get(RUN_TAG) == uid and tags.get("rlpipe.weights_version") == str(version):
+            for key, value in metrics.items():
+                client.set_model_version_tag(name, model_version.version, key, f"{value:.4f}")
+            tagged.append(model_version.version)
+    return tagged
+
+
+def registry_source(spec: RunSpec, weights_uri: str, tracking: str) -> str:
+    """A model version's source: the sealed version's URI in the weight store. A tracking server refuses a
+    local path (to the server it names its own files), so with one a run root on the cluster's volume
+    registers pvc://<cluster.pvc>/<path under cluster.mount_path>, any other local path
+    rlpipe-local://<host>/<path> (tag rlpipe.weights_uri keeps the path as the steps see it)."""
+    if urllib.parse.urlparse(weights_uri).scheme not in ("", "file") or not tracking.startswith(("http:", "https:")):
+        return weights_uri
+    path = weights_uri.removeprefix("file://")
+    mount = spec.cluster.mount_path.rstrip("/")
+    if spec.cluster.pvc and path.startswith(f"{mount}/"):
+        return f"pvc://{spec.cluster.pvc}{path[len(mount) :]}"
+    return f"rlpipe-local://{socket.gethostname()}{path}"
+
+
+def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[int]:
+    """Register each version `versions_to_register` names that the registry lacks (a model version whose
+    source is the sealed version in the weight store: nothing is copied; tags: iteration, eval accuracy,
+    sha256), then point the alias 'best' at the best eval's and 'gate_passed' at the stop gate's.
+    Returns the iterations registered now."""
+    from mlflow.exceptions import MlflowException
+
+    from rlpipe.store.weights import read_weight_ref
+
+    chosen = versions_to_register(spec, run_root)
+    if not chosen:
+        return []
+    name = registered_model_name(spec)
+    try:
+        client.create_registered_model(name, description=f"rlpipe run {spec.name}: evaluated policy versions")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    state = read_state(run_root) or {}
+    mine = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(RUN_TAG) == state["run_uid"]]
+    model_version = {int(v.tags[ITERATION_TAG]): v.version for v in mine}
+    registered = []
+    for iteration, metrics in chosen.items():
+        if iteration in model_version:
+            continue
+        version = eval_weights_version(iteration, metrics)
+        try:
+            published = read_weight_ref(run_root, version)
+        except FileNotFoundError:  # pruned before this flush (a run from before registration kept it)
+            continue
+        tags = {
+            RUN_TAG: state["run_uid"],
+            ITERATION_TAG: str(iteration),
+            "rlpipe.weights_version": str(version),
+            "rlpipe.sha256": published["sha256"],
+            EVAL_ACCURACY: f"{metrics[EVAL_ACCURACY]:.4f}",
+        } | {key: f"{value:.4f}" for key, value in metrics.items() if key.startswith("harness/")}
+        source = registry_source(spec, published["uri"], tracking_uri(spec, run_root))
+        tags |= {} if source == published["uri"] else {"rlpipe.weights_uri": published["uri"]}
+        created = client.create_model_version(
+            name, source=source, run_id=run_id, tags=tags, description=f"iteration {iteration}"
+        )
+        model_version[iteration] = created.version
+        registered.append(iteration)
+    best = max(chosen, key=lambda n: (chosen[n][EVAL_ACCURACY], -n))
+    if best in model_version:
+        client.set_registered_model_alias(name, BEST_ALIAS, model_version[best])
+    stopped = state.get("stopped")
+    if stopped and stopped["iteration"] in model_version:
+        client.set_registered_model_alias(name, GATE_ALIAS, model_version[stopped["iteration"]])
+    return registered
+
+
+def run_url(spec: RunSpec, run_root: str, run_id: str) -> str:
+    """Where a person finds the run: the UI command for sqlite, the server URL otherwise (in the
+    model-training view of the MLflow 3 UI)."""
+    uri = tracking_uri(spec, run_root)
+    if uri.startswith("sqlite:"):
+        experiment = spec.tracking.experiment
+        return f"mlflow ui --backend-store-uri {uri}   (then open the '{experiment}' experiment, run {run_id})"
+    return f"{uri.rstrip('/')}/#/experiments/runs/{run_id}?workflowType=machine_learning"

@@ -1,0 +1,1 @@
+"""The resident trainer: server.py is the long-lived process, client.py the steps' side of it."""
