@@ -15,6 +15,7 @@ from rlpipe.training.distributed import all_max, all_sum
 from rlpipe.training.off_policy import mismatch_metrics
 
 if TYPE_CHECKING:
+    from rlpipe.algorithms.registry import LossTerms
     from rlpipe.training.state import Trainer
 
 
@@ -50,6 +51,28 @@ class OptimizerStepStats:
             for key, value in getattr(other, name).items():
                 mine[key] = mine.get(key, 0.0) + value
         return self
+
+    @classmethod
+    def of_micro_batch(
+        cls, terms: LossTerms, loss: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, weight: float,
+        share: float, is_stats: dict[str, float], kl_measured: bool,
+    ) -> OptimizerStepStats:  # fmt: skip
+        """One micro-batch's part: token means (entropy over its completion tokens, the clip and ratio
+        statistics, the KL) by `share` = T_j / T, the loss and the algorithm's own statistics by `weight`."""
+        stats = cls(
+            loss=weight * loss.item(),
+            entropy=share * float((entropy * mask).sum() / mask.sum().clamp(min=1)),
+            clip_fraction=share * float(terms.clip_fraction),
+            ratio=share * float(terms.ratio),
+            kl=share * float(terms.kl) if kl_measured else 0.0,
+            kl_measured=kl_measured,
+            is_weight_max=is_stats.pop("is_weight_max", 0.0),
+            off_policy={key: share * value for key, value in is_stats.items()},
+            extra={key: weight * float(value) for key, value in terms.extra.items()},  # DPO's preference_accuracy
+        )
+        if terms.dual_clip_fraction is not None:
+            stats.dual_clip_fraction = share * float(terms.dual_clip_fraction)
+        return stats
 
     def summed(self, device: torch.device) -> OptimizerStepStats:
         """Each sum over the processes (is_weight_max and kl_measured stay this process's)."""

@@ -299,20 +299,8 @@ def micro_step(
         loss = loss - objective.entropy_coef * aggregate(entropy, mask_f, objective.aggregation, objective.length_norm)
         entropy = entropy.detach()
     (processes * weight * loss).backward()
-    mask = mb.completion_mask  # entropy: averaged over completion tokens
-    stats = OptimizerStepStats(
-        loss=weight * loss.item(),
-        entropy=share * float((entropy * mask).sum() / mask.sum().clamp(min=1)),
-        clip_fraction=share * float(terms.clip_fraction),
-        ratio=share * float(terms.ratio),
-        kl=share * float(terms.kl) if ref_logprobs is not None else 0.0,
-        kl_measured=ref_logprobs is not None,
-        is_weight_max=is_stats.pop("is_weight_max", 0.0),
-        off_policy={key: share * value for key, value in is_stats.items()},
-        extra={key: weight * float(value) for key, value in terms.extra.items()},  # DPO's preference_accuracy, ...
-    )
-    if terms.dual_clip_fraction is not None:
-        stats.dual_clip_fraction = share * float(terms.dual_clip_fraction)
+    mask, measured = mb.completion_mask, ref_logprobs is not None
+    stats = OptimizerStepStats.of_micro_batch(terms, loss, entropy, mask, weight, share, is_stats, measured)
     if trainer.critic is not None:
         value = value_step(trainer.critic, objective.value_loss, mb, processes * share, autocast(trainer))
         stats.value_loss, stats.value_clip_fraction = share * value.loss.item(), share * float(value.clip_fraction)
