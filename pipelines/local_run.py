@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from rlpipe.evaluation.cadence import stopped_by_gate
+from rlpipe.evaluation.diagnosis import collapse_signs, stop_message, stopped_by_sign
 from rlpipe.metric_keys import (
     CLIP_FRACTION,
     ENTROPY,
@@ -199,12 +201,15 @@ class Progress:
                 f"greedy accuracy {self.evals[first]:.3f} (iteration {first}) -> "
                 f"{self.evals[last]:.3f} (iteration {last})",
             )
+        for sign in collapse_signs(self.iterations, self.evals):  # named, the loop goes on
+            table.add_row("sign", Text(f"{sign.seen}\ntry: {sign.remedy}"))
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
         return table
 
     def new_lines(self, printed: dict[str, int]) -> list[str]:
-        """The plain-text display (no terminal): a line per newly committed iteration, and one per new
-        held-out eval; `printed` remembers what was said, so each is said once."""
+        """The plain-text display (no terminal): a line per newly committed iteration, one per new held-out
+        eval, and each collapse sign (rlpipe.evaluation.diagnosis) with what to try; `printed` remembers what
+        was said, so each is said once."""
         lines = []
         for i in sorted(i for i in self.iterations if i > printed.get("iteration", -1)):
             printed["iteration"] = i
@@ -216,6 +221,10 @@ class Progress:
         for i in sorted(i for i in self.evals if i > printed.get("eval", -1)):
             printed["eval"] = i
             lines.append(f"  held-out greedy accuracy {self.evals[i]:.3f} (iteration {i})")
+        for sign in collapse_signs(self.iterations, self.evals):
+            if sign.name not in printed:  # each sign said once, when first seen
+                printed[sign.name] = sign.iteration
+                lines += [f"  sign at iteration {sign.iteration}: {sign.seen}", f"    try: {sign.remedy}"]
         return lines
 
 
@@ -382,10 +391,11 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
                         failure = err
                     else:
                         failure = None
-                if failure is not None:
-                    raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
                 state = read_state(run_root) or {}
-                if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state):
+                stopped = stopped_by_sign(state)  # a degenerate start or no reward: the next generate refuses
+                if failure is not None and not stopped:
+                    raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
+                if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) or stopped:
                     break
         finally:
             stop.set()
@@ -397,13 +407,26 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
     if not interactive:
         for line in progress.new_lines(printed):
             say(line)
-    if stopped := stopped_by_gate(spec, state):
-        say(f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there")
-    if state.get("mlflow_run_id"):
-        say(f"MLflow run: {run_url(spec, run_root, state['mlflow_run_id'])}")
+    for line in how_it_ended(spec, run_root, state):
+        say(line)
     summary = {"run_root": run_root, "state": state, "evals": progress.evals}
     (Path(run_root) / "summary.json").write_text(json.dumps(summary, indent=2))
     return state
+
+
+def how_it_ended(spec: RunSpec, run_root: str, state: dict) -> list[str]:
+    """What `rlpipe run` says last: the eval gate that ended the loop, or the sign that stopped it with its
+    likely causes (rlpipe.evaluation.diagnosis), and where the MLflow run is."""
+    lines = []
+    if stopped := stopped_by_gate(spec, state):
+        lines.append(
+            f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there"
+        )
+    if stopped := stopped_by_sign(state):
+        lines.append(stop_message(stopped, run_root))
+    if state.get("mlflow_run_id"):
+        lines.append(f"MLflow run: {run_url(spec, run_root, state['mlflow_run_id'])}")
+    return lines
 
 
 def _failure_message(err: RuntimeError, log_path: Path, offset: int) -> str:

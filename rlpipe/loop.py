@@ -63,8 +63,10 @@ class Start:
 def plan(spec: RunSpec, run_root: str) -> Start:
     """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
     loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.cadence.eval_due). Nothing is
-    left once loop.stop_when has stopped the loop; with a gate, a pipeline run ends at the next eval."""
+    left once loop.stop_when, a degenerate start or a no-reward iteration (rlpipe.evaluation.diagnosis) has
+    stopped the loop; with a gate, a pipeline run ends at the next eval."""
     from rlpipe.evaluation.cadence import iterations_to_next_eval, stopped_by_gate
+    from rlpipe.evaluation.diagnosis import stopped_by_sign
     from rlpipe.store.run_root import read_state
     from rlpipe.store.weights import read_weight_ref
 
@@ -72,7 +74,8 @@ def plan(spec: RunSpec, run_root: str) -> Start:
     if state is None or "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the warm_start and publish_warm_start steps must run first")
     iteration = state["iteration"]
-    left = 0 if stopped_by_gate(spec, state) else spec.loop.iterations - iteration
+    stopped = stopped_by_gate(spec, state) or stopped_by_sign(state)
+    left = 0 if stopped else spec.loop.iterations - iteration
     todo = max(0, min(spec.loop.iterations_per_run, left))
     if spec.loop.stop_when:  # a pipeline run ends at the next eval: the next one starts only if the gate is shut
         todo = min(todo, iterations_to_next_eval(spec, iteration))
@@ -104,7 +107,11 @@ def generate(
     v(N); rollout rows (rlpipe.rollouts.ROLLOUT_SCHEMA) at `rollouts_path`. Asynchronous runs
     (loop.max_staleness s >= 1) take them from the rollout buffer instead, sampled ahead by the producer
     with v(N-s) .. v(N) (rlpipe.services.producer.buffer), or, in the DAG-offset form (loop.overlap dag), sample
-    them here with the version the pipeline hands over, s iterations old at most."""
+    them here with the version the pipeline hands over, s iterations old at most. Refused (StoppedBySign) once a
+    degenerate start or a no-reward iteration stopped the loop: a pipeline run plans its iterations before."""
+    from rlpipe.evaluation.diagnosis import refuse_if_stopped
+
+    refuse_if_stopped(run_root)
     if service_for("generate", spec) == "producer":
         from rlpipe.services.producer.buffer import take
 
@@ -173,13 +180,17 @@ def sync_weights(
 ) -> tuple[WeightRef, dict[str, float]]:
     """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json, then
     prune what the store no longer needs. A kill before the commit redoes the iteration from v(N); a sync
-    retried after its own commit does nothing (rlpipe.store.commit)."""
+    retried after its own commit does nothing (rlpipe.store.commit). An iteration whose every sample earned
+    the same reward, none above 0, stops the loop after its commit (rlpipe.evaluation.diagnosis.no_reward)."""
+    from rlpipe.evaluation.diagnosis import no_reward, stop_on
     from rlpipe.store.commit import already_committed, commit_iteration
-    from rlpipe.store.run_root import iteration_metrics_uri, write_json
+    from rlpipe.store.run_root import iteration_metrics_uri, read_json, write_json
     from rlpipe.store.weights import publish, weights_bytes
 
     started = time.time()
-    if (published := already_committed(run_root, iteration)) is not None:
+    if (published := already_committed(run_root, iteration)) is not None:  # a kill may have come before the stop
+        recorded = read_json(iteration_metrics_uri(run_root, iteration)) or {}
+        stop_on(run_root, no_reward(iteration, recorded), published["version"], spec.loop.stop_on_signs)
         return published, {}
     published = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
     metrics: dict[str, float] = {}
@@ -199,6 +210,8 @@ def sync_weights(
 
         taken, consumed = taken_for_commit(spec, run_root, iteration)
     commit_iteration(run_root, iteration, published, taken, consumed)  # <- the commit point
+    # nothing to learn from: the loop ends after this commit
+    stop_on(run_root, no_reward(iteration, metrics), published["version"], spec.loop.stop_on_signs)
     prune_store(spec, run_root, published["version"])
     return published, metrics
 
@@ -239,7 +252,8 @@ def evaluate(
 ) -> dict[str, float] | None:
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
     iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch).
-    When the metrics pass loop.stop_when, state.json records the loop as stopped there."""
+    When the metrics pass loop.stop_when, state.json records the loop as stopped there; so it does when v0's
+    held-out answers are all one string, right for none (rlpipe.evaluation.diagnosis.degenerate_start)."""
     from rlpipe.evaluation.cadence import evaluation_pending
 
     if not evaluation_pending(spec, run_root, iteration):
@@ -253,7 +267,12 @@ def evaluate(
 
         metrics = evaluate_policy(spec, run_root, weights, iteration, cache_root)
     from rlpipe.evaluation.cadence import stop_reason
+    from rlpipe.evaluation.diagnosis import degenerate_start, stop_on
+    from rlpipe.store.run_root import read_eval_samples
 
+    degenerate = degenerate_start(read_eval_samples(run_root, 0)) if iteration == 0 else None
+    if stop_on(run_root, degenerate, weights["version"], spec.loop.stop_on_signs):
+        return metrics  # v0 answers every held-out prompt alike: the loop ends before training on it
     if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
         from rlpipe.store.commit import record_stopped
 

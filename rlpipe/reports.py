@@ -2,7 +2,8 @@
 
     rollout_samples  advantages:   the reward distribution of the iteration's rollouts, and the completions
                                    of its best and worst groups with their rewards and advantages
-    eval_samples     evaluate:     held-out greedy accuracy, and the held-out rows' greedy completions
+    eval_samples     evaluate:     held-out greedy accuracy, the signs that the run does not learn (a
+                                   degenerate start, no reward, collapse), and the held-out rows' completions
     time_breakdown   sync_weights: where the iteration's wall time went
 
 Plain functions of files and metrics dicts, without KFP. The light steps write one every iteration, so
@@ -165,8 +166,9 @@ def samples_report(scored_path: str, batch_path: str, groups: int = 2, per_group
 
 
 def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
-    """Iteration N's held-out eval (metrics/eval_N.json): greedy accuracy, then the first `max_rows`
-    held-out rows in the set's order (the same rows every eval, so reports compare across iterations)."""
+    """Iteration N's held-out eval (metrics/eval_N.json): greedy accuracy, the signs that the run does not
+    learn (signs_section), then the first `max_rows` held-out rows in the set's order (the same rows every
+    eval, so reports compare across iterations)."""
     from rlpipe.store.run_root import eval_metrics_uri, read_eval_samples, read_json
 
     metrics = read_json(eval_metrics_uri(run_root, iteration))
@@ -187,6 +189,7 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
             f"Strict accuracy (`{EVAL_STRICT}`, the final answer is the expected one character for character): "
             f"**{metrics[EVAL_STRICT]:.4f}**",
         ]
+    lines += signs_section(run_root, iteration)
     strict_column = any(s.get("strict") is not None for s in samples)
     sampled_column = bool(samples) and "samples" in samples[0]  # evaluation.samples
     for key in sorted(metrics):
@@ -215,6 +218,25 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
             f"The first {max_rows} of {len(samples)} rows; metrics/eval_{iteration:06d}_samples.jsonl has all.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def signs_section(run_root: str, iteration: int) -> list[str]:
+    """The signs that the run does not learn, up to iteration N (rlpipe.evaluation.diagnosis.signs_at: a
+    degenerate start at 0, no reward, collapse), each with its likely causes and what to try; [] when none."""
+    from rlpipe.evaluation.diagnosis import signs_at, stopped_by_sign
+    from rlpipe.store.run_root import read_state
+
+    signs = signs_at(run_root, iteration)
+    if not signs:
+        return []
+    stopped = stopped_by_sign(read_state(run_root) or {}) or {}
+    lines = ["", "### Signs that the run does not learn", ""]
+    for sign in signs:
+        ended = " **The loop stopped here: start a new run once the cause is fixed.**" if sign.stops else ""
+        ended = ended if stopped.get("sign") == sign.name else ""
+        seen, causes, remedy = (cell(text, 1000) for text in (sign.seen, sign.causes, sign.remedy))
+        lines.append(f"- **{seen}**{ended}<br>likely causes: {causes}<br>try: {remedy}")
+    return lines
 
 
 # --- sync_weights: time breakdown ------------------------------------------------------------

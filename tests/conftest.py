@@ -55,7 +55,8 @@ def tiny_spec_dict(tmp_path: Path, **sections) -> dict:
         "data": {"train_size": 200, "eval_size": 20},
         "rollout": {"prompts_per_iteration": 8, "samples_per_prompt": 4, "max_new_tokens": 4},
         "trainer": {"mini_batches": 2},
-        "loop": {"iterations": 3, "iterations_per_run": 2, "eval_every": 2},
+        # learns nothing on purpose (every held-out answer "1111", every reward 0): no stop at those signs
+        "loop": {"iterations": 3, "iterations_per_run": 2, "eval_every": 2, "stop_on_signs": False},
         "storage": {"root": str(tmp_path / "runs")},
     }
     for section, values in sections.items():

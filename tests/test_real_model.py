@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlpipe.models.files import resolve_model_source
-from rlpipe.models.gguf import CONVERTED_MARKER, converted_dir, file_sha256, find_gguf
+from rlpipe.models.gguf import CONVERSION, CONVERTED_MARKER, converted_dir, file_sha256, find_gguf
 from rlpipe.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_a_converted_gguf_is_reused_by_content(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr("rlpipe.models.gguf.convert_gguf", convert)
     cache = tmp_path / "cache"
-    target = cache / "models" / f"gguf-{file_sha256(original)[:16]}"
+    target = cache / "models" / f"gguf-{file_sha256(original)[:16]}-{CONVERSION}"
     target.mkdir(parents=True)  # an interrupted conversion's leftovers
     (target / "stale").write_text("")
     assert resolve_model_source(str(original), cache) == str(target)

@@ -53,5 +53,10 @@ def slow(prompts: list[str], completions: list[str], **_: object) -> list[float]
     return [0.0] * len(completions)
 
 
+def nothing(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """No completion earns anything: a reward reading the wrong column (rlpipe.evaluation.diagnosis.no_reward)."""
+    return [0.0] * len(completions)
+
+
 def broken(prompts: list[str], completions: list[str], **_: object) -> list[float]:
     return [1 / 0 for _ in completions]

@@ -42,6 +42,16 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention
 
 
+def generation_end_ids(model: PreTrainedModel) -> set[int]:
+    """The ids the model's generation_config ends generation at (eos_token_id: an int or a list), where
+    vLLM stops too: a chat model's end of turn (Llama 3's <|eot_id|>, Gemma's <end_of_turn>) besides its
+    tokenizer's eos."""
+    ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ends is None:
+        return set()
+    return {int(end) for end in ([ends] if isinstance(ends, int) else ends)}
+
+
 @torch.no_grad()
 def sample(
     model: PreTrainedModel,
@@ -60,12 +70,13 @@ def sample(
     refresh: Refresh | None = None,
     on_groups: Callable[[list[int], Completions], None] | None = None,
 ) -> Completions:
-    """Sample `samples` completions per prompt, prompt-major, each through its first eos or stop id
-    (a multi-turn environment's end of turn). Prompts are left-padded so every row's last prompt token
-    sits at the same column; each is prefilled once and its KV cache repeated for its `samples` rows.
-    The recorded log-prob is log softmax(logits / T) at the sampled token: the distribution the update
-    recomputes (top-k/top-p only restrict which tokens can be drawn). `bf16`: forward passes autocast
-    to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs still taken in fp32).
+    """Sample `samples` completions per prompt, prompt-major, each through its first end: eos or a stop id
+    (generation_config's end ids, a multi-turn environment's end of turn: the callers'). Prompts are
+    left-padded so every row's last prompt token sits at the same column; each is prefilled once and its KV
+    cache repeated for its `samples` rows. The recorded log-prob is log softmax(logits / T) at the sampled
+    token: the distribution the update recomputes (top-k/top-p only restrict which tokens can be drawn).
+    `bf16`: forward passes autocast to bfloat16, as the update's are with trainer.dtype bfloat16 (log-probs
+    still taken in fp32).
     `refresh` (partial rollouts): asked between decode steps; once it returns a newer version's (model,
     version), the rows go on under it (`prefilled_again`), each token's version in `token_versions`.
     `on_groups` (the rollout producer's): each group handed over as it finishes (`GroupPublisher`)."""
@@ -236,6 +247,7 @@ def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sa
         top_p=sampling.top_p,
         generator=torch.Generator(device=model.device).manual_seed(seed),
         bf16=sampling.bf16,
+        stop_ids=generation_end_ids(model),
         **({"refresh": loaded.refresh} if loaded.refresh is not None else {}),
         **({"on_groups": loaded.publish} if loaded.publish is not None else {}),
     )
@@ -268,7 +280,7 @@ def sample_trajectories(
             greedy=greedy,
             generator=generator,
             bf16=sampling.bf16,
-            stop_ids=stop_ids,
+            stop_ids=stop_ids | generation_end_ids(model),
         )
 
     repeated = [row for row in rows for _ in range(sampling.samples)]

@@ -41,7 +41,7 @@ def greedy_texts(
     """Greedy-decode every row's prompt: (the completions, None), or with an environment its greedy
     multi-turn trajectories (the last turns' texts, the trajectories)."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import sample_in_batches, sample_trajectories
+    from rlpipe.engines.torch_engine import generation_end_ids, sample_in_batches, sample_trajectories
 
     was_training = model.training
     model.eval()
@@ -61,6 +61,7 @@ def greedy_texts(
             pad_id=tokenizer.pad_token_id,
             greedy=True,
             bf16=bf16,
+            stop_ids=generation_end_ids(model),
         )
         return tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True), None
     finally:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-=* ")
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+ADDED_TOKEN_FLAGS = ("add_bos_token", "add_eos_token")
 
 
 def resolve_model_source(source: str, cache_dir: str | Path) -> str:
@@ -80,6 +81,7 @@ class PromptTokenizer:
     tokenizer: Tokenizer
     chat_template: str | None
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: variables of the chat template
+    folder: Path | None = None  # the model's local directory (None: the tiny model's)
 
 
 def load_prompt_tokenizer(model_path: str | None, cache_dir: str | Path) -> PromptTokenizer:
@@ -101,6 +103,7 @@ def load_prompt_tokenizer(model_path: str | None, cache_dir: str | Path) -> Prom
             "transformers and save_pretrained it again (that writes tokenizer.json)"
         )
     config = _read_json(folder / "tokenizer_config.json") | _read_json(folder / "special_tokens_map.json")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     special = {
         key: value["content"] if isinstance(value, dict) else value
         for key, value in config.items()
@@ -111,7 +114,39 @@ def load_prompt_tokenizer(model_path: str | None, cache_dir: str | Path) -> Prom
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()
-    return PromptTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special)
+    asked = authors_additions(folder)
+    if asked:  # as load_tokenizer's transformers tokenizer does with the same flags
+        tokenizer.post_processor = added_tokens_processor(tokenizer, asked, special)
+    return PromptTokenizer(tokenizer, template, special, folder)
+
+
+def authors_additions(folder: str | Path) -> dict[str, bool]:
+    """What the model's authors ask a tokenizer to add around a text: tokenizer_config.json's add_bos_token /
+    add_eos_token, those it sets (convert_gguf writes a GGUF's there). transformers 5 ignores them when
+    tokenizer.json exists; both of rlpipe's tokenizers follow them (load_prompt_tokenizer, load_tokenizer)."""
+    config = _read_json(Path(folder) / "tokenizer_config.json")
+    return {flag: config[flag] for flag in ADDED_TOKEN_FLAGS if isinstance(config.get(flag), bool)}
+
+
+def added_tokens_processor(tokenizer: Tokenizer, asked: dict[str, bool], special: dict[str, str]) -> Any:
+    """The post-processor transformers builds from add_bos_token / add_eos_token arguments
+    (TokenizersBackend.update_post_processor): bos before each text, eos after, each when asked and known."""
+    from tokenizers.processors import TemplateProcessing
+
+    ends = {}  # "bos"/"eos" -> (token, id), when asked and in the vocabulary
+    for end in ("bos", "eos"):
+        token = special.get(f"{end}_token")
+        token_id = tokenizer.token_to_id(token) if token else None
+        if asked.get(f"add_{end}_token") and token_id is not None:
+            ends[end] = (token, token_id)
+
+    def around(name: str, part: int) -> list[str]:
+        before = [f"{ends['bos'][0]}:{part}"] if "bos" in ends else []
+        after = [f"{ends['eos'][0]}:{part}"] if "eos" in ends else []
+        return [*before, f"${name}:{part}", *after]
+
+    single, pair = " ".join(around("A", 0)), " ".join(around("A", 0) + around("B", 1))
+    return TemplateProcessing(single=single, pair=pair, special_tokens=list(ends.values()))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

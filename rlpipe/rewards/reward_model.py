@@ -77,17 +77,22 @@ def reward_model(options: dict[str, Any], key: str) -> RewardFunction:
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         scores: list[float] = []
         for start in range(0, len(texts), batch_size):
-            encoded = tokenizer(
-                texts[start : start + batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-            ).to(device)
+            encoded = encoded_for_scoring(tokenizer, texts[start : start + batch_size], max_length).to(device)
             scores += model(**encoded).logits[:, label].float().tolist()
         return scores
 
     return score
+
+
+def encoded_for_scoring(tokenizer: Any, texts: list[str], max_length: int) -> Any:
+    """`texts` tokenized and right-padded as one batch of tensors. A text that already starts with the
+    tokenizer's bos (a prompt its chat template rendered) gets no special tokens added: not a second bos."""
+    bos = tokenizer.bos_token
+    rows = [
+        tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)), truncation=True, max_length=max_length)
+        for text in texts
+    ]
+    return tokenizer.pad(rows, padding=True, return_tensors="pt")
 
 
 register_reward_type("reward_model", reward_model)

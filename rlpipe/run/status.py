@@ -99,8 +99,11 @@ def describe(status: dict[str, Any]) -> str:
     if status.get("last_eval") and status["last_eval"]["metrics"]:
         shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in status["last_eval"]["metrics"].items())
         lines.append(f"              at iteration {status['last_eval']['iteration']}: {shown}")
-    if status["stopped"]:
-        lines.append(f"  stopped     at iteration {status['stopped']['iteration']}: {status['stopped']['reason']}")
+    if stopped := status["stopped"]:
+        lines.append(f"  stopped     at iteration {stopped['iteration']}: {stopped['reason']}")
+        if stopped.get("sign"):  # a degenerate start or no reward (rlpipe.evaluation.diagnosis), not the eval gate
+            lines.append(f"              likely causes: {stopped['causes']}")
+            lines.append(f"              try: {stopped['remedy']}; then start a new run (a resumed run keeps its spec)")
     if status["forked_from"]:
         parent = status["forked_from"]
         lines.append(f"  forked from {parent['run_root']} at iteration {parent['iteration']}")

@@ -262,7 +262,7 @@ def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, An
         elif spec.tracking.register == "every_eval":
             chosen[iteration] = metrics
     stopped = state.get("stopped")
-    if stopped and stopped["iteration"] in evals:
+    if stopped and "when" in stopped and stopped["iteration"] in evals:  # the eval gate's (a sign's names no `when`)
         chosen[stopped["iteration"]] = evals[stopped["iteration"]]
     return dict(sorted(chosen.items()))
 
@@ -360,7 +360,7 @@ def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowC
     if best in model_version:
         client.set_registered_model_alias(name, BEST_ALIAS, model_version[best])
     stopped = state.get("stopped")
-    if stopped and stopped["iteration"] in model_version:
+    if stopped and "when" in stopped and stopped["iteration"] in model_version:  # the eval gate passed there
         client.set_registered_model_alias(name, GATE_ALIAS, model_version[stopped["iteration"]])
     return registered
 

@@ -93,9 +93,9 @@ class LoraSpec:
     rank: int = setting(16, ge=1)
     alpha: float = setting(32.0, gt=0)
     targets: list[str] = setting(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        default_factory=lambda: "q_proj k_proj v_proj qkv_proj o_proj gate_proj up_proj gate_up_proj down_proj".split(),
         min_length=1,
-        doc="Names of the linear modules that get adapters",
+        doc="Names of the linear modules that get adapters (the default: separate and fused projections, Phi-3's)",
     )
     dropout: float = setting(0.0, ge=0, lt=1)
 
@@ -470,12 +470,13 @@ class LoopSpec:
     iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
     eval_every: int = setting(5, ge=1)
     stop_when: str | None = setting(
-        None,
-        pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
+        None, pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
         doc="An eval gate that ends the loop early: '<metric> >= <value>' (or >, <=, <) over a held-out eval's "
         "metrics, e.g. 'eval/accuracy_greedy >= 0.7', 'eval/pass_at_8 >= 0.9' or 'eval/<set>/accuracy_greedy > 0.5'. "
         "Checked at every eval; the version that passed is the run's",
     )
+    stop_on_signs: bool = setting(True, doc="End the loop at a degenerate start or an iteration in which no sample "
+        "earned reward (rlpipe.evaluation.diagnosis); false trains on through them (a very sparse reward)")
     max_staleness: int = setting(
         0,
         ge=0,

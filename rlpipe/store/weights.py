@@ -245,7 +245,8 @@ def verify(weight_ref: WeightRef, files_uri: str | None = None) -> None:
         sealed = json.load(f)["files"]
     changed = sorted(name for name in set(files) | set(sealed) if files.get(name) != sealed.get(name))
     raise CorruptWeightsError(
-        f"weights version {weight_ref['version']} at {weight_ref['uri']} changed after it was sealed: {', '.join(changed)} "
+        f"weights version {weight_ref['version']} at {weight_ref['uri']} changed after it was sealed: "
+        f"{', '.join(changed)} "
         "differ from its manifest.json. Nothing was trained on them. Restore those files (they are the exact "
         "bytes the manifest's sha256 names), or start a new run (another name) with model.path at an intact version"
     )
@@ -264,7 +265,8 @@ def local_path(weight_ref: WeightRef, cache_dir: str | Path) -> str:
 
 
 def version_chain(weight_ref: WeightRef) -> list[tuple[WeightRef, dict]]:
-    """(weight_ref, manifest) of `weight_ref` and each version its delta is against, back to a whole one; newest first."""
+    """(WeightRef, manifest) of `weight_ref` and each version its delta is against, back to a whole one;
+    newest first."""
     chain = [(weight_ref, read_manifest(weight_ref["uri"]))]
     while chain[-1][1].get("delta_of") is not None:
         parent_uri = join(weight_ref["uri"].rsplit("/", 1)[0], version_name(chain[-1][1]["delta_of"]))

@@ -6,7 +6,7 @@ Each check returns one line saying what it found, or raises CheckFailed saying w
 
     machine     the packages and the device (check_installed, check_device)
     storage     the run root, the cache and the tracking store (check_run_root, check_tracking)
-    inputs      the model and the data's prompts (check_model, check_data)
+    inputs      the model and the data's prompts, and how they tokenize (check_model, check_data)
     behaviour   the algorithm, rewards, environment and evaluation (check_algorithm, check_rewards,
                 check_environment, check_evaluation)
 """

@@ -1,15 +1,20 @@
 """What the run reads: the model (a directory, GGUF file, URI or hub id) and the data's prompts, which
-must fit the model's context with the completion budget."""
+must fit the model's context with the completion budget and tokenize as the model's authors ask (its
+bos first) and alike in the prepare step and the policy's tokenizer."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlpipe.run.preflight.probe import PROBE_S, CheckFailed, within
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, join
+
+if TYPE_CHECKING:
+    from rlpipe.models.files import PromptTokenizer
 
 
 def check_model(spec: RunSpec) -> str:
@@ -162,8 +167,9 @@ def check_data(spec: RunSpec) -> str:
                         f"{len(sample)} checked are longer); raise it, or set it to null to keep every prompt"
                     )
                 elif split == "train" and encoded:
-                    kept = f", {dropped} of {len(sample)} checked longer than max_prompt_tokens" if dropped else ""
-                    tokenized = f"; first prompt {len(encoded[0]['prompt_token_ids'])} tokens{kept}"
+                    kept = f"; {dropped} of {len(sample)} checked longer than max_prompt_tokens" if dropped else ""
+                    first, found = first_prompt(spec, tokenizer, sample[0])
+                    tokenized, problems = f"{kept}; {first}", problems + found
         except ValueError as err:
             problems.append(str(err))
         except Exception as err:  # noqa: BLE001 (a template that fails on a row: '{0}', '{a.b}', raise_exception)
@@ -177,6 +183,81 @@ def check_data(spec: RunSpec) -> str:
         raise CheckFailed("\n    ".join(problems))
     source = f"generator {data.generator}" if data.generator else f"{data.path}"
     return f"data {source}: {len(train)} train rows, {len(held_out)} held-out rows{tokenized}"
+
+
+PIECES_SHOWN = 24  # of the first prompt: its head and its tail (where a chat template's generation prompt is)
+
+
+def first_prompt(spec: RunSpec, tokenizer: PromptTokenizer, row: dict[str, Any]) -> tuple[str, list[str]]:
+    """("first prompt N tokens: <s> | ▁What | ...", what is wrong with its ids): not starting with the model's
+    bos when its authors ask for one (bos_problem), or other ids from the policy's tokenizer (policy_problem)."""
+    from rlpipe.data.prompts import prompt_text
+
+    text, rendered = prompt_text(row, spec.data, tokenizer)
+    ids = tokenizer.tokenizer.encode(text, add_special_tokens=not rendered).ids  # as encode_prompts does
+    pieces = [tokenizer.tokenizer.id_to_token(i) or f"#{i}" for i in ids]
+    pieces = [piece if piece.strip() else repr(piece) for piece in pieces]  # a space shown as ' '
+    if len(pieces) > PIECES_SHOWN:
+        pieces = [*pieces[: PIECES_SHOWN - 6], "...", *pieces[-5:]]
+    problems = []
+    if tokenizer.folder is not None:
+        found = (
+            bos_problem(spec, tokenizer, ids, rendered),
+            policy_problem(spec, tokenizer.folder, text, rendered, ids),
+        )
+        problems = [problem for problem in found if problem]
+    return f"first prompt {len(ids)} tokens: {' | '.join(pieces)}", problems
+
+
+def bos_problem(spec: RunSpec, tokenizer: PromptTokenizer, ids: list[int], rendered: bool) -> str | None:
+    """What to change when a text prompt does not start with config.json's bos_token_id although the
+    tokenizer's authors ask for a bos (rlpipe.models.files.authors_additions), or None."""
+    from rlpipe.models.files import authors_additions
+
+    config = tokenizer.folder / "config.json"
+    bos = json.loads(config.read_text()).get("bos_token_id") if config.is_file() else None
+    if rendered or not isinstance(bos, int) or not authors_additions(tokenizer.folder).get("add_bos_token"):
+        return None
+    if ids and ids[0] == bos:
+        return None
+    first = f"{ids[0]} ({tokenizer.tokenizer.id_to_token(ids[0])})" if ids else "nothing"
+    return (
+        f"model.path {spec.model.path}: {tokenizer.folder / 'tokenizer_config.json'} asks for a bos "
+        f"(add_bos_token: true) and config.json's bos_token_id is {bos}, but the first train prompt starts with "
+        f"{first}; set tokenizer_config.json's bos_token to the token of id {bos} "
+        f"({tokenizer.tokenizer.id_to_token(bos)}), or add_bos_token: false if the model takes no bos"
+    )
+
+
+def policy_problem(spec: RunSpec, folder: Path, text: str, rendered: bool, ids: list[int]) -> str | None:
+    """What to change when the policy's tokenizer (transformers, rlpipe.models.loading.load_tokenizer) gives
+    `text` other ids than the prepare step's (`ids`), or None; not compared where torch and transformers are
+    not installed (the light image) or do not load in PROBE_S."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+        return None
+
+    def policy_ids() -> tuple[str, list[int]]:
+        from rlpipe.models.loading import load_tokenizer
+
+        policy = load_tokenizer(folder)
+        return type(policy).__name__, policy(text, add_special_tokens=not rendered)["input_ids"]
+
+    try:
+        name, theirs = within(PROBE_S, policy_ids)
+    except TimeoutError:
+        return None
+    except Exception as err:  # noqa: BLE001 (a tokenizer class or file transformers cannot load)
+        return f"model.path {spec.model.path}: the policy's tokenizer does not load ({type(err).__name__}: {err})"
+    if theirs == ids:
+        return None
+    at = next((k for k, (a, b) in enumerate(zip(ids, theirs, strict=False)) if a != b), min(len(ids), len(theirs)))
+    return (
+        f"model.path {spec.model.path}: the first train prompt tokenizes differently in the prepare step "
+        f"(tokenizer.json: {ids[at : at + 8]} from position {at}) and in the policy's tokenizer ({name}: "
+        f"{theirs[at : at + 8]}), so the trainer would read other tokens than those sampled; in "
+        f"{folder / 'tokenizer_config.json'} set tokenizer_class to PreTrainedTokenizerFast (transformers then uses "
+        "tokenizer.json as it is) and add_bos_token / add_eos_token to what the model expects"
+    )
 
 
 def context_problem(spec: RunSpec, longest: tuple[int, str, str]) -> str | None:
