@@ -181,16 +181,16 @@ def sync_weights(
     """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json, then
     prune what the store no longer needs. A kill before the commit redoes the iteration from v(N); a sync
     retried after its own commit does nothing (rlpipe.store.commit). An iteration whose every sample earned
-    the same reward, none above 0, stops the loop after its commit (rlpipe.evaluation.diagnosis.no_reward)."""
-    from rlpipe.evaluation.diagnosis import no_reward, stop_on
+    the same reward, none above 0, ending a stretch of at least 64 such rollouts, stops the loop after its
+    commit (rlpipe.evaluation.diagnosis.no_reward)."""
+    from rlpipe.evaluation.diagnosis import stop_on_no_reward
     from rlpipe.store.commit import already_committed, commit_iteration
-    from rlpipe.store.run_root import iteration_metrics_uri, read_json, write_json
+    from rlpipe.store.run_root import iteration_metrics_uri, write_json
     from rlpipe.store.weights import publish, weights_bytes
 
     started = time.time()
     if (published := already_committed(run_root, iteration)) is not None:  # a kill may have come before the stop
-        recorded = read_json(iteration_metrics_uri(run_root, iteration)) or {}
-        stop_on(run_root, no_reward(iteration, recorded), published["version"], spec.loop.stop_on_signs)
+        stop_on_no_reward(run_root, iteration, published["version"], spec.loop.stop_on_signs)
         return published, {}
     published = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
     metrics: dict[str, float] = {}
@@ -211,7 +211,7 @@ def sync_weights(
         taken, consumed = taken_for_commit(spec, run_root, iteration)
     commit_iteration(run_root, iteration, published, taken, consumed)  # <- the commit point
     # nothing to learn from: the loop ends after this commit
-    stop_on(run_root, no_reward(iteration, metrics), published["version"], spec.loop.stop_on_signs)
+    stop_on_no_reward(run_root, iteration, published["version"], spec.loop.stop_on_signs)
     prune_store(spec, run_root, published["version"])
     return published, metrics
 

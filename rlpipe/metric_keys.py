@@ -8,6 +8,7 @@ EVAL_WEIGHTS_VERSION = "eval/weights_version"  # the version an eval scored
 REWARD_MEAN = "reward/mean"  # every committed iteration has it: metrics/iter_N.json
 REWARD_STD = "reward/std"
 REWARD_MAX = "reward/max"  # <= 0 with std 0: no sample earned any reward (rlpipe.evaluation.diagnosis)
+REWARD_COUNT = "reward/count"  # the samples scored: how many rollouts a no-reward stretch spans
 ZERO_VARIANCE_GROUPS = "groups/zero_variance_fraction"  # groups whose rewards are all equal (no gradient)
 STARTED_AT = "started_at"  # wall clock the iteration began; sync_weights turns it into the two below
 ITERATION_WALL = "time/iteration_wall_s"

@@ -53,16 +53,22 @@ def test_a_degenerate_start_is_one_answer_for_every_held_out_prompt_right_for_no
     assert degenerate_start(different) is None  # multi-turn: the transcripts differ
 
 
-def test_an_iteration_without_reward_is_one_whose_samples_all_earned_the_same_nothing():
-    sign = no_reward(3, {"reward/mean": 0.0, "reward/std": 0.0, "reward/max": 0.0, "reward/min": 0.0})
+def test_no_reward_is_a_stretch_of_at_least_64_rollouts_that_all_earned_the_same_nothing():
+    nothing = {"reward/mean": 0.0, "reward/std": 0.0, "reward/max": 0.0, "reward/min": 0.0, "reward/count": 64.0}
+    sign = no_reward(3, {3: nothing})
     assert sign is not None and sign.stops and sign.iteration == 3
-    assert sign.seen.startswith("no sample of iteration 3 earned any reward")
+    assert sign.seen.startswith("no sample of iteration 3 earned any reward: all 64 rollouts scored 0")
     assert "column" in sign.causes and "format" in sign.causes and "tokenization" in sign.causes
-    assert no_reward(3, {"reward/std": 0.0, "reward/max": -1.0}) is not None  # a penalty for every sample
-    assert no_reward(3, {"reward/std": 0.4, "reward/max": 1.0}) is None
-    assert no_reward(3, {"reward/std": 0.0, "reward/max": 1.0}) is None  # every sample right: no stop
-    assert no_reward(3, {"reward/std": 0.2, "reward/max": 0.0}) is None  # penalties that differ still teach
-    assert no_reward(0, {"warm_start/accuracy": 0.4}) is None  # the warm start's commit has no rewards
+    small = nothing | {"reward/count": 32.0}  # a small batch can miss by chance: one is not enough
+    assert no_reward(3, {3: small}) is None
+    two = no_reward(3, {2: small, 3: small})
+    assert two is not None and two.seen.startswith("no sample of iteration 3 earned any reward, nor of the 1 before")
+    assert no_reward(3, {1: small, 2: small | {"reward/max": 1.0, "reward/std": 0.4}, 3: small}) is None
+    assert no_reward(3, {3: nothing | {"reward/max": -1.0}}) is not None  # a penalty for every sample
+    assert no_reward(3, {3: nothing | {"reward/std": 0.4, "reward/max": 1.0}}) is None
+    assert no_reward(3, {3: nothing | {"reward/max": 1.0}}) is None  # every sample right: no stop
+    assert no_reward(3, {3: nothing | {"reward/std": 0.2}}) is None  # penalties that differ still teach
+    assert no_reward(0, {0: {"warm_start/accuracy": 0.4}}) is None  # the warm start's commit has no rewards
 
 
 def test_the_collapse_in_the_issue_is_named_sign_by_sign_with_what_to_try():
@@ -99,7 +105,7 @@ def test_each_collapse_sign_needs_its_whole_pattern():
 
 def test_the_demo_names_nothing():
     assert collapse_signs(DEMO_ITERATIONS, DEMO_EVALS) == []
-    assert not any(no_reward(i, m) for i, m in DEMO_ITERATIONS.items())
+    assert not any(no_reward(i, DEMO_ITERATIONS) for i in DEMO_ITERATIONS)
     answers = ["74", "158", "99", "102", "80", "100", "113", "47"]  # the first of its iteration-0 answers
     assert degenerate_start(_samples(answers, [1.0, 1.0, 0, 0, 0, 0, 0, 0])) is None
 
@@ -148,9 +154,7 @@ def test_a_degenerate_start_stops_the_loop_at_iteration_0_and_the_report_and_sta
     assert ended.startswith("rlpipe stopped the loop at iteration 0") and f"or delete {run_root}" in ended
 
 
-def test_a_reward_that_is_always_0_stops_the_loop_after_the_first_iteration(
-    tmp_path: Path,
-):
+def test_a_reward_that_is_always_0_stops_the_loop_once_64_rollouts_earned_nothing(tmp_path: Path):
     from rlpipe import loop
     from rlpipe.run.status import describe, run_status
     from rlpipe.store.run_root import read_state
@@ -159,26 +163,32 @@ def test_a_reward_that_is_always_0_stops_the_loop_after_the_first_iteration(
     spec, run_root, cache = initialized(
         tmp_path, reward={"functions": ["tests.toy_plugins:nothing"]}, loop={"stop_on_signs": True}
     )
-    work = [tmp_path / f"work{i}" for i in (1, 2)]
+    work = [tmp_path / f"work{i}" for i in (1, 2, 3)]
     for each in work:
         each.mkdir()
     weights, metrics = loop.run_iteration(spec, run_root, read_weight_ref(run_root, 0), 1, work[0], cache)
-    assert metrics["reward/max"] == 0.0
+    assert metrics["reward/max"] == 0.0 and metrics["reward/count"] == 32.0  # 8 prompts x 4: not yet 64
+    assert "stopped" not in read_state(run_root)
+    weights, _ = loop.run_iteration(spec, run_root, weights, 2, work[1], cache)
     state = read_state(run_root)
-    assert state["iteration"] == 1  # the iteration is committed; the loop ends after it
-    assert state["stopped"]["sign"] == "no_reward" and state["stopped"]["iteration"] == 1
-    assert state["stopped"]["reason"].startswith("no sample of iteration 1 earned any reward")
+    assert state["iteration"] == 2  # the iteration is committed; the loop ends after it
+    assert state["stopped"]["sign"] == "no_reward" and state["stopped"]["iteration"] == 2
+    assert state["stopped"]["reason"].startswith("no sample of iteration 2 earned any reward, nor of the 1 before")
     assert loop.plan(spec, run_root).todo == 0
-    with pytest.raises(StoppedBySign, match="no sample of iteration 1 earned any reward"):
-        loop.run_iteration(spec, run_root, weights, 2, work[1], cache)
-    assert read_state(run_root)["iteration"] == 1
+    with pytest.raises(StoppedBySign, match="no sample of iteration 2 earned any reward"):
+        loop.run_iteration(spec, run_root, weights, 3, work[2], cache)
+    assert read_state(run_root)["iteration"] == 2
     said = describe(run_status(run_root))
-    assert "stopped     at iteration 1: no sample of iteration 1 earned any reward" in said
+    assert "stopped     at iteration 2: no sample of iteration 2 earned any reward" in said
     assert "likely causes: the reward reads the wrong column" in said
 
 
 def test_the_stops_are_off_with_loop_stop_on_signs_false(tmp_path: Path):
     from rlpipe.store.run_root import read_state
 
-    sign = no_reward(1, {"reward/std": 0.0, "reward/max": 0.0})
-    assert stop_on(str(tmp_path), sign, 1, enabled=False) is False and read_state(str(tmp_path)) is None
+    sign = no_reward(1, {1: {"reward/std": 0.0, "reward/max": 0.0, "reward/count": 64.0}})
+    assert (
+        sign is not None
+        and stop_on(str(tmp_path), sign, 1, enabled=False) is False
+        and read_state(str(tmp_path)) is None
+    )

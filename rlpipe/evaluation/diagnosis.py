@@ -20,8 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpipe.metric_keys import ENTROPY, EVAL_ACCURACY, REWARD_MAX, REWARD_MEAN, REWARD_STD, ZERO_VARIANCE_GROUPS
-from rlpipe.store.run_root import list_metrics, read_eval_samples, read_state
+from rlpipe.metric_keys import (
+    ENTROPY,
+    EVAL_ACCURACY,
+    REWARD_COUNT,
+    REWARD_MAX,
+    REWARD_MEAN,
+    REWARD_STD,
+    ZERO_VARIANCE_GROUPS,
+)
+from rlpipe.store.run_root import iteration_metrics_uri, list_metrics, read_eval_samples, read_json, read_state
 
 DEGENERATE_MIN_ROWS = 5  # fewer held-out rows can share one answer by chance
 ACCURACY_DROP = 0.1  # below start - 0.1: past a 500-row held-out set's noise (std ~0.02 at accuracy 0.3)
@@ -31,6 +39,7 @@ ENTROPY_SHARE = 0.5  # below half the first iteration's entropy with no more rew
 NO_SPREAD_FRACTION = 0.9  # over 90% of groups with all-equal rewards: their group-relative advantage is 0
 NO_SPREAD_ITERATIONS = 3  # in a row: one iteration of hard prompts is no trend
 EQUAL = 1e-9  # a reward std this small: every reward is the same number
+NO_REWARD_ROLLOUTS = 64  # in a row without reward: a policy right 5% of the time misses all 64 with p < 4%
 
 STOPPING = ("degenerate_start", "no_reward")  # the signs that stop the loop; the collapse signs are named only
 
@@ -79,18 +88,28 @@ def degenerate_start(samples: list[dict]) -> Sign | None:
     )
 
 
-def no_reward(iteration: int, metrics: dict[str, float]) -> Sign | None:
-    """Iteration N's rollouts (the score step's metrics, in metrics/iter_N.json) all earned the same reward,
-    none above 0: every group-relative advantage is 0, and the update learns nothing."""
-    if REWARD_MAX not in metrics or REWARD_STD not in metrics:
+def rewardless(metrics: dict[str, float]) -> bool:
+    """Every sample of the iteration earned the same reward, none above 0 (the score step's metrics)."""
+    return REWARD_MAX in metrics and REWARD_STD in metrics and metrics[REWARD_MAX] <= 0 and metrics[REWARD_STD] <= EQUAL
+
+
+def no_reward(iteration: int, iterations: dict[int, dict[str, float]]) -> Sign | None:
+    """The iterations through N in a row whose rollouts all earned the same reward, none above 0, at least
+    NO_REWARD_ROLLOUTS rollouts among them (metrics/iter_N.json: reward/count): every group-relative
+    advantage was 0, so the updates learned nothing, and not by the chance of a small batch."""
+    stretch = []
+    while rewardless(iterations.get(iteration - len(stretch), {})):
+        stretch.append(iterations[iteration - len(stretch)])
+    rollouts = sum(m.get(REWARD_COUNT, 0.0) for m in stretch)
+    if not stretch or rollouts < NO_REWARD_ROLLOUTS:
         return None
-    if metrics[REWARD_MAX] > 0 or metrics[REWARD_STD] > EQUAL:
-        return None
+    since = "" if len(stretch) == 1 else f", nor of the {len(stretch) - 1} before it"
+    score = stretch[0][REWARD_MAX]
     return Sign(
         "no_reward",
         iteration,
-        f"no sample of iteration {iteration} earned any reward: every one scored {metrics[REWARD_MAX]:g} "
-        f"({REWARD_MAX} {metrics[REWARD_MAX]:g}, {REWARD_STD} 0), so no group teaches anything",
+        f"no sample of iteration {iteration} earned any reward{since}: all {rollouts:.0f} rollouts scored {score:g} "
+        f"({REWARD_MAX} {score:g}, {REWARD_STD} 0), so no group teaches anything",
         "the reward reads the wrong column (the built-in verifiers read `reference`; a verifier type its "
         "answer_column), the verifier expects another answer format than the model writes, "
         f"{TOKENIZATION}, or prompts too hard for the starting model",
@@ -178,7 +197,7 @@ def signs_at(run_root: str, iteration: int) -> list[Sign]:
     evaluated = list_metrics(run_root, "eval")
     evals = {i: m[EVAL_ACCURACY] for i, m in evaluated.items() if i <= iteration and EVAL_ACCURACY in m}
     found = [degenerate_start(read_eval_samples(run_root, 0))] if iteration == 0 else []
-    found.append(no_reward(iteration, iterations.get(iteration, {})))
+    found.append(no_reward(iteration, iterations))
     return [s for s in found if s is not None] + collapse_signs(iterations, evals)
 
 
@@ -199,6 +218,14 @@ def stop_on(run_root: str, sign: Sign | None, weights_version: int, enabled: boo
     stopped = {"iteration": sign.iteration, "weights_version": weights_version, "reason": sign.seen}
     record_stopped(run_root, stopped | {"sign": sign.name, "causes": sign.causes, "remedy": sign.remedy})
     return True
+
+
+def stop_on_no_reward(run_root: str, iteration: int, weights_version: int, enabled: bool = True) -> bool:
+    """stop_on the no-reward stretch that ends at iteration N, read back from its records as far as it goes."""
+    stretch: dict[int, dict[str, float]] = {}
+    while (metrics := read_json(iteration_metrics_uri(run_root, iteration - len(stretch)))) and rewardless(metrics):
+        stretch[iteration - len(stretch)] = metrics
+    return stop_on(run_root, no_reward(iteration, stretch), weights_version, enabled)
 
 
 def stopped_by_sign(state: dict) -> dict | None:

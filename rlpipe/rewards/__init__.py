@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlpipe.metric_keys import REWARD_MAX, REWARD_MEAN, REWARD_STD
+from rlpipe.metric_keys import REWARD_COUNT, REWARD_MAX, REWARD_MEAN, REWARD_STD
 from rlpipe.plugins import look_up
 from rlpipe.rewards.registry import REWARD_TYPES, RewardError, RewardFunction, Rewards, register_reward_type
 from rlpipe.rollouts import read_table, validate_rollouts, write_table
@@ -203,6 +203,7 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
         REWARD_STD: float(total.std()),
         "reward/min": float(total.min()),
         REWARD_MAX: float(total.max()),
+        REWARD_COUNT: float(total.size),
         "time/score_s": time.time() - started,
     }
 
