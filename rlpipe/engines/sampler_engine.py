@@ -21,8 +21,6 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     requests name its adapter where the samplers serve adapters) and reports log-probs at
     rollout.temperature (checked once per replica: check_logprobs); with rollout.environment,
     multi-turn trajectories of `rows`, each turn one request per sequence."""
-    spec, run_root, weights, cache_root = request.spec, request.run_root, request.weights, request.cache_root
-    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     from tokenizers import Tokenizer
 
     from rlpipe.services.samplers.client import (
@@ -35,6 +33,8 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     )
     from rlpipe.services.samplers.vllm_settings import serves_adapters
 
+    spec, run_root, weights, cache_root = request.spec, request.run_root, request.weights, request.cache_root
+    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
     weights_dir = sampler_weights_dir(weights["uri"])

@@ -300,10 +300,10 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with the policy at `weights` (`loaded`:
     one already in memory at them, the resident trainer's); with rollout.environment, multi-turn
     trajectories of `rows` (their prompt_token_ids are `prompt_ids`)."""
-    spec, weights, loaded, rows = request.spec, request.weights, request.loaded, request.rows
-    prompt_ids, iteration, cache_root = request.prompt_ids, request.stream, request.cache_root
     from rlpipe.models.loading import load_weights
 
+    spec, weights, loaded, rows = request.spec, request.weights, request.loaded, request.rows
+    prompt_ids, iteration, cache_root = request.prompt_ids, request.stream, request.cache_root
     if loaded is None:
         loaded = LoadedModel(*load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device))
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -115,13 +115,13 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     """rollout.samples_per_prompt completions per prompt with vllm.LLM loaded from `weights` (an
     adapter version: its base, with the adapter merged in); with rollout.environment, multi-turn
     trajectories of `rows` (rlpipe.environments.run_trajectories)."""
-    spec, weights, cache_root = request.spec, request.weights, request.cache_root
-    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     from rlpipe.engines import sample_seed
     from rlpipe.models.loading import load_tokenizer
     from rlpipe.services.samplers.client import MERGE_METHOD
     from rlpipe.store.weights import adapter_base, local_path
 
+    spec, weights, cache_root = request.spec, request.weights, request.cache_root
+    prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
     weights_dir = local_path(weights, cache_root)
     base = adapter_base(weights_dir)
     model_dir = weights_dir if base is None else local_path(base, cache_root)
