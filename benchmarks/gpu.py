@@ -257,6 +257,17 @@ def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, 
     return lines
 
 
+# a GPU: RL-sized batches; a CPU: small enough for minutes
+GPU_DEFAULTS = dict(
+    shapes=["qwen2.5-0.5b", "qwen2.5-1.5b"], dtype="bfloat16", rows_per_step=64, prompt_tokens=256,
+    completion_tokens=256, micro_batch_tokens=16384, gen_rows=256, new_tokens=128,
+)  # fmt: skip
+CPU_DEFAULTS = dict(
+    shapes=["small"], dtype="float32", rows_per_step=8, prompt_tokens=32,
+    completion_tokens=32, micro_batch_tokens=256, gen_rows=16, new_tokens=16,
+)  # fmt: skip
+
+
 def main() -> None:
     args = parse_args()
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
@@ -266,16 +277,7 @@ def main() -> None:
 
     device = resolve_device("cpu" if args.smoke else args.device)
     gpu = device.type == "cuda"
-    defaults = {  # a GPU: RL-sized batches; a CPU: small enough for minutes
-        "shapes": ["qwen2.5-0.5b", "qwen2.5-1.5b"] if gpu else ["small"],
-        "dtype": "bfloat16" if gpu else "float32",
-        "rows_per_step": 64 if gpu else 8,
-        "prompt_tokens": 256 if gpu else 32,
-        "completion_tokens": 256 if gpu else 32,
-        "micro_batch_tokens": 16384 if gpu else 256,
-        "gen_rows": 256 if gpu else 16,
-        "new_tokens": 128 if gpu else 16,
-    }
+    defaults = dict(GPU_DEFAULTS if gpu else CPU_DEFAULTS)
     if args.smoke:
         defaults |= {"rows_per_step": 4, "prompt_tokens": 16, "completion_tokens": 16, "gen_rows": 4, "new_tokens": 4}
     for key, value in defaults.items():

@@ -11,47 +11,31 @@ rollouts each iteration: the same init, plan, sync_weights, evaluate and track c
 same driver (`rlpipe run` keeps starting runs until state.json says the loop is done).
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 from kfp import dsl
 
 from rlpipe.dpo_loop import check_dpo_spec, is_offline_dpo
 from rlpipe.pipelines.cluster_settings import place
-from rlpipe.pipelines.rl_pipeline import COMPONENTS, add_task, build_run_pipeline, initialize, unroll_iterations
+from rlpipe.pipelines.rl_pipeline import (
+    COMPONENTS,
+    build_iteration_pipeline,
+    build_run_pipeline,
+    initialize,
+    unroll_iterations,
+)
 from rlpipe.spec import RunSpec
 from rlpipe.steps import iteration_steps
 
+DPO_ITERATION = ("dpo_update", "sync_weights")
+
 
 def build_dpo_iteration_pipeline(placement: RunSpec | None = None) -> Callable:
-    """One DPO iteration as a pipeline: dpo_update, sync_weights (the update's metrics in its
-    update_metrics; its other step metrics empty), then evaluate when due."""
-
-    @dsl.pipeline(name="rlpipe-dpo-iteration", description="One DPO iteration: weights v(N) in, v(N+1) published.")
-    def dpo_iteration(
-        spec: str,
-        run_root: str,
-        weights: dict,
-        iteration: int,
-        eval_phase: int,
-        due_phase: int,
-        iterations_left: int,
-        position: int,
-    ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
-        available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
-        add_task("dpo_update", available, placement)
-        available["update_metrics"] = available.pop("dpo_update_metrics")
-        for name in COMPONENTS["sync_weights"].component_spec.inputs:
-            if name.endswith("_metrics"):  # the RL steps DPO does not run
-                available.setdefault(name, {})
-        add_task("sync_weights", available, placement)
-        with dsl.If(eval_phase == due_phase, name="eval-due"):
-            add_task("evaluate", dict(available), placement)
-        with dsl.Elif(iterations_left == position, name="last-iteration"):
-            add_task("evaluate", dict(available), placement)
-        outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
-        return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
-
-    return dpo_iteration
+    """One DPO iteration as a pipeline: dpo_update, sync_weights (the update's metrics as its
+    update_metrics; the RL steps' it does not run, empty), then evaluate when due."""
+    return build_iteration_pipeline(
+        placement, DPO_ITERATION, "rlpipe-dpo-iteration", "One DPO iteration: weights v(N) in, v(N+1) published."
+    )
 
 
 def build_dpo_pipeline(iterations_per_run: int, eval_every: int, placement: RunSpec | None = None) -> Callable:

@@ -41,25 +41,32 @@ COMPONENTS = {
 def add_task(step: str, available: dict[str, Any], placement: RunSpec | None) -> dsl.PipelineTask:
     """The `step` component's task, its inputs taken by name from `available` (pipeline parameters
     and earlier tasks' outputs; an optional input, when no earlier step gave it), placed for the
-    cluster; its outputs join `available` (a step's `step_metrics` as `<step>_metrics`; a step that
-    `stands_for` an artifact replaces it), except its metrics and reports, which no step reads."""
+    cluster; its outputs join `available` (a step's `step_metrics` as `<step>_metrics`, or as the step's it is
+    `merged_as`; a step that `stands_for` an artifact replaces it), except its metrics and reports, which no step
+    reads."""
     component = COMPONENTS[step]
     inputs = component.component_spec.inputs
     task = component(**{name: available[name] for name in inputs if name in available or not inputs[name].optional})
     for name in component.component_spec.outputs or {}:
         if name != "metrics" and name not in BY_NAME[step].reports:
-            available[f"{step}_metrics" if name == "step_metrics" else name] = task.outputs[name]
+            merged_as = BY_NAME[step].merged_as or step
+            available[f"{merged_as}_metrics" if name == "step_metrics" else name] = task.outputs[name]
     if BY_NAME[step].stands_for:
         available[BY_NAME[step].stands_for] = task.outputs[BY_NAME[step].outputs[0]]
     return place(task, step, placement)
 
 
-def build_iteration_pipeline(placement: RunSpec | None = None, steps: tuple[str, ...] = EVERY_ITERATION) -> Callable:
+def build_iteration_pipeline(
+    placement: RunSpec | None = None,
+    steps: tuple[str, ...] = EVERY_ITERATION,
+    name: str = "rlpipe-iteration",
+    description: str = "One RL iteration: weights v(N) in, v(N+1) published.",
+) -> Callable:
     """One iteration as a pipeline (nested in the run pipeline, or run on its own): `steps` in order
-    (rlpipe.steps.iteration_steps of the spec), then evaluate when due. `placement`: the spec whose
-    cluster section places the tasks (None: the local runner)."""
+    (rlpipe.steps.iteration_steps of the spec; offline DPO's dpo_update and sync_weights), then evaluate
+    when due. `placement`: the spec whose cluster section places the tasks (None: the local runner)."""
 
-    @dsl.pipeline(name="rlpipe-iteration", description="One RL iteration: weights v(N) in, v(N+1) published.")
+    @dsl.pipeline(name=name, description=description)
     def rl_iteration(
         spec: str,
         run_root: str,

@@ -35,6 +35,7 @@ class Step:
     stands_for: str | None = None  # the artifact its output replaces for the steps after it
     merges: tuple[str, ...] = ()  # steps whose metrics it merges, in this order (later keys win)
     needs: str | None = None  # runs only for an algorithm that needs this (rlpipe.algorithms: "critic")
+    merged_as: str | None = None  # the step whose metrics sync_weights merges as this one's (dpo_update: update)
 
 
 STEPS: tuple[Step, ...] = (
@@ -75,7 +76,8 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.dpo_loop:compute_reference_logprobs", torch=True, run_root=True,
          computes_with=("rlpipe.training.dpo",)),
     Step("dpo_update", "DPO on v(N) with the iteration's pairs; stage v(N+1)", "dpo",
-         "rlpipe.dpo_loop:dpo_update", torch=True, run_root=True, computes_with=("rlpipe.training.dpo",)),
+         "rlpipe.dpo_loop:dpo_update", torch=True, run_root=True, computes_with=("rlpipe.training.dpo",),
+         merged_as="update"),
 )  # fmt: skip
 
 BY_NAME = {step.name: step for step in STEPS}

@@ -44,22 +44,27 @@ def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
     )
 
 
-@pytest.fixture(scope="module")
-def fleet(run):
+def running_fleet(spec: RunSpec, run_root: str):
+    """The spec's local sampler fleet, every replica ready; stopped after, with every process it started."""
     from rlpipe.services.samplers.client import wait_ready
     from rlpipe.services.samplers.fleet import LocalFleet
 
-    spec, run_root, _ = run
     fleet = LocalFleet(spec, run_root)
     fleet.start()
     groups: set[int] = set()
     try:
-        assert len(wait_ready(fleet.urls, 300)) == 2, "both samplers should start"
+        ready = wait_ready(fleet.urls, 300)
+        assert len(ready) == spec.samplers.replicas, f"{spec.samplers.replicas} sampler(s) should start"
         yield fleet
     finally:
         groups = {p.pid for p in fleet.processes.values()} | set(fleet.started_pids)
         fleet.stop()
     assert not [g for g in groups if group_alive(g)], "a sampler (or its vLLM engine core) outlived the fleet"
+
+
+@pytest.fixture(scope="module")
+def fleet(run):
+    yield from running_fleet(run[0], run[1])
 
 
 def group_alive(pgid: int) -> bool:

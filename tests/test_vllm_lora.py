@@ -17,7 +17,7 @@ from rlpipe.engines import generate_rollouts
 from rlpipe.spec import RunSpec, parse_spec
 
 from .conftest import initialized, tiny_spec_dict
-from .test_vllm import PROMPTS, SAMPLES, check_rollout_contract, group_alive, rollouts, service_spec
+from .test_vllm import PROMPTS, SAMPLES, check_rollout_contract, group_alive, rollouts, running_fleet, service_spec
 
 pytestmark = [
     pytest.mark.vllm,
@@ -122,26 +122,10 @@ def test_in_step_vllm_samples_an_adapter_version_as_the_merged_model(run, tmp_pa
     check_logprobs(run, 1, rows[:16])
 
 
-def start_fleet(spec: RunSpec, run_root: str):
-    """One LoRA sampler, started while the latest version is an adapter: it serves v0."""
-    from rlpipe.services.samplers.client import wait_ready
-    from rlpipe.services.samplers.fleet import LocalFleet
-
-    fleet = LocalFleet(spec, run_root)
-    fleet.start()
-    try:
-        assert len(wait_ready(fleet.urls, 300)) == 1, "the sampler should start"
-        yield fleet
-    finally:
-        groups = {p.pid for p in fleet.processes.values()} | set(fleet.started_pids)
-        fleet.stop()
-    assert not [g for g in groups if group_alive(g)], "a sampler (or its vLLM engine core) outlived the fleet"
-
-
 @pytest.fixture(scope="module")
 def fleet(run):
     """A sampler serving adapters (LoRA on), as on GPUs (samplers.lora_adapters null or true)."""
-    yield from start_fleet(run[0], run[1])
+    yield from running_fleet(run[0], run[1])
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
@@ -212,7 +196,8 @@ def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: P
     dirs = {v: read_weight_ref(run_root, v)["uri"] for v in (0, 1, 2)}
     assert len(merged_lora_weights(dirs[0], dirs[1])) == 7 * spec.model.tiny.num_layers  # every projection
     greedy = {v: merged_greedy(run, v) for v in (0, 1, 2)}
-    for fleet in start_fleet(spec, run_root):
+    # one sampler, started while the latest version is an adapter: it serves v0
+    for fleet in running_fleet(spec, run_root):
         (url,) = fleet.urls
         assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["policy"]
         assert ensure_version([url], dirs[1], 1, 120)["samplers/reloaded_stale"] == 1 and weight_version(url) == "1"

@@ -11,13 +11,15 @@ def sync_weights(
     run_root: str,
     staged: dict,
     iteration: int,
-    generate_metrics: dict,
-    score_metrics: dict,
-    advantages_metrics: dict,
-    update_metrics: dict,
     metrics: dsl.Output[dsl.Metrics],
     time_breakdown: dsl.Output[dsl.Markdown],
-    values_metrics: dict = {},  # noqa: B006 (KFP's default for an optional input; only PPO has a values step)
+    # {}: KFP's default for an optional input, for the steps an iteration does not run (values without a
+    # critic; offline DPO's iteration runs only its update)
+    generate_metrics: dict = {},  # noqa: B006
+    score_metrics: dict = {},  # noqa: B006
+    values_metrics: dict = {},  # noqa: B006
+    advantages_metrics: dict = {},  # noqa: B006
+    update_metrics: dict = {},  # noqa: B006
 ) -> NamedTuple("Outputs", weights=dict, next_iteration=int):
     """Publish v(N+1) atomically, record the iteration's metrics, commit state.json (rlpipe.loop.sync_weights);
     time_breakdown: where the iteration's wall time went (rlpipe.reports.step_reports)."""

@@ -14,12 +14,12 @@ when called (only the update calls them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms.policy_gradient import ClippedSurrogate, clipped_policy_loss
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate
 from rlpipe.algorithms.registry import GRPO_DEFAULTS, Advantages, Algorithm, LossTerms, Scored, register_algorithm
 
 if TYPE_CHECKING:
@@ -72,34 +72,17 @@ class SequenceRatioSurrogate:
     computed per token as GSPO-token does: s_it = sg[s_i] exp(logp_it - sg[logp_it]) has the value
     s_i and the gradient s_i grad logp_it, so the sequence mean of the token terms is L with L's gradient."""
 
-    clip_eps: float
-    clip_eps_high: float | None
-    kl_coef: float
-    kl_estimator: str
-    dual_clip: float | None = None
+    clipped: ClippedSurrogate  # aggregating by sequence_mean
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> SequenceRatioSurrogate:
-        return cls(options.clip_eps, options.clip_eps_high, options.kl_coef, options.kl_estimator, options.dual_clip)
+        return cls(replace(ClippedSurrogate.from_options(options), aggregation="sequence_mean"))
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
         logprobs, mask_f = inputs.logprobs, inputs.mask.to(inputs.logprobs.dtype)
         log_ratio = ((logprobs - inputs.old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
         ratio = (log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()).exp()
-        return clipped_policy_loss(
-            logprobs,
-            inputs.old_logprobs,
-            inputs.advantages,
-            inputs.mask,
-            clip_eps=self.clip_eps,
-            ref_logprobs=inputs.ref_logprobs,
-            kl_coef=self.kl_coef,
-            aggregation="sequence_mean",
-            clip_eps_high=self.clip_eps_high,
-            kl_estimator=self.kl_estimator,
-            ratio=ratio,
-            dual_clip=self.dual_clip,
-        )
+        return self.clipped(inputs, ratio=ratio)
 
 
 GROUPS = frozenset({"groups"})

@@ -147,20 +147,24 @@ class ClippedSurrogate:
             dual_clip=options.dual_clip,
         )
 
-    def __call__(self, inputs: PolicyInputs) -> LossTerms:
+    def __call__(
+        self, inputs: PolicyInputs, advantages: torch.Tensor | None = None, ratio: torch.Tensor | None = None
+    ) -> LossTerms:
+        """The loss of `inputs`; `advantages` and `ratio` replace theirs (REINFORCE++, GSPO)."""
         return clipped_policy_loss(
             inputs.logprobs,
             inputs.old_logprobs,
-            inputs.advantages,
+            inputs.advantages if advantages is None else advantages,
             inputs.mask,
-            clip_eps=self.clip_eps,
-            ref_logprobs=inputs.ref_logprobs,
-            kl_coef=self.kl_coef,
-            aggregation=self.aggregation,
-            clip_eps_high=self.clip_eps_high,
-            kl_estimator=self.kl_estimator,
-            length_norm=self.length_norm,
-            dual_clip=self.dual_clip,
+            self.clip_eps,
+            inputs.ref_logprobs,
+            self.kl_coef,
+            self.aggregation,
+            self.clip_eps_high,
+            self.kl_estimator,
+            self.length_norm,
+            ratio,
+            self.dual_clip,
         )
 
 

@@ -23,13 +23,13 @@ values step is); it is not built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlpipe.algorithms.grpo import STD_EPS, SURROGATE, group_advantages
-from rlpipe.algorithms.policy_gradient import Aggregation, clipped_policy_loss, kl_estimate
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate, kl_estimate
 from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
 
 if TYPE_CHECKING:
@@ -54,47 +54,24 @@ class KlInRewardSurrogate:
     """REINFORCE++'s loss: the clipped surrogate on A_it = A_i - kl_coef sum_{s >= t} kl_s (module
     docstring), the KL tracked but not a loss term again."""
 
-    clip_eps: float
-    clip_eps_high: float | None
     kl_coef: float
     kl_estimator: str
-    aggregation: Aggregation
-    length_norm: int = 1
-    dual_clip: float | None = None
+    clipped: ClippedSurrogate  # kl_coef 0: the KL is tracked (its `kl`), not a loss term again
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> KlInRewardSurrogate:
-        return cls(
-            options.clip_eps,
-            options.clip_eps_high,
-            options.kl_coef,
-            options.kl_estimator,
-            options.loss_aggregation,
-            options.length_norm or 1,
-            options.dual_clip,
-        )
+        clipped = ClippedSurrogate.from_options(options)
+        return cls(clipped.kl_coef, clipped.kl_estimator, replace(clipped, kl_coef=0.0))
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
-        logprobs, old_logprobs, ref_logprobs = inputs.logprobs, inputs.old_logprobs, inputs.ref_logprobs
-        per_token = inputs.advantages
-        if ref_logprobs is not None and self.kl_coef:
-            kl = kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator) * inputs.mask.to(logprobs.dtype)
+        advantages = inputs.advantages
+        if inputs.ref_logprobs is not None and self.kl_coef:
+            kl = kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, self.kl_estimator) * inputs.mask.to(
+                inputs.logprobs.dtype
+            )
             kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)  # sum over s >= t
-            per_token = per_token - self.kl_coef * kl_to_go.detach()
-        return clipped_policy_loss(
-            logprobs,
-            old_logprobs,
-            per_token,
-            inputs.mask,
-            clip_eps=self.clip_eps,
-            ref_logprobs=ref_logprobs,  # tracked (kl); in the reward, not the loss
-            kl_coef=0.0,
-            aggregation=self.aggregation,
-            clip_eps_high=self.clip_eps_high,
-            kl_estimator=self.kl_estimator,
-            length_norm=self.length_norm,
-            dual_clip=self.dual_clip,
-        )
+            advantages = advantages - self.kl_coef * kl_to_go.detach()
+        return self.clipped(inputs, advantages=advantages)
 
 
 RLOO = register_algorithm(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
@@ -230,13 +231,21 @@ def sample_in_batches(
     return result
 
 
-def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
-    """`sampling.samples` completions per prompt (prompt-major), drawn from a generator seeded `seed`
-    (the generate step's, and offline DPO's preference sampling)."""
+def sample_with(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    greedy: bool = False,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    **partial: Any,
+) -> Completions:
+    """`sample_in_batches` with `sampling`'s settings, ending at the tokenizer's eos, the model's
+    generation end ids and `stop_ids`. `partial`: a partial rollout's `refresh` and `on_groups`."""
     model, tokenizer = loaded.model, loaded.tokenizer
     return sample_in_batches(
         model,
-        prompt_ids,
+        prompts,
         batch_size=sampling.batch_size,
         samples=sampling.samples,
         max_new_tokens=sampling.max_new_tokens,
@@ -245,12 +254,19 @@ def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sa
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
-        generator=torch.Generator(device=model.device).manual_seed(seed),
+        greedy=greedy,
+        generator=generator,
         bf16=sampling.bf16,
-        stop_ids=generation_end_ids(model),
-        **({"refresh": loaded.refresh} if loaded.refresh is not None else {}),
-        **({"on_groups": loaded.publish} if loaded.publish is not None else {}),
+        stop_ids=set(stop_ids) | generation_end_ids(model),
+        **partial,
     )
+
+
+def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
+    """`sampling.samples` completions per prompt (prompt-major), drawn from a generator seeded `seed`
+    (the generate step's, and offline DPO's preference sampling)."""
+    generator = torch.Generator(device=loaded.model.device).manual_seed(seed)
+    return sample_with(loaded, prompt_ids, sampling, generator, refresh=loaded.refresh, on_groups=loaded.publish)
 
 
 def sample_trajectories(
@@ -263,25 +279,11 @@ def sample_trajectories(
 ) -> list[Trajectory]:
     """`sampling.samples` multi-turn trajectories per row (prompt-major) against `environment`, each
     turn drawn with `sample` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
-    model, tokenizer = loaded.model, loaded.tokenizer
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    generator = torch.Generator(device=loaded.model.device).manual_seed(seed)
 
     def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
-        return sample_in_batches(
-            model,
-            sequences,
-            batch_size=sampling.batch_size,
-            max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            greedy=greedy,
-            generator=generator,
-            bf16=sampling.bf16,
-            stop_ids=stop_ids | generation_end_ids(model),
-        )
+        turn = replace(sampling, samples=1, max_new_tokens=max_new_tokens)  # the rows are already repeated
+        return sample_with(loaded, sequences, turn, generator, greedy, stop_ids)
 
     repeated = [row for row in rows for _ in range(sampling.samples)]
     prompts = [list(row["prompt_token_ids"]) for row in repeated]
@@ -290,7 +292,7 @@ def sample_trajectories(
         environment_factory(environment),
         repeated,
         prompts,
-        Codec.of(tokenizer),
+        Codec.of(loaded.tokenizer),
         environment,
         sampling.max_new_tokens,
     )

@@ -41,28 +41,17 @@ def greedy_texts(
     """Greedy-decode every row's prompt: (the completions, None), or with an environment its greedy
     multi-turn trajectories (the last turns' texts, the trajectories)."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import generation_end_ids, sample_in_batches, sample_trajectories
+    from rlpipe.engines.torch_engine import sample_trajectories, sample_with
 
     was_training = model.training
     model.eval()
+    loaded, sampling = LoadedModel(model, tokenizer), Sampling(1, max_new_tokens, batch_size=batch_size, bf16=bf16)
     try:
         if environment is not None:
-            sampling = Sampling(1, max_new_tokens, batch_size=batch_size, bf16=bf16)
-            trajectories = sample_trajectories(
-                LoadedModel(model, tokenizer), rows, sampling, 0, environment, greedy=True
-            )
+            trajectories = sample_trajectories(loaded, rows, sampling, 0, environment, greedy=True)
             return [t.final_text for t in trajectories], trajectories
-        completions = sample_in_batches(
-            model,
-            [list(row["prompt_token_ids"]) for row in rows],
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            greedy=True,
-            bf16=bf16,
-            stop_ids=generation_end_ids(model),
-        )
+        prompts = [list(row["prompt_token_ids"]) for row in rows]
+        completions = sample_with(loaded, prompts, sampling, generator=None, greedy=True)
         return tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True), None
     finally:
         model.train(was_training)

@@ -82,20 +82,6 @@ def load_reward(entry: str | dict[str, Any], key: str = "reward.functions") -> t
     return str(entry.get("name", short)), fn
 
 
-def call_reward(
-    entry: str | dict[str, Any],
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    columns: dict[str, Sequence[Any]],
-    key: str,
-    timeout_s: float | None = None,
-) -> list[float]:
-    """Call the reward `entry` names on a batch and check what it returns: one finite number per
-    completion. Every failure raises RewardError naming the reward and the spec key."""
-    name, fn = load_reward(entry, key)
-    return checked_rewards(reward_label(entry, name), fn, prompts, completions, columns, key, timeout_s)
-
-
 def reward_label(entry: str | dict[str, Any], name: str) -> str:
     """How errors name a reward: its 'module:function', or its name and type."""
     return entry if isinstance(entry, str) else f"{name} ({{type: {entry.get('type')}}})"
@@ -129,17 +115,20 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def checked_rewards(
-    target: str,
-    fn: RewardFunction,
+def call_reward(
+    entry: str | dict[str, Any],
     prompts: Sequence[str],
     completions: Sequence[str],
     columns: dict[str, Sequence[Any]],
     key: str,
     timeout_s: float | None = None,
+    loaded: tuple[str, RewardFunction] | None = None,
 ) -> list[float]:
-    """fn's rewards for the batch, checked: one finite number per completion (RewardError naming
-    `target`); a `Rewards` result keeps its reasons."""
+    """Call the reward `entry` names on a batch and check what it returns: one finite number per
+    completion (a `Rewards` result keeps its reasons). Every failure raises RewardError naming the
+    reward and the spec key. `loaded`: load_reward(entry, key), when the caller has it already."""
+    name, fn = loaded or load_reward(entry, key)
+    target = reward_label(entry, name)
     try:
         values = call_with_timeout(fn, (list(prompts), list(completions)), columns, timeout_s, target)
     except Exception as err:  # a user function: say which one, keep storage untouched
@@ -178,15 +167,8 @@ def score_rollouts(spec: RunSpec, rollouts_path: str, out_path: str) -> dict[str
     stats: dict[str, float] = {}
     for entry, reward_weight in zip(spec.reward.functions, reward_weights, strict=True):
         name, fn = load_reward(entry, "reward.functions")
-        values = checked_rewards(
-            reward_label(entry, name),
-            fn,
-            columns["prompt"],
-            columns["completion"],
-            extra,
-            "reward.functions",
-            spec.reward.timeout_s,
-        )
+        prompts, completions = columns["prompt"], columns["completion"]
+        values = call_reward(entry, prompts, completions, extra, "reward.functions", spec.reward.timeout_s, (name, fn))
         columns[f"reward/{name}"] = list(values)
         stats[f"reward/{name}/mean"] = float(np.mean(values))
         if isinstance(values, Rewards):
