@@ -1,11 +1,14 @@
 """The machine a benchmark figure came from: `lscpu`'s model name (family/model when the name is
-generic, as in VMs), SIMD level and cores, or the GPU."""
+generic, as in VMs), SIMD level and cores, or the GPU; and what it sustains (`measure_peaks`), against
+which a step's time has a floor: the FLOPs its work needs at the matmul rate, the bytes at the bandwidth."""
 
 from __future__ import annotations
 
 import os
 import platform
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -32,3 +35,95 @@ def describe_machine() -> str:
     except ImportError:
         pass
     return f"{cpu}, {os.cpu_count()} cores{gpu}, {platform.machine()}, Python {platform.python_version()}"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What this machine sustains, measured: fp32 matmul FLOP/s and memory bandwidth (bytes/s), at
+    `threads` torch threads (the threads the benchmark computes with)."""
+
+    matmul_flops: float
+    bandwidth: float
+    threads: int
+
+    def line(self) -> str:
+        return (
+            f"measured peaks at {self.threads} torch thread(s): fp32 matmul {self.matmul_flops / 1e9:.0f} GFLOP/s, "
+            f"memory bandwidth {self.bandwidth / 1e9:.1f} GB/s"
+        )
+
+
+def measure_peaks(threads: int, seconds: float = 1.0) -> Peaks:
+    """The best of repeated runs, each ~`seconds` / 8: a 1024^3 fp32 matmul (2 n^3 FLOPs), and a copy
+    of 256 MiB (read once, written once: 2 x 256 MiB moved, far past any cache)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 1024
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        matmul = _best_rate(lambda: torch.mm(a, b), 2 * n**3, seconds / 2)
+        source = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)
+        target = torch.empty_like(source)
+        bandwidth = _best_rate(lambda: target.copy_(source), 2 * source.numel() * 4, seconds / 2)
+    finally:
+        torch.set_num_threads(before)
+    return Peaks(matmul, bandwidth, threads)
+
+
+def _best_rate(work, units: float, seconds: float) -> float:
+    work()  # warm: allocation, first-touch pages, the kernel's dispatch
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+        if time.perf_counter() > deadline:
+            return units / best
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a transformer's FLOPs and bytes depend on (from its config)."""
+
+    parameters: int  # every weight the forward reads (the LM head once, tied or not)
+    layers: int
+    hidden: int
+    kv_width: int  # num_key_value_heads x head_dim
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        """From a transformers config (Qwen2, Llama, ...)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        d, ff, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+        attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o; k, v
+        per_layer = attention + 3 * d * ff  # gated MLP: gate, up, down
+        return cls(layers * per_layer + vocab * d, layers, d, kv_heads * head_dim, vocab)
+
+
+def forward_flops(shape: ModelShape, tokens: float, context: float) -> float:
+    """2 N per token (each weight multiplies and adds once) plus attention's scores and mixing,
+    4 x layers x hidden x context per token (Kaplan et al. 2020, C_forward)."""
+    return tokens * (2 * shape.parameters + 4 * shape.layers * shape.hidden * context)
+
+
+def update_floor_s(shape: ModelShape, tokens: float, context: float, peaks: Peaks, lora: bool = False) -> float:
+    """A forward and a backward over `tokens` trained tokens, at the matmul peak: the backward is 2x the
+    forward (activations' and weights' gradients), 1x with LoRA (a frozen weight needs no gradient)."""
+    return (2 if lora else 3) * forward_flops(shape, tokens, context) / peaks.matmul_flops
+
+
+def generate_floor_s(
+    shape: ModelShape, prompt_tokens: float, completion_tokens: float, decode_steps: float, peaks: Peaks
+) -> float:
+    """Prefill of every prompt token and one forward per completion token at the matmul peak; but a
+    decode step cannot beat reading the weights once (fp32) at the measured bandwidth."""
+    context = prompt_tokens / max(decode_steps, 1.0)
+    compute = forward_flops(shape, prompt_tokens + completion_tokens, context) / peaks.matmul_flops
+    weights = decode_steps * shape.parameters * 4 / peaks.bandwidth
+    return max(compute, weights)

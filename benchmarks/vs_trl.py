@@ -362,6 +362,60 @@ def comparison_lines(summary: dict, per_seed: dict, runs: dict[str, list[dict]])
     return lines
 
 
+def floors(runs: dict[str, list[dict]], spec: RunSpec, model_dir: str, threads: int) -> dict:
+    """rlpipe's generate and update per iteration beside what their work needs at this machine's measured
+    peaks (benchmarks/machine.py): seconds measured, the floor, the peaks and the work."""
+    from machine import ModelShape, generate_floor_s, measure_peaks, update_floor_s
+    from transformers import AutoConfig
+
+    peaks = measure_peaks(threads)
+    shape = ModelShape.of(AutoConfig.from_pretrained(model_dir))
+    results = runs["rlpipe"]
+    rows = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
+    iterations = statistics.fmean(r["samples"] for r in results) / rows
+    prompt = statistics.fmean(r["prompt_tokens"] for r in results) / iterations
+    completion = statistics.fmean(r["completion_tokens"] for r in results) / iterations
+    decode_steps = -(-rows // spec.rollout.batch_size) * spec.rollout.max_new_tokens  # batches x the longest
+    lora = spec.model.lora is not None
+    return {
+        "peaks": {
+            "matmul_gflops": peaks.matmul_flops / 1e9,
+            "bandwidth_gbs": peaks.bandwidth / 1e9,
+            "threads": threads,
+        },
+        "peaks_line": peaks.line(),
+        "parameters": shape.parameters,
+        "tokens": {"prompt": prompt, "completion": completion},
+        "measured_s": {
+            "generate": statistics.fmean(r["generate_s"] for r in results) / iterations,
+            "update": statistics.fmean(r["update_s"] for r in results) / iterations,
+        },
+        "floor_s": {
+            "generate": generate_floor_s(shape, prompt, completion, decode_steps, peaks),
+            "update": update_floor_s(shape, prompt + completion, (prompt + completion) / rows, peaks, lora),
+        },
+    }
+
+
+def floor_lines(floor: dict) -> list[str]:
+    """The floors as a table: each step's seconds an iteration, its floor and the ratio."""
+    tokens = floor["tokens"]
+    lines = [
+        "",
+        f"rlpipe per iteration against the machine's floor ({floor['peaks_line']}; model "
+        f"{floor['parameters'] / 1e6:.2f}M parameters; {tokens['prompt']:.0f} prompt + {tokens['completion']:.0f} "
+        "completion tokens an iteration):",
+        "",
+        "| step | measured (s) | floor (s) | measured / floor |",
+        "|---|---|---|---|",
+    ]
+    for step, measured in floor["measured_s"].items():
+        lines.append(
+            f"| {step} | {measured:.2f} | {floor['floor_s'][step]:.3f} | {measured / floor['floor_s'][step]:.0f}x |"
+        )
+    return lines
+
+
 def curve_lines(runs: dict[str, list[dict]]) -> list[str]:
     """Held-out accuracy by completions trained on, each system's mean over its seeds."""
     trl_systems = list(runs)[1:]
@@ -482,7 +536,8 @@ def main() -> None:
     summary, per_seed = summarize(runs, target, budget)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     lines = header_lines(args, spec, seeds, duration, commit.stdout.strip(), f"{target}{target_note}", budget)
-    lines += comparison_lines(summary, per_seed, runs) + curve_lines(runs)
+    floor = floors(runs, spec, model_dir, threads=1)
+    lines += comparison_lines(summary, per_seed, runs) + floor_lines(floor) + curve_lines(runs)
     report = "\n".join(lines)
     print(report)
     results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
@@ -492,7 +547,7 @@ def main() -> None:
         name = name.replace("vs_trl", f"vs_trl_{args.spec.stem}_{args.rlpipe}")
     (results / f"{name}.md").write_text(report + "\n")
     record = {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings}
-    record |= {"note": args.note, "commit": commit.stdout.strip()}
+    record |= {"note": args.note, "commit": commit.stdout.strip(), "floors": floor}
     (results / f"{name}.json").write_text(json.dumps(record, indent=2))
 
 

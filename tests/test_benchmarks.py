@@ -189,6 +189,11 @@ def test_vs_trl(tmp_path: Path):
         assert [point["samples"] for point in run["curve"]][:3] == [0, 32, 64], system  # evaluated every iteration
         assert all(math.isfinite(point["wall_s"]) and is_accuracy(point["acc"]) for point in run["curve"]), system
     assert "| samples/s |" in (tmp_path / "vs_trl_smoke.md").read_text()
+    floors = record["floors"]  # measured on this machine: no step can beat its work at the measured peaks
+    assert floors["peaks"]["matmul_gflops"] > 1 and floors["peaks"]["bandwidth_gbs"] > 0.5
+    for step in ("generate", "update"):
+        assert 0 < floors["floor_s"][step] < floors["measured_s"][step], step
+        assert f"| {step} | {floors['measured_s'][step]:.2f} |" in (tmp_path / "vs_trl_smoke.md").read_text()
 
 
 def test_vs_trl_on_the_generation_heavy_workload_with_asynchronous_rlpipe(tmp_path: Path):
