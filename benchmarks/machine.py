@@ -10,6 +10,10 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlpipe.spec import RunSpec
 
 
 def describe_machine() -> str:
@@ -127,3 +131,50 @@ def generate_floor_s(
     compute = forward_flops(shape, prompt_tokens + completion_tokens, context) / peaks.matmul_flops
     weights = decode_steps * shape.parameters * 4 / peaks.bandwidth
     return max(compute, weights)
+
+
+def step_floors(spec: RunSpec, model_dir: str, per_iteration: dict[str, float], threads: int) -> dict:
+    """An iteration's generate and update, measured (`per_iteration`: prompt_tokens, completion_tokens,
+    generate_s, update_s), beside their floors at the peaks measured here with `threads` threads."""
+    from transformers import AutoConfig
+
+    peaks = measure_peaks(threads)
+    shape = ModelShape.of(AutoConfig.from_pretrained(model_dir))
+    rows = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
+    prompt, completion = per_iteration["prompt_tokens"], per_iteration["completion_tokens"]
+    decode_steps = -(-rows // spec.rollout.batch_size) * spec.rollout.max_new_tokens  # batches x the longest
+    lora = spec.model.lora is not None
+    return {
+        "peaks": {
+            "matmul_gflops": peaks.matmul_flops / 1e9,
+            "bandwidth_gbs": peaks.bandwidth / 1e9,
+            "threads": threads,
+        },
+        "peaks_line": peaks.line(),
+        "parameters": shape.parameters,
+        "tokens": {"prompt": prompt, "completion": completion},
+        "measured_s": {"generate": per_iteration["generate_s"], "update": per_iteration["update_s"]},
+        "floor_s": {
+            "generate": generate_floor_s(shape, prompt, completion, decode_steps, peaks),
+            "update": update_floor_s(shape, prompt + completion, (prompt + completion) / rows, peaks, lora),
+        },
+    }
+
+
+def floor_lines(floor: dict) -> list[str]:
+    """`step_floors` as a table: each step's seconds an iteration, its floor and the ratio."""
+    tokens = floor["tokens"]
+    lines = [
+        "",
+        f"rlpipe per iteration against the machine's floor ({floor['peaks_line']}; model "
+        f"{floor['parameters'] / 1e6:.2f}M parameters; {tokens['prompt']:.0f} prompt + {tokens['completion']:.0f} "
+        "completion tokens an iteration):",
+        "",
+        "| step | measured (s) | floor (s) | measured / floor |",
+        "|---|---|---|---|",
+    ]
+    for step, measured in floor["measured_s"].items():
+        lines.append(
+            f"| {step} | {measured:.2f} | {floor['floor_s'][step]:.3f} | {measured / floor['floor_s'][step]:.0f}x |"
+        )
+    return lines

@@ -9,17 +9,16 @@
     python benchmarks/vs_trl.py --spec examples/sorting.yaml --iterations 20 --eval-every 5 \
         --clock-includes-eval --trl same_batch --rlpipe colocated|async
 
-Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same
-character tokenizer, the same addition data (rlpipe's prepare step), the same reward
-(`rlpipe.rewards.verifiers:exact_match`), G=8, lr 5e-4, clip 0.2, no KL, temperature 1,
-top_k 0, 5 new tokens, no gradient checkpointing, 1 torch thread. rlpipe runs as the demo does (512 prompts x 8 per
-iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`, its on-policy GRPO at the settings
-that learn best here (64 prompts x 8 per step, generate every step), and `trl_same_batch`, rlpipe's
-batch structure (per_device_train_batch_size=1024, steps_per_generation=4: 512 prompts x 8 per
-generation, 4 optimizer steps), so one ratio compares the systems at equal hyperparameters.
-Each system runs in its own process, alternately, seed by seed; held-out greedy
-accuracy (the same 500 problems, the same evaluator) is measured during training and its cost
-is taken off both clocks.
+Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same character
+tokenizer, the same addition data (rlpipe's prepare step), the same reward (`rlpipe.rewards.verifiers:exact_match`),
+G=8, lr 5e-4, clip 0.2, no KL, temperature 1, top_k 0, 5 new tokens, no gradient checkpointing, 1 torch thread.
+rlpipe runs as the demo does (512 prompts x 8 per iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`,
+its on-policy GRPO at the settings that learn best here (64 prompts x 8 per step, generate every step), and
+`trl_same_batch`, rlpipe's batch structure (per_device_train_batch_size=1024, steps_per_generation=4: 512 prompts
+x 8 per generation, 4 optimizer steps), so one ratio compares the systems at equal hyperparameters. Each system
+runs in its own process, alternately, seed by seed; held-out greedy accuracy (the same 500 problems, the same
+evaluator) is measured during training and its cost is taken off both clocks. rlpipe's generate and update are
+printed beside their floors at this machine's measured peaks (benchmarks/machine.py).
 
 Writes benchmarks/results/vs_trl.{json,md} (--quick: vs_trl_quick; --smoke: vs_trl_smoke under
 runs/smoke/ unless --results-dir says). The batch sizes above are the demo's; with --smoke every
@@ -46,6 +45,7 @@ import time
 from pathlib import Path
 
 import yaml
+from machine import describe_machine, floor_lines, step_floors  # benchmarks/ is on sys.path as a script
 
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec
@@ -295,7 +295,6 @@ def header_lines(
     """What ran, where and how: the report's lines above its tables."""
     import torch
     import trl
-    from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
     length = "smoke" if args.smoke else "quick" if args.quick else "full"
     settings = RLPIPE_SETTINGS[args.rlpipe]
@@ -359,60 +358,6 @@ def comparison_lines(summary: dict, per_seed: dict, runs: dict[str, list[dict]])
         f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
         "load, KFP executor)",
     ]
-    return lines
-
-
-def floors(runs: dict[str, list[dict]], spec: RunSpec, model_dir: str, threads: int) -> dict:
-    """rlpipe's generate and update per iteration beside what their work needs at this machine's measured
-    peaks (benchmarks/machine.py): seconds measured, the floor, the peaks and the work."""
-    from machine import ModelShape, generate_floor_s, measure_peaks, update_floor_s
-    from transformers import AutoConfig
-
-    peaks = measure_peaks(threads)
-    shape = ModelShape.of(AutoConfig.from_pretrained(model_dir))
-    results = runs["rlpipe"]
-    rows = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
-    iterations = statistics.fmean(r["samples"] for r in results) / rows
-    prompt = statistics.fmean(r["prompt_tokens"] for r in results) / iterations
-    completion = statistics.fmean(r["completion_tokens"] for r in results) / iterations
-    decode_steps = -(-rows // spec.rollout.batch_size) * spec.rollout.max_new_tokens  # batches x the longest
-    lora = spec.model.lora is not None
-    return {
-        "peaks": {
-            "matmul_gflops": peaks.matmul_flops / 1e9,
-            "bandwidth_gbs": peaks.bandwidth / 1e9,
-            "threads": threads,
-        },
-        "peaks_line": peaks.line(),
-        "parameters": shape.parameters,
-        "tokens": {"prompt": prompt, "completion": completion},
-        "measured_s": {
-            "generate": statistics.fmean(r["generate_s"] for r in results) / iterations,
-            "update": statistics.fmean(r["update_s"] for r in results) / iterations,
-        },
-        "floor_s": {
-            "generate": generate_floor_s(shape, prompt, completion, decode_steps, peaks),
-            "update": update_floor_s(shape, prompt + completion, (prompt + completion) / rows, peaks, lora),
-        },
-    }
-
-
-def floor_lines(floor: dict) -> list[str]:
-    """The floors as a table: each step's seconds an iteration, its floor and the ratio."""
-    tokens = floor["tokens"]
-    lines = [
-        "",
-        f"rlpipe per iteration against the machine's floor ({floor['peaks_line']}; model "
-        f"{floor['parameters'] / 1e6:.2f}M parameters; {tokens['prompt']:.0f} prompt + {tokens['completion']:.0f} "
-        "completion tokens an iteration):",
-        "",
-        "| step | measured (s) | floor (s) | measured / floor |",
-        "|---|---|---|---|",
-    ]
-    for step, measured in floor["measured_s"].items():
-        lines.append(
-            f"| {step} | {measured:.2f} | {floor['floor_s'][step]:.3f} | {measured / floor['floor_s'][step]:.0f}x |"
-        )
     return lines
 
 
@@ -515,12 +460,9 @@ def main() -> None:
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL
     # run only (prompt order, sampling, mini-batch shuffle), so the systems differ only in training.
     run_root, model_dir = prepare_reference(spec, work)
-    shared = {"model.path": model_dir, "model.warm_start.max_steps": 0, "data.seed": 0}
+    shared = sizes | settings | {"model.path": model_dir, "model.warm_start.max_steps": 0, "data.seed": 0}
     for seed in range(seeds):
-        rlpipe_settings = sizes | settings | shared
-        runs["rlpipe"].append(
-            rlpipe_once(seed, rl_iterations, rlpipe_settings, per_iteration, work, args.spec, **evals)
-        )
+        runs["rlpipe"].append(rlpipe_once(seed, rl_iterations, shared, per_iteration, work, args.spec, **evals))
         for system in trl_systems:
             samples = per_iteration * (trl_iterations if system == "trl" else rl_iterations)
             runs[system].append(trl_once(system, seed, spec, run_root, model_dir, samples, work, **evals))
@@ -536,7 +478,9 @@ def main() -> None:
     summary, per_seed = summarize(runs, target, budget)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     lines = header_lines(args, spec, seeds, duration, commit.stdout.strip(), f"{target}{target_note}", budget)
-    floor = floors(runs, spec, model_dir, threads=1)
+    per_iteration_of = {key: statistics.fmean(r[key] * per_iteration / r["samples"] for r in runs["rlpipe"])
+                        for key in ("prompt_tokens", "completion_tokens", "generate_s", "update_s")}  # fmt: skip
+    floor = step_floors(spec, model_dir, per_iteration_of, threads=1)
     lines += comparison_lines(summary, per_seed, runs) + floor_lines(floor) + curve_lines(runs)
     report = "\n".join(lines)
     print(report)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from rlpipe.engines import LoadedModel, Sampled, SampleRequest, Sampling, sampled_trajectories
+from rlpipe.engines.decode import decode, decoder_of, filter_logits, left_padded, next_tokens
 from rlpipe.environments import Codec, environment_factory, run_trajectories
 from rlpipe.rollouts import Completions
 
@@ -17,30 +18,6 @@ if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlp
 
     from rlpipe.environments import Trajectory
     from rlpipe.spec import EnvironmentSpec
-
-
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / the top-p nucleus with -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
-
-
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, attention mask): the prompts right-aligned, so every last token shares a column."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention[row, width - len(prompt) :] = 1
-    return input_ids, attention
 
 
 def generation_end_ids(model: PreTrainedModel) -> set[int]:
@@ -109,7 +86,7 @@ def sample(
         if greedy:
             token = logp.argmax(-1)
         else:
-            allowed = _filter_logits(logp, top_k, top_p)
+            allowed = filter_logits(logp, top_k, top_p)
             token = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=generator).squeeze(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
@@ -240,9 +217,23 @@ def sample_with(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     **partial: Any,
 ) -> Completions:
-    """`sample_in_batches` with `sampling`'s settings, ending at the tokenizer's eos, the model's
-    generation end ids and `stop_ids`. `partial`: a partial rollout's `refresh` and `on_groups`."""
+    """`sampling.samples` completions per prompt, ending at the tokenizer's eos, the model's generation end ids
+    and `stop_ids`: a Llama-family model over a preallocated KV cache (rlpipe.engines.decode), other models,
+    and partial rollouts (`partial`: their `refresh` and `on_groups`), with `sample_in_batches`."""
     model, tokenizer = loaded.model, loaded.tokenizer
+    stop_ids = set(stop_ids) | generation_end_ids(model)
+    length = max(map(len, prompts)) + sampling.max_new_tokens
+    ends, pad_id = {tokenizer.eos_token_id, *stop_ids}, tokenizer.pad_token_id
+    if all(value is None for value in partial.values()) and (fast := decoder_of(model, length, ends, pad_id)):
+
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return next_tokens(logits, sampling.temperature, greedy, sampling.top_k, sampling.top_p, generator)
+
+        per_batch = max(sampling.batch_size // sampling.samples, 1)  # a group larger than a batch: one batch
+        result = Completions([], [], [], None)
+        for start in range(0, len(prompts), per_batch):
+            result.extend(decode(fast, prompts[start : start + per_batch], sampling, pick))
+        return result
     return sample_in_batches(
         model,
         prompts,
@@ -250,14 +241,14 @@ def sample_with(
         samples=sampling.samples,
         max_new_tokens=sampling.max_new_tokens,
         eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
+        pad_id=pad_id,
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         greedy=greedy,
         generator=generator,
         bf16=sampling.bf16,
-        stop_ids=set(stop_ids) | generation_end_ids(model),
+        stop_ids=stop_ids,
         **partial,
     )
 

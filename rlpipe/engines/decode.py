@@ -1,0 +1,222 @@
+"""The torch engine's fast decode: the model's own modules over a preallocated KV cache.
+
+Hugging Face's forward, called once per new token, rebuilds the attention mask, concatenates every
+layer's cache, copies it again to repeat the grouped KV heads, and samples through two full-vocabulary
+softmaxes. Per token that is Python and copies, not the model. This loop calls the same modules (so
+LoRA adapters, RoPE variants and biases are theirs) and does the rest itself:
+
+    cache      K, V: [rows, kv_heads, prompt width + max_new_tokens, head_dim] per layer, written in place
+    attention  scaled_dot_product_attention(q, K[:, :, :t], V[:, :, :t], mask, enable_gqa=True): no repeat
+    rows       rows that have ended leave the batch (their cache rows dropped, once an eighth has
+               ended), so the long tail of a batch costs about what its unfinished rows do
+    sampling   log p = z - logsumexp(z), z = logits / T (one pass for the recorded log-prob); the token
+               by inverse CDF: the first index whose cumulative probability exceeds u ~ U(0, 1) (one
+               uniform draw per row, from `generator`)
+
+For the decoder architectures whose layers are exactly norm -> attention -> residual -> norm -> MLP ->
+residual (Llama, Qwen2, Qwen3, Mistral within its window; `decoder_of`); others decode with Hugging Face's
+forward. The samples follow the same distribution as that path, not the same draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from rlpipe.rollouts import Completions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from rlpipe.engines import Sampling
+
+Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (token, its log-prob) per row
+
+# the decoder models whose layers this loop runs (the modeling module names apply_rotary_pos_emb)
+ARCHITECTURES = {"LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask): the prompts right-aligned, so every last token shares a column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    return input_ids, attention
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A causal LM's parts the loop calls: its decoder (embed_tokens, rotary_emb, layers, norm) and LM head."""
+
+    model: Any
+    lm_head: torch.nn.Module
+    rotate: Any  # the modeling module's apply_rotary_pos_emb(q, k, cos, sin)
+    kv_heads: int
+    head_dim: int
+    end_ids: set[int]  # a row ends at the first of these (eos, generation_config's, stop ids)
+    pad_id: int
+
+
+def decoder_of(model: PreTrainedModel, length: int, end_ids: set[int], pad_id: int) -> Decoder | None:
+    """The model's Decoder, when its architecture is one this loop runs for sequences of `length`
+    tokens (a sliding window shorter than that: no), else None."""
+    import importlib
+
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's LoRA
+    inner, config = getattr(causal_lm, "model", None), causal_lm.config
+    family = ARCHITECTURES.get(type(inner).__name__)
+    if family is None or not hasattr(causal_lm, "lm_head"):
+        return None
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) and window is not None and window < length:
+        return None
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotate, kv_heads = modeling.apply_rotary_pos_emb, config.num_key_value_heads
+    return Decoder(inner, causal_lm.lm_head, rotate, kv_heads, head_dim, set(end_ids), pad_id)
+
+
+def forward(
+    decoder: Decoder,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    start: int,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The last position's logits [rows, vocab] for `ids` [rows, n] at cache columns start .. start + n;
+    `mask` [rows, 1, n, start + n]: True where a query may attend a key."""
+    model, rows, n = decoder.model, ids.shape[0], ids.shape[1]
+    hidden = model.embed_tokens(ids)
+    cos, sin = model.rotary_emb(hidden, positions)
+    for layer, (keys, values) in zip(model.layers, cache):
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attention.q_proj(x).view(rows, n, -1, decoder.head_dim)
+        k = attention.k_proj(x).view(rows, n, -1, decoder.head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = decoder.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        keys[:, :, start : start + n] = k
+        values[:, :, start : start + n] = attention.v_proj(x).view(rows, n, -1, decoder.head_dim).transpose(1, 2)
+        mixed = F.scaled_dot_product_attention(
+            q,
+            keys[:, :, : start + n],
+            values[:, :, : start + n],
+            attn_mask=mask,
+            scale=attention.scaling,
+            enable_gqa=True,
+        )
+        hidden = hidden + attention.o_proj(mixed.transpose(1, 2).reshape(rows, n, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return decoder.lm_head(model.norm(hidden[:, -1:]))[:, -1]
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its log-prob under softmax(logits / T)) per row: the argmax, or a draw by inverse CDF
+    from the distribution top-k / top-p leave (the log-prob is still the unfiltered one's)."""
+    scaled = logits.float() / temperature
+    normalizer = torch.logsumexp(scaled, dim=-1)
+    if greedy:
+        token = scaled.argmax(-1)
+    else:
+        allowed = filter_logits(scaled, top_k, top_p) if top_k > 0 or top_p < 1.0 else scaled
+        cumulative = torch.softmax(allowed, dim=-1).cumsum_(-1)
+        u = torch.rand((len(scaled), 1), generator=generator, device=scaled.device) * cumulative[:, -1:]
+        token = torch.searchsorted(cumulative, u, right=True).squeeze(-1).clamp_(max=scaled.shape[-1] - 1)
+    return token, scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - normalizer
+
+
+@torch.no_grad()
+def decode(decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick: Pick) -> Completions:
+    """`sampling.samples` completions per prompt (prompt-major), each through its first end id or
+    sampling.max_new_tokens: the prompts left-padded and prefilled once, their cache rows repeated per
+    sample, then one forward per new token over the rows still running; `pick` chooses each token
+    (next_tokens with the sampling's temperature, top-k, top-p, or greedy)."""
+    samples, max_new_tokens, bf16, pad_id = sampling.samples, sampling.max_new_tokens, sampling.bf16, decoder.pad_id
+    device = next(decoder.model.parameters()).device
+    dtype = torch.bfloat16 if bf16 else next(decoder.model.parameters()).dtype
+    input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
+    width, length = input_ids.shape[1], input_ids.shape[1] + max_new_tokens
+    valid = torch.zeros((len(prompts), length), dtype=torch.bool, device=device)
+    valid[:, :width] = attention.bool()
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    shape = (len(prompts), decoder.kv_heads, length, decoder.head_dim)
+    cache = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+             for _ in decoder.model.layers]  # fmt: skip
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(width, dtype=torch.bool, device=device)  # a pad query attends itself: no empty row
+    prefill_mask = ((causal & valid[:, None, :width]) | diagonal)[:, None]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = forward(decoder, input_ids, positions, cache, 0, prefill_mask)
+    if samples > 1:
+        cache = [(k.repeat_interleave(samples, 0), v.repeat_interleave(samples, 0)) for k, v in cache]
+        logits, valid, positions = (t.repeat_interleave(samples, 0) for t in (logits, valid, positions))
+    rows = len(logits)
+    next_position = positions[:, -1:] + 1
+    ends = torch.tensor(sorted(decoder.end_ids), device=device)
+    running = torch.arange(rows, device=device)  # the original row of each row still in the batch
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)  # of the rows in the batch: ended
+    tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((rows, max_new_tokens), device=device)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        token, logprob = pick(logits)
+        live = (~finished).nonzero().squeeze(-1)
+        tokens[running[live], step], logprobs[running[live], step] = token[live], logprob[live]
+        ended = ~finished & torch.isin(token, ends)
+        lengths[running[ended]] = step + 1
+        finished |= ended
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break
+        if 8 * int(finished.sum()) >= len(finished):  # an eighth has ended: they leave the batch (a cache copy)
+            keep = (~finished).nonzero().squeeze(-1)
+            running, token, valid, next_position = running[keep], token[keep], valid[keep], next_position[keep]
+            finished = finished[keep]
+            cache = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in cache]
+        valid[:, width + step] = True
+        step_mask = valid[:, None, None, : width + step + 1]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = forward(decoder, token[:, None], next_position, cache, width + step, step_mask)
+        next_position = next_position + 1
+    return completions_of(tokens, logprobs, lengths, decoder.end_ids)
+
+
+def completions_of(
+    tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, end_ids: set[int]
+) -> Completions:
+    """Each row's tokens and log-probs through its length: "stop" when its last token is an end id."""
+    result = Completions([], [], [], None)
+    for row_tokens, row_logprobs, length in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist()):
+        result.token_ids.append(row_tokens[:length])
+        result.logprobs.append(row_logprobs[:length])
+        result.finish_reasons.append("stop" if row_tokens[length - 1] in end_ids else "length")
+    return result
