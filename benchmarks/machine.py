@@ -123,19 +123,19 @@ def update_floor_s(shape: ModelShape, tokens: float, context: float, peaks: Peak
 
 
 def generate_floor_s(
-    shape: ModelShape, prompt_tokens: float, completion_tokens: float, decode_steps: float, peaks: Peaks
+    shape: ModelShape, prompt_tokens: float, completion_tokens: float, context: float, decode_steps: float, peaks: Peaks
 ) -> float:
-    """Prefill of every prompt token and one forward per completion token at the matmul peak; but a
-    decode step cannot beat reading the weights once (fp32) at the measured bandwidth."""
-    context = prompt_tokens / max(decode_steps, 1.0)
+    """Prefill of every prompt token and one forward per completion token (attending `context` tokens on
+    average) at the matmul peak; but a decode step cannot beat reading the weights once (fp32) at the
+    measured bandwidth."""
     compute = forward_flops(shape, prompt_tokens + completion_tokens, context) / peaks.matmul_flops
     weights = decode_steps * shape.parameters * 4 / peaks.bandwidth
     return max(compute, weights)
 
 
 def step_floors(spec: RunSpec, model_dir: str, per_iteration: dict[str, float], threads: int) -> dict:
-    """An iteration's generate and update, measured (`per_iteration`: prompt_tokens, completion_tokens,
-    generate_s, update_s), beside their floors at the peaks measured here with `threads` threads."""
+    """An iteration's generate and update, measured (`per_iteration`: prompt_tokens and completion_tokens of
+    its rows, generate_s, update_s), beside their floors at the peaks measured here with `threads` threads."""
     from transformers import AutoConfig
 
     peaks = measure_peaks(threads)
@@ -143,7 +143,7 @@ def step_floors(spec: RunSpec, model_dir: str, per_iteration: dict[str, float], 
     rows = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     prompt, completion = per_iteration["prompt_tokens"], per_iteration["completion_tokens"]
     decode_steps = -(-rows // spec.rollout.batch_size) * spec.rollout.max_new_tokens  # batches x the longest
-    lora = spec.model.lora is not None
+    lora, samples, row = spec.model.lora is not None, spec.rollout.samples_per_prompt, (prompt + completion) / rows
     return {
         "peaks": {
             "matmul_gflops": peaks.matmul_flops / 1e9,
@@ -154,9 +154,9 @@ def step_floors(spec: RunSpec, model_dir: str, per_iteration: dict[str, float], 
         "parameters": shape.parameters,
         "tokens": {"prompt": prompt, "completion": completion},
         "measured_s": {"generate": per_iteration["generate_s"], "update": per_iteration["update_s"]},
-        "floor_s": {
-            "generate": generate_floor_s(shape, prompt, completion, decode_steps, peaks),
-            "update": update_floor_s(shape, prompt + completion, (prompt + completion) / rows, peaks, lora),
+        "floor_s": {  # each prompt is prefilled once for its samples_per_prompt completions
+            "generate": generate_floor_s(shape, prompt / samples, completion, row, decode_steps, peaks),
+            "update": update_floor_s(shape, prompt + completion, row, peaks, lora),
         },
     }
 

@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe_machine
+from machine import describe_machine, floor_lines, step_floors
 from trl_grpo import grpo_config_at
-from vs_trl import THREADS_ENV, evaluate_intervals, run_measured, run_rlpipe
+from vs_trl import THREADS_ENV, evaluate_intervals, prompt_tokens_mean, run_measured, run_rlpipe
 
 from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec
@@ -183,6 +183,7 @@ def rlpipe_once(seed: int, iterations: int, work: Path) -> dict:
         "update_s": sum(m["time/update_s"] for m in iters),
         "orchestration_s_per_iteration": statistics.fmean(m[ITERATION_OVERHEAD] for m in iters),
         "completion_tokens_mean": statistics.fmean(m["rollout/completion_tokens_mean"] for m in iters),
+        "prompt_tokens_mean": prompt_tokens_mean(str(run_dir)),
         "rewards": [m["reward/mean"] for m in iters],
         "peak_rss_gb": peak,
     }
@@ -221,10 +222,18 @@ def main() -> None:
     ratio = statistics.fmean(r["samples_per_s"] for r in by["rlpipe"]) / statistics.fmean(
         r["samples_per_s"] for r in by["trl"]
     )
+    spec, per_generation = example_spec(0, args.work), completions / args.iterations
+    per_iteration = {  # rlpipe's, over its seeds: its generate and update beside their floors here
+        "prompt_tokens": statistics.fmean(r["prompt_tokens_mean"] for r in by["rlpipe"]) * per_generation,
+        "completion_tokens": statistics.fmean(r["completion_tokens_mean"] for r in by["rlpipe"]) * per_generation,
+        "generate_s": statistics.fmean(r["generate_s"] for r in by["rlpipe"]) / args.iterations,
+        "update_s": statistics.fmean(r["update_s"] for r in by["rlpipe"]) / args.iterations,
+    }
     report = {
+        "floors": step_floors(spec, model_dir, per_iteration, spec.trainer.threads),
         "machine": describe_machine(),
         "note": args.note,
-        "settings": settings(example_spec(0, args.work)),
+        "settings": settings(spec),
         "iterations": args.iterations,
         "rows": rows,
         "samples_per_s_ratio": ratio,
@@ -254,7 +263,8 @@ def markdown(report: dict) -> str:
             f"{r['generate_s']:.0f} | {update:.0f} | {r['before']['acc']:.3f} -> {r['after']['acc']:.3f} "
             f"({r['before']['strict']:.3f} -> {r['after']['strict']:.3f}) | {r['peak_rss_gb']:.2f} |"
         )
-    lines += ["", f"rlpipe / TRL samples/s: **{report['samples_per_s_ratio']:.2f}x**", ""]
+    lines += ["", f"rlpipe / TRL samples/s: **{report['samples_per_s_ratio']:.2f}x**"]
+    lines += floor_lines(report["floors"]) + [""]
     return "\n".join(lines)
 
 
