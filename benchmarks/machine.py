@@ -175,6 +175,6 @@ def floor_lines(floor: dict) -> list[str]:
     ]
     for step, measured in floor["measured_s"].items():
         lines.append(
-            f"| {step} | {measured:.2f} | {floor['floor_s'][step]:.3f} | {measured / floor['floor_s'][step]:.0f}x |"
+            f"| {step} | {measured:.2f} | {floor['floor_s'][step]:.3f} | {measured / floor['floor_s'][step]:.1f}x |"
         )
     return lines
