@@ -95,8 +95,6 @@ class ModelShape:
     parameters: int  # every weight the forward reads (the LM head once, tied or not)
     layers: int
     hidden: int
-    kv_width: int  # num_key_value_heads x head_dim
-    vocab: int
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -107,7 +105,7 @@ class ModelShape:
         d, ff, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
         attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o; k, v
         per_layer = attention + 3 * d * ff  # gated MLP: gate, up, down
-        return cls(layers * per_layer + vocab * d, layers, d, kv_heads * head_dim, vocab)
+        return cls(layers * per_layer + vocab * d, layers, d)
 
 
 def forward_flops(shape: ModelShape, tokens: float, context: float) -> float:

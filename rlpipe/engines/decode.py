@@ -20,6 +20,7 @@ forward. The samples follow the same distribution as that path, not the same dra
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -79,8 +80,6 @@ class Decoder:
 def decoder_of(model: PreTrainedModel, length: int, end_ids: set[int], pad_id: int) -> Decoder | None:
     """The model's Decoder, when its architecture is one this loop runs for sequences of `length`
     tokens (a sliding window shorter than that: no), else None."""
-    import importlib
-
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's LoRA
     inner, config = getattr(causal_lm, "model", None), causal_lm.config
     family = ARCHITECTURES.get(type(inner).__name__)
