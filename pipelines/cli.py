@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rlpipe.spec import RunSpec, SpecError, load_spec
+from rlpipe.spec import RunSpec, SpecError, json_schema_text, load_spec, with_reference
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -221,6 +221,19 @@ def cmd_fork(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    if args.docs:
+        page = Path(args.docs)
+        page.write_text(with_reference(page.read_text()))
+        print(f"rewrote the generated key reference in {page}")
+    elif args.out:
+        Path(args.out).write_text(json_schema_text())
+        print(f"wrote the run spec's JSON Schema to {args.out}")
+    else:
+        print(json_schema_text(), end="")
+    return 0
+
+
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec")
     parser.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
@@ -323,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="what the fork changes, e.g. algorithm.kl_coef=0.05"
     )
     fork.set_defaults(func=cmd_fork)
+
+    schema = sub.add_parser("schema", help="print the run spec's JSON Schema, or write the docs' key reference")
+    schema.add_argument("-o", "--out", help="write the schema to this file, e.g. docs/rlpipe-spec.schema.json")
+    schema.add_argument(
+        "--docs", nargs="?", const="docs/configuration.md", metavar="PAGE", help="rewrite PAGE's generated reference"
+    )
+    schema.set_defaults(func=cmd_schema)
 
     _cluster_commands(sub)
     return parser

@@ -14,7 +14,7 @@ import torch
 from rlpipe.models.devices import resolve_device
 from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
-from rlpipe.training.batching import micro_batches
+from rlpipe.training.batching import CPU_MICRO_BATCH_TOKENS, micro_batches, token_budget
 from rlpipe.training.state import Trainer
 from rlpipe.training.trainer import train_on_batch
 
@@ -78,6 +78,9 @@ def test_micro_batches_fit_the_token_budget():
         width = max(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in group)
         assert width * len(group) <= 20 or len(group) == 1  # a row longer than the budget goes alone
     assert micro_batches(rows, None) == [rows]
+    # "auto" (the default): cache-sized micro-batches on a CPU, one pass on a GPU
+    assert token_budget("auto", "cpu") == CPU_MICRO_BATCH_TOKENS and token_budget("auto", "cuda") is None
+    assert token_budget(64, "cuda") == 64 and token_budget(None, "cpu") is None
 
 
 @pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
@@ -86,7 +89,11 @@ def test_gradient_accumulation_equals_the_one_pass_update(tmp_path: Path, aggreg
     algorithm = {"loss_aggregation": aggregation, "kl_coef": 0.05, "track_reference_kl": True}
     one_pass = _make(
         parse_spec(
-            tiny_spec_dict(tmp_path, trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05}, algorithm=algorithm)
+            tiny_spec_dict(
+                tmp_path,
+                trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05, "micro_batch_tokens": None},
+                algorithm=algorithm,
+            )
         )
     )
     accumulated = _make(
@@ -203,7 +210,8 @@ checkpointing = sys.argv[2] == "1"
 rows = [{"prompt_token_ids": [1] + [5] * 59, "completion_token_ids": [6] * 64, "logprobs": [-2.0] * 64,
          "advantage": random.Random(i).uniform(-1, 1)} for i in range(64)]
 pq.write_table(pa.Table.from_pylist(rows), sys.argv[1])
-spec = parse_spec({"name": "m", "trainer": {"mini_batches": 1, "gradient_checkpointing": checkpointing},
+spec = parse_spec({"name": "m", "trainer": {"mini_batches": 1, "gradient_checkpointing": checkpointing,
+                               "micro_batch_tokens": None},
                    "algorithm": {"track_reference_kl": False}, "rollout": {"prompts_per_iteration": 8}})
 tokenizer = build_char_tokenizer()
 before = rss("VmRSS")

@@ -18,7 +18,7 @@ from .conftest import REPO
 
 PACKAGE = REPO / "rlpipe" / "spec"
 # bottom first: each module may import only the ones before it
-ORDER = ["schema", "held_out", "placement", "run_spec", "migration", "validation", "encoding"]
+ORDER = ["schema", "held_out", "placement", "run_spec", "migration", "validation", "encoding", "reference"]
 
 
 def _spec_imports(path: Path) -> set[str]:

@@ -13,6 +13,8 @@ and they import in this order (each only the ones above it):
 - validation: `parse_spec` and SpecError: unknown keys, types, bounds, choices, cross-field rules
 - encoding:   YAML (`load_spec`, `with_overrides`), plain dicts and the JSON that crosses KFP; what
               the keys affect (TRAINING_KEYS, RESUMABLE_KEYS, WARM_START_KEYS) and `resume_changes`
+- reference:  every key's type, default, bounds and doc (`spec_keys`), as docs/configuration.md's tables
+              and a JSON Schema (`rlpipe schema`)
 
 Steps parse the spec in every process, so this package imports nothing heavy.
 """
@@ -35,6 +37,17 @@ from rlpipe.spec.encoding import (
 from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec, HarnessSpec
 from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
 from rlpipe.spec.placement import CPU, MEMORY, ClusterSpec, PodSpec, SecretEnv, StorageSpec, Toleration, TrackingSpec
+from rlpipe.spec.reference import (
+    REFERENCE_BEGIN,
+    REFERENCE_END,
+    SCHEMA_FILE,
+    SpecKey,
+    json_schema,
+    json_schema_text,
+    reference_markdown,
+    spec_keys,
+    with_reference,
+)
 from rlpipe.spec.run_spec import RunSpec
 from rlpipe.spec.schema import (
     AlgorithmSpec,
@@ -58,6 +71,8 @@ from rlpipe.spec.validation import SpecError, parse_spec
 __all__ = [
     "CPU",
     "MEMORY",
+    "REFERENCE_BEGIN",
+    "REFERENCE_END",
     "RESUMABLE_KEYS",
     "TRAINING_KEYS",
     "WARM_START_KEYS",
@@ -76,9 +91,11 @@ __all__ = [
     "RewardSpec",
     "RolloutSpec",
     "RunSpec",
+    "SCHEMA_FILE",
     "SamplersSpec",
     "SecretEnv",
     "SpecError",
+    "SpecKey",
     "StorageSpec",
     "TinyModelSpec",
     "Toleration",
@@ -86,19 +103,24 @@ __all__ = [
     "TrainerSpec",
     "WarmStartSpec",
     "flatten",
+    "json_schema",
+    "json_schema_text",
     "load_spec",
     "old_gpu_keys",
     "old_task_section",
     "parse_spec",
     "pick",
+    "reference_markdown",
     "replaced_keys",
     "resume_changes",
     "section",
     "section_dict",
     "setting",
     "spec_from_json",
+    "spec_keys",
     "spec_to_dict",
     "spec_to_json",
     "with_overrides",
+    "with_reference",
     "without",
 ]

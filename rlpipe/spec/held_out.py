@@ -49,7 +49,7 @@ class HarnessSpec:
     )
     limit: int | None = setting(None, ge=1, doc="Documents per task at most")
     num_fewshot: int | None = setting(None, ge=0, doc="Few-shot examples (null: each task's own)")
-    batch_size: int = setting(16, ge=1)
+    batch_size: int = setting(16, ge=1, doc="lm_eval's batch size")
     max_gen_toks: int = setting(256, ge=1, doc="Tokens a generate_until task may produce at most")
 
 

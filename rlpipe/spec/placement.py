@@ -11,6 +11,8 @@ from rlpipe.spec.schema import section, setting
 
 @section
 class StorageSpec:
+    """Where a run keeps its files: run roots, weight versions and their dtype, optimizer state, the cache."""
+
     root: str = setting("./runs", doc="Parent of run directories: a local path or fsspec URI")
     keep_versions: int = setting(3, ge=1, doc="Weight versions kept besides v0")
     cache: str | None = setting(None, doc="Warm-start cache; default <root>/.cache")
@@ -39,8 +41,10 @@ class StorageSpec:
 
 @section
 class TrackingSpec:
+    """MLflow: where a run's params, metrics and registered models go."""
+
     uri: str | None = setting(None, doc="MLflow tracking URI; default sqlite:///<run dir>/mlflow.db")
-    experiment: str = "rlpipe"
+    experiment: str = setting("rlpipe", doc="MLflow experiment of the run")
     register: Literal["none", "best", "every_eval"] = setting(
         "best",
         doc="Which evaluated weight versions the MLflow Model Registry gets (a model version pointing at the "
@@ -52,10 +56,14 @@ class TrackingSpec:
 
 @section
 class Toleration:
-    key: str
-    operator: Literal["Equal", "Exists"] = "Exists"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
+    """A Kubernetes toleration of the pods: a taint of the node pool they may run on."""
+
+    key: str = setting(doc="The taint's key, e.g. nvidia.com/gpu")
+    operator: Literal["Equal", "Exists"] = setting("Exists", doc="Exists: any value; Equal: `value`")
+    value: str | None = setting(None, doc="The taint's value (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = setting(
+        "NoSchedule", doc="The taint's effect it tolerates; null: all"
+    )
 
 
 CPU = r"([0-9]*[.])?[0-9]+m?"  # what KFP's set_cpu_request accepts
@@ -66,26 +74,26 @@ MEMORY = r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?"  # what KFP's set_memory_requ
 class PodSpec:
     """Image, resources and placement for one class of steps on the cluster."""
 
-    image: str
+    image: str = setting(doc="Container image of these steps")
     cpu: str = setting("1", pattern=CPU, doc="CPU request: cores, e.g. 4, 0.5 or 500m")
     memory: str = setting("2Gi", pattern=MEMORY, doc="Memory request: bytes or with a suffix, e.g. 16Gi")
-    cpu_limit: str | None = setting(None, pattern=CPU)
-    memory_limit: str | None = setting(None, pattern=MEMORY)
+    cpu_limit: str | None = setting(None, pattern=CPU, doc="CPU limit; null: none")
+    memory_limit: str | None = setting(None, pattern=MEMORY, doc="Memory limit; null: none")
     accelerator: str = setting(
         "nvidia.com/gpu", doc="Resource name (KFP accelerator type) of the GPUs a step requests (trainer.gpus)"
     )
-    node_selector: dict[str, str] = setting(default_factory=dict)
-    tolerations: list[Toleration] = setting(default_factory=list)
-    timeout_s: int = setting(7200, ge=60)
+    node_selector: dict[str, str] = setting(default_factory=dict, doc="Node labels the pods must have")
+    tolerations: list[Toleration] = setting(default_factory=list, doc="Taints the pods tolerate")
+    timeout_s: int = setting(7200, ge=60, doc="Seconds one step may run")
 
 
 @section
 class SecretEnv:
     """Expose one key of a Kubernetes Secret as an env var (by reference: values never enter the spec)."""
 
-    secret: str
-    key: str
-    env: str
+    secret: str = setting(doc="The Secret's name")
+    key: str = setting(doc="The key in it")
+    env: str = setting(doc="The env var that gets its value")
     steps: list[str] | None = setting(None, doc="Steps that get it (e.g. [track]); None = every step")
 
 
@@ -102,11 +110,11 @@ class ClusterSpec:
         doc="vLLM sampler image: the samplers `rlpipe run --containers` starts (the cluster's: manifests/)",
     )
     pvc: str | None = setting(None, doc="ReadWriteMany PVC holding the run root (Lustre/Filestore/NFS)")
-    mount_path: str = "/mnt/rlpipe"
-    secrets: list[SecretEnv] = setting(default_factory=list)
+    mount_path: str = setting("/mnt/rlpipe", doc="Where cluster.pvc is mounted in every pod")
+    secrets: list[SecretEnv] = setting(default_factory=list, doc="Secret keys the steps get as env vars")
     retries: int = setting(2, ge=0, doc="Every step is safe to retry: nothing is visible before sync commits")
-    retry_backoff: str = "30s"
-    run_as_user: int = 1000
+    retry_backoff: str = setting("30s", doc="Wait before a retry (a KFP duration)")
+    run_as_user: int = setting(1000, doc="UID and GID the steps' containers run as")
     sandbox_runtime_class: str | None = setting(
         "gvisor",
         doc="RuntimeClass of the score pod when a code_sandbox reward runs candidates' code (GKE Sandbox: "

@@ -21,16 +21,37 @@ from rlpipe.spec.schema import (
 
 @section
 class RunSpec:
-    name: str = setting(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    seed: int = 0
-    model: ModelSpec = setting(default_factory=ModelSpec)
+    """A run: its name and seed, and one section per concern."""
+
+    name: str = setting(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", doc="The run's name: its root is <storage.root>/<name>"
+    )
+    seed: int = setting(0, doc="Seeds the rows, the held-out split, sampling and the update's order")
+    model: ModelSpec = setting(
+        default_factory=ModelSpec,
+        doc="The policy: the model to start from (a path, or model.tiny), its supervised warm start, and LoRA",
+    )
     data: DataSpec = setting(default_factory=DataSpec)
-    reward: RewardSpec = setting(default_factory=RewardSpec)
-    rollout: RolloutSpec = setting(default_factory=RolloutSpec)
+    reward: RewardSpec = setting(
+        default_factory=RewardSpec,
+        doc="What a completion earns (reward functions, summed) and what judges held-out accuracy (the verifier)",
+    )
+    rollout: RolloutSpec = setting(
+        default_factory=RolloutSpec, doc="How each iteration's completions are sampled (the generate step)"
+    )
     samplers: SamplersSpec = setting(default_factory=SamplersSpec)
-    algorithm: AlgorithmSpec = setting(default_factory=AlgorithmSpec)
-    trainer: TrainerSpec = setting(default_factory=TrainerSpec)
-    loop: LoopSpec = setting(default_factory=LoopSpec)
+    algorithm: AlgorithmSpec = setting(
+        default_factory=AlgorithmSpec,
+        doc="The RL algorithm (advantages and loss) and its options; null: the algorithm's own (docs/algorithms.md)",
+    )
+    trainer: TrainerSpec = setting(
+        default_factory=TrainerSpec,
+        doc="How the update trains: AdamW, mini-batches, precision, memory, devices, the resident trainer",
+    )
+    loop: LoopSpec = setting(
+        default_factory=LoopSpec,
+        doc="How long the loop runs, in how many pipeline runs, when it evaluates, stops early or runs ahead",
+    )
     evaluation: EvaluationSpec = setting(default_factory=EvaluationSpec)
     storage: StorageSpec = setting(default_factory=StorageSpec)
     tracking: TrackingSpec = setting(default_factory=TrackingSpec)

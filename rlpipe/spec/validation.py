@@ -118,13 +118,14 @@ def _fail(errors: list[str], key: str, value: Any, expected: str) -> None:
 
 def _first_arm(arms: list[Any], value: Any, key: str, bounds: typing.Mapping[str, Any], errors: list[str]) -> Any:
     """`value` as the first of a union's types it fits, e.g. str | dict[str, Any]."""
+    expected = []
     for arm in arms:
         scratch: list[str] = []
         converted = _convert(arm, value, key, bounds, scratch)
         if not scratch:
             return converted
-    kinds = " or ".join(getattr(typing.get_origin(a) or a, "__name__", str(a)) for a in arms)
-    errors.append(f"{key}: must be a {kinds} (got {value!r})")
+        expected.append(scratch[0].removeprefix(f"{key}: ").rsplit(" (got", 1)[0])  # e.g. "must be >= 1"
+    errors.append(f"{key}: {' or '.join(expected)} (got {value!r})")
     return None
 
 

@@ -151,6 +151,20 @@ def micro_batches(rows: list[dict], budget: int | None, unit: int = 1) -> list[l
     return groups
 
 
+# trainer.micro_batch_tokens "auto" on a CPU: a micro-batch's activations (1024 tokens x intermediate size
+# x 4 bytes: 2-6 MB for the demo and SmolLM2) stay in cache, where one pass of the mini-batch streams them
+# through memory (update 4.7 -> 3.9 s on the demo, 25 -> 20 s on SmolLM2-135M; 512-2048 within 5%).
+CPU_MICRO_BATCH_TOKENS = 1024
+
+
+def token_budget(micro_batch_tokens: int | str | None, device_type: str) -> int | None:
+    """trainer.micro_batch_tokens with "auto" resolved for the device type ("cpu", "cuda"): CPU_MICRO_BATCH_TOKENS on a CPU; on a
+    GPU, one pass per mini-batch (None), where larger matmuls run faster and memory is the bound."""
+    if micro_batch_tokens != "auto":
+        return micro_batch_tokens  # type: ignore[return-value]
+    return CPU_MICRO_BATCH_TOKENS if device_type == "cpu" else None
+
+
 def rank_parts(mini: list[dict], budget: int | None, unit: int = 1) -> list[tuple[list[dict], float]]:
     """This process's micro-batches of a mini-batch, as (rows, weight 1.0 or 0.0). Every process forms
     the same micro-batches (FSDP's collectives line up) and takes every world-th unit of each; one with

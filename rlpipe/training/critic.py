@@ -29,7 +29,7 @@ from rlpipe.models.loading import configure_torch, disable_dropout
 from rlpipe.rollouts import read_table, write_table
 from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_weight_ref, seal, staging_uri
-from rlpipe.training.batching import MicroBatch, micro_batches, pack, window_column
+from rlpipe.training.batching import MicroBatch, micro_batches, pack, token_budget, window_column
 from rlpipe.training.distributed import full_model_state, full_optimizer_state, load_optimizer_state, shard, world
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def compute_values(
     critic.model.eval()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.trainer.dtype == "bfloat16")
     with torch.no_grad(), autocast:
-        for group in micro_batches(rows, spec.trainer.micro_batch_tokens):
+        for group in micro_batches(rows, token_budget(spec.trainer.micro_batch_tokens, device.type)):
             mb = pack(group, pad_id).to(device)
             v = token_values(critic.model, mb).cpu()
             for i, row in enumerate(group):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlpipe.algorithms import needs_critic
+from rlpipe.training.batching import token_budget
 
 if TYPE_CHECKING:
     from rlpipe.spec import LoraSpec, RunSpec
@@ -114,10 +115,12 @@ class MemoryEstimate:
 
 
 def micro_batch_tokens(spec: RunSpec, seq_len: int) -> int:
-    """Tokens in one forward/backward: trainer.micro_batch_tokens, else the whole mini-batch."""
+    """Tokens in one forward/backward on a GPU: trainer.micro_batch_tokens, else ("auto", null) the whole
+    mini-batch."""
     rows = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     mini_batch = math.ceil(rows / spec.trainer.mini_batches) * seq_len
-    return min(spec.trainer.micro_batch_tokens or mini_batch, mini_batch)
+    budget = token_budget(spec.trainer.micro_batch_tokens, "cuda")
+    return min(budget or mini_batch, mini_batch)
 
 
 def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool, act_bytes: int) -> float:

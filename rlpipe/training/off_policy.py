@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from rlpipe.algorithms.policy_gradient import behaviour_weights
-from rlpipe.training.batching import MicroBatch, rank_parts
+from rlpipe.training.batching import MicroBatch, rank_parts, token_budget
 from rlpipe.training.distributed import all_max, all_sum, world
 from rlpipe.training.logprobs import completion_logprobs, sequence_key
 
@@ -66,7 +66,7 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
     from, for the rows this process trains on, before the first optimizer step. Rows the resident trainer
     computed ahead at these weights (trainer.proximal, one process) are not computed again; returns the
     fraction that were."""
-    budget = trainer.spec.trainer.micro_batch_tokens
+    budget = token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type)
     cache = trainer.proximal
     known = cache.get("logprobs", {}) if cache.get("sha256") == trainer.weights["sha256"] and world()[1] == 1 else {}
     reused = total = 0

@@ -35,6 +35,7 @@ from rlpipe.training.batching import (
     mini_batches,
     pack,
     rank_parts,
+    token_budget,
     trained_tokens,
     update_order,
 )
@@ -244,8 +245,9 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
     if trainer.critic is not None:
         trainer.critic.optimizer.zero_grad(set_to_none=True)
     stats = OptimizerStepStats(kl_measured=use_reference)
-    for part, present in rank_parts(mini, trainer.spec.trainer.micro_batch_tokens, objective.unit):
-        mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device)
+    budget = token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type)
+    for part, present in rank_parts(mini, budget, objective.unit):
+        mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device.type)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
         share = present * float(mb.completion_mask.sum()) / max(completion_tokens, 1.0)  # of token means
         # before the first optimizer step the policy is the weights that sampled this iteration's rows (all
@@ -257,7 +259,7 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
         tally.tokens += int(present * mb.attention.sum())
         tally.padded += int(present * mb.attention.numel())
         tally.micro_batches += 1
-    return stats.summed(trainer.policy.device)
+    return stats.summed(trainer.policy.device.type)
 
 
 def micro_step(

@@ -237,7 +237,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     rank."""
     from rlpipe.algorithms import resolve_options
     from rlpipe.services.producer.buffer import Slices, first_finished, group_bytes, read_group
-    from rlpipe.training.batching import micro_batches
+    from rlpipe.training.batching import micro_batches, token_budget
     from rlpipe.training.logprobs import sequence_key
     from rlpipe.training.off_policy import policy_logprobs
 
@@ -274,7 +274,7 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
         except FileNotFoundError:  # dropped as too stale, or taken and retired meanwhile
             return computed_ahead()
         seen |= set(names)
-        groups = micro_batches(rows, trainer.spec.trainer.micro_batch_tokens)
+        groups = micro_batches(rows, token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type))
         for part in (group[i : i + PREFETCH_ROWS] for group in groups for i in range(0, len(group), PREFETCH_ROWS)):
             if held.waiting:  # a request is due: it computes the rest (a lock is not fair to it)
                 return computed_ahead()
