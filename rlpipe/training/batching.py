@@ -158,8 +158,9 @@ CPU_MICRO_BATCH_TOKENS = 1024
 
 
 def token_budget(micro_batch_tokens: int | str | None, device_type: str) -> int | None:
-    """trainer.micro_batch_tokens with "auto" resolved for the device type ("cpu", "cuda"): CPU_MICRO_BATCH_TOKENS on a CPU; on a
-    GPU, one pass per mini-batch (None), where larger matmuls run faster and memory is the bound."""
+    """trainer.micro_batch_tokens with "auto" resolved for the device type ("cpu", "cuda"):
+    CPU_MICRO_BATCH_TOKENS on a CPU; on a GPU, one pass per mini-batch (None), where larger matmuls run
+    faster and memory is the bound."""
     if micro_batch_tokens != "auto":
         return micro_batch_tokens  # type: ignore[return-value]
     return CPU_MICRO_BATCH_TOKENS if device_type == "cpu" else None
