@@ -17,7 +17,7 @@ from hera.workflows import models as m
 from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL, security_context
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_json
-from rlpipe.steps import gpus_for, iteration_steps, sandboxed, uses_trainer_image
+from rlpipe.steps import FUSED, gpus_for, iteration_steps, sandboxed, task_steps, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -34,7 +34,7 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
     env = [
         m.EnvVar(name=s.env, value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=s.secret, key=s.key)))
         for s in cluster.secrets
-        if s.steps is None or step in s.steps or (step == "init" and "warm_start" in s.steps)
+        if s.steps is None or set(task_steps(step, spec)) & set(s.steps) or (step == "init" and "warm_start" in s.steps)
     ]
     pod_security, container_security = security_context(cluster)
     return m.Template(
@@ -78,7 +78,7 @@ def _dag(iterations_per_run: int, steps: tuple[str, ...]) -> m.Template:
     tasks = [m.DAGTask(name="init", template="init"), m.DAGTask(name="evaluate-0", template="evaluate", depends="init")]
     previous = "evaluate-0"
     for k in range(1, iterations_per_run + 1):
-        for step in (*steps, "evaluate"):
+        for step in steps if steps == (FUSED,) else (*steps, "evaluate"):
             template = step.replace("_", "-")
             tasks.append(m.DAGTask(name=f"{template}-{k}", template=template, depends=previous))
             previous = f"{template}-{k}"
@@ -88,7 +88,7 @@ def _dag(iterations_per_run: int, steps: tuple[str, ...]) -> m.Template:
 def build_argo(spec: RunSpec, run_root: str | None = None) -> tuple[m.WorkflowTemplate, m.CronWorkflow]:
     spec, run_root = cluster_spec_and_root(spec, run_root)
     name = f"rlpipe-{spec.name}".lower().replace("_", "-").replace(".", "-")
-    every_iteration = iteration_steps(spec)
+    every_iteration = (FUSED,) if spec.loop.fuse_steps else iteration_steps(spec)  # FUSED evaluates too
     steps = ("init", *every_iteration, "evaluate", "track")  # init: the init phase's steps in one pod
     templates = [_dag(spec.loop.iterations_per_run, every_iteration)]
     templates += [_template(s.replace("_", "-"), s, spec) for s in steps]

@@ -15,10 +15,11 @@ from rlpipe import loop
 from rlpipe.metric_keys import EVAL_ACCURACY
 from rlpipe.reports import write_reports
 from rlpipe.spec import RunSpec, spec_from_json
-from rlpipe.steps import BY_NAME, EVERY_ITERATION, iteration_steps, merged_steps
+from rlpipe.steps import BY_NAME, EVERY_ITERATION, FUSED, iteration_steps, merged_steps
 from rlpipe.store.run_root import filesystem, join, read_json, read_state, write_json
 
-STEPS = ("init", *EVERY_ITERATION, "evaluate", "track")  # init: prepare, warm_start, publish_warm_start
+# init: prepare, warm_start, publish_warm_start; iteration: all of an iteration's steps (loop.fuse_steps)
+STEPS = ("init", *EVERY_ITERATION, FUSED, "evaluate", "track")
 
 
 def _work(run_root: str, iteration: int, name: str) -> str:
@@ -56,6 +57,10 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
     if iteration > spec.loop.iterations:
         return f"loop done at iteration {start.iteration}"
     paths = {name: _work(run_root, iteration, f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")}
+    if step == FUSED:  # loop.fuse_steps: every step of it, and its eval when due, in this pod
+        work = paths["rollouts"].rsplit("/", 1)[0]
+        _, metrics = loop.run_iteration(spec, run_root, start.weights, iteration, work, spec.cache_root)
+        return f"iteration {iteration}: reward/mean {metrics['reward/mean']:.3f}"
     steps = iteration_steps(spec)
     for earlier in steps[: steps.index(step)] if step in steps else ():
         if stands_for := BY_NAME[earlier].stands_for:  # its output replaces that artifact for the steps after it

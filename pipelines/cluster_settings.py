@@ -12,7 +12,7 @@ from typing import Any
 from kfp import dsl, kubernetes
 
 from rlpipe.spec import ClusterSpec, RunSpec
-from rlpipe.steps import BY_NAME, gpus_for, sandboxed, uses_trainer_image
+from rlpipe.steps import BY_NAME, gpus_for, sandboxed, task_steps, uses_trainer_image
 
 SANDBOX_LABEL = "rlpipe.dev/sandbox"  # selected by manifests/base/sandbox.yaml's NetworkPolicies
 RUNTIME_CLASS_ANNOTATION = "rlpipe.dev/runtime-class"
@@ -60,7 +60,7 @@ def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.Pipeli
     if cluster.pvc and BY_NAME[step].run_root:
         kubernetes.mount_pvc(task, pvc_name=cluster.pvc, mount_path=cluster.mount_path)
     for secret in cluster.secrets:
-        if secret.steps is None or step in secret.steps:
+        if secret.steps is None or set(task_steps(step, spec)) & set(secret.steps):
             kubernetes.use_secret_as_env(task, secret_name=secret.secret, secret_key_to_env={secret.key: secret.env})
     if cluster.retries:
         task.set_retry(cluster.retries, backoff_duration=cluster.retry_backoff)

@@ -25,7 +25,7 @@ from rlpipe.pipelines.rl_pipeline import (
     unroll_iterations,
 )
 from rlpipe.spec import RunSpec
-from rlpipe.steps import iteration_steps
+from rlpipe.steps import FUSED, iteration_steps
 
 DPO_ITERATION = ("dpo_update", "sync_weights")
 
@@ -70,6 +70,5 @@ def build_pipeline_for(spec: RunSpec, placement: RunSpec | None = None) -> Calla
         check_dpo_spec(spec)
         return build_dpo_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement)
     offset = spec.loop.max_staleness if spec.loop.overlap == "dag" else 0
-    return build_run_pipeline(
-        spec.loop.iterations_per_run, spec.loop.eval_every, placement, iteration_steps(spec), offset
-    )
+    steps = (FUSED,) if spec.loop.fuse_steps else iteration_steps(spec)
+    return build_run_pipeline(spec.loop.iterations_per_run, spec.loop.eval_every, placement, steps, offset)

@@ -3,6 +3,7 @@
     rl_iteration(weights v(N)):  generate -> score [-> values] -> advantages -> update -> sync_weights
                                   -> evaluate, only when v(N+1) is due an eval
                                   (values: only for an algorithm with a critic, rlpipe.steps.iteration_steps)
+                                  loop.fuse_steps: one task, `iteration`, runs them all (and evaluate when due)
     rl_run (K unrolled):          prepare -> warm_start -> publish_warm_start -> plan, iterations_todo
                                   -> evaluate (if pending) -> iteration 1 -> ... -> iteration K
                                   (iteration k runs under If(iterations_todo >= k))
@@ -30,7 +31,7 @@ from kfp import dsl
 
 from rlpipe.pipelines.cluster_settings import place
 from rlpipe.spec import RunSpec
-from rlpipe.steps import BY_NAME, EVERY_ITERATION, STEP_NAMES
+from rlpipe.steps import BY_NAME, EVERY_ITERATION, FUSED, STEP_NAMES
 
 # the KFP component of every step in the table: rlpipe.components.<step>.component:<step>
 COMPONENTS = {
@@ -82,7 +83,8 @@ def build_iteration_pipeline(
         available: dict[str, Any] = {"spec": spec, "run_root": run_root, "weights": weights, "iteration": iteration}
         for step in steps:
             add_task(step, available, placement)
-        add_evaluation(available, eval_phase == due_phase, iterations_left == position, placement)
+        if FUSED not in steps:  # the fused iteration (loop.fuse_steps) evaluates in its own task
+            add_evaluation(available, eval_phase == due_phase, iterations_left == position, placement)
         outputs = NamedTuple("Outputs", weights=dict, next_iteration=int)
         return outputs(weights=available["weights"], next_iteration=available["next_iteration"])
 

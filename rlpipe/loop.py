@@ -282,16 +282,23 @@ def evaluate(
 
 
 def run_iteration(
-    spec: RunSpec, run_root: str, weights: WeightRef, iteration: int, work_dir: str | Path, cache_root: str
+    spec: RunSpec,
+    run_root: str,
+    weights: WeightRef,
+    iteration: int,
+    work_dir: str | Path,
+    cache_root: str,
+    started_at: float | None = None,
 ) -> tuple[WeightRef, dict[str, float]]:
     """Iteration `iteration`: v(N) = `weights` in, v(N+1) published and committed; its metrics (and
     the held-out evaluation's, when one was due). The artifacts (rollouts, scored, batch) are Parquet
-    files in `work_dir`, beside the step table's Markdown reports (rlpipe.reports)."""
+    files in `work_dir`, beside the step table's Markdown reports (rlpipe.reports). The in-process loop,
+    and the fused iteration's one task (loop.fuse_steps), whose process started at `started_at`."""
     from rlpipe.reports import write_reports
 
     paths = {name: str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")}
     done: dict[str, dict[str, float]] = {}  # each step's metrics, which sync_weights merges
-    begun = {STARTED_AT: time.time()}  # sync_weights records the iteration's wall time from here
+    begun = {STARTED_AT: started_at or time.time()}  # sync_weights records the iteration's wall time from here
     done["generate"] = generate(spec, run_root, weights, iteration, paths["rollouts"], cache_root)
     done["score"] = score(spec, paths["rollouts"], paths["scored"])
     if "values" in iteration_steps(spec):

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Step:
     name: str  # KFP task, Argo template (with - for _), spec name
     does: str
-    phase: Literal["init", "iteration", "exit", "dpo"]
+    phase: Literal["init", "iteration", "fused", "exit", "dpo"]
     function: str  # module:function, the step's plain logic
     torch: bool  # computes with torch: the trainer image and GPU on a cluster, unless a thin client
     run_root: bool  # reads or writes the run root (mounts the shared volume); False: KFP artifacts only
@@ -66,6 +66,9 @@ STEPS: tuple[Step, ...] = (
          reports=("time_breakdown",), merges=("generate", "score", "values", "advantages", "update")),
     Step("evaluate", "greedy held-out accuracy of v(N+1), when due", "iteration", "rlpipe.loop:evaluate",
          torch=True, run_root=True, computes_with=("rlpipe.evaluation.accuracy",), reports=("eval_samples",)),
+    Step("iteration", "an iteration's steps and its due eval in one task (loop.fuse_steps)", "fused",
+         "rlpipe.loop:run_iteration", torch=True, run_root=True, outputs=("rollouts", "scored", "batch"),
+         reports=("rollout_samples", "time_breakdown", "eval_samples")),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
          "rlpipe.run.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.run.tracking",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
@@ -85,6 +88,7 @@ STEP_NAMES = tuple(BY_NAME)
 ITERATION_STEPS = tuple(step.name for step in STEPS if step.phase == "iteration")
 # evaluate runs after sync_weights only when an eval is due; the rest run every iteration, in order
 EVERY_ITERATION = tuple(name for name in ITERATION_STEPS if name != "evaluate")
+FUSED = next(step.name for step in STEPS if step.phase == "fused")  # all of an iteration in one task
 
 
 def iteration_steps(spec: RunSpec) -> tuple[str, ...]:
@@ -117,8 +121,16 @@ def service_for(step: str, spec: RunSpec) -> Literal["trainer", "sampler", "prod
     return None
 
 
+def task_steps(step: str, spec: RunSpec) -> tuple[str, ...]:
+    """The steps the task of `step` computes: the fused iteration's (loop.fuse_steps) are the spec's iteration
+    steps and evaluate; any other task computes its own step."""
+    return (*iteration_steps(spec), "evaluate") if step == FUSED else (step,)
+
+
 def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
     """What the step's process imports to compute it: its own modules, or its service's client."""
+    if step == FUSED:
+        return tuple(dict.fromkeys(m for s in task_steps(step, spec) for m in modules_for(s, spec)))
     if service_for(step, spec) == "trainer":
         return ("rlpipe.services.trainer.client",)
     if service_for(step, spec) == "producer":
@@ -133,7 +145,9 @@ def reward_types(spec: RunSpec) -> set[str]:
 
 def uses_trainer_image(step: str, spec: RunSpec) -> bool:
     """Torch steps run on the trainer image (and GPU), unless a service computes them; so does
-    score when a reward model scores."""
+    score when a reward model scores; the fused iteration when one of its steps does."""
+    if step == FUSED:
+        return any(uses_trainer_image(s, spec) for s in task_steps(step, spec))
     if step == "score":
         return "reward_model" in reward_types(spec)
     return BY_NAME[step].torch and service_for(step, spec) is None
@@ -145,13 +159,17 @@ def gpus_for(step: str, spec: RunSpec) -> int:
     none for the step image, nor with trainer.device cpu (gloo processes)."""
     if spec.trainer.device == "cpu" or not uses_trainer_image(step, spec):
         return 0
+    if step == FUSED:
+        return max(gpus_for(s, spec) for s in task_steps(step, spec))
     return spec.trainer.gpus if step == "update" else 1
 
 
 def sandboxed(step: str, spec: RunSpec) -> bool:
     """The step runs model-written code: the score step with a code_sandbox reward, the generate step with
-    an environment whose tools include `python`. On a cluster its pod runs under
-    cluster.sandbox_runtime_class (gVisor) and the sandbox NetworkPolicy (no egress)."""
+    an environment whose tools include `python`, or the fused iteration that runs one of them. On a cluster its pod
+    runs under cluster.sandbox_runtime_class (gVisor) and the sandbox NetworkPolicy (no egress)."""
+    if step == FUSED:
+        return any(sandboxed(s, spec) for s in task_steps(step, spec))
     if step == "generate":
         environment = spec.rollout.environment
         return (

@@ -253,3 +253,30 @@ def test_kfp_argo_and_the_trainer_jobset_run_pods_under_one_security_context(tmp
     trainer_pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod.items() <= trainer_pod["securityContext"].items()
     assert container.items() <= trainer_pod["containers"][0]["securityContext"].items()
+
+
+def test_fused_steps_compile_to_one_task_an_iteration(tmp_path: Path):
+    """loop.fuse_steps on a cluster: each iteration is one pod on the trainer image with the GPU, the run
+    root and every secret its steps take; KFP and Argo alike."""
+    out = tmp_path / "fused.yaml"
+    env = {**os.environ, "MLFLOW_TRACKING_PASSWORD": "x", "HF_TOKEN": "y"}
+    compile_example("addition-gke.yaml", "-o", str(out), "--set", "loop.fuse_steps=true", check=True, env=env)
+    pipeline, platform = list(yaml.safe_load_all(out.read_text()))
+    executors = pipeline["deploymentSpec"]["executors"]
+    assert "exec-iteration" in executors and not {"exec-generate", "exec-score", "exec-sync-weights"} & set(executors)
+    container = executors["exec-iteration"]["container"]
+    assert container["image"] == "ghcr.io/rlpipe/trainer:0.1.0"
+    assert container["resources"]["accelerator"]["resourceCount"] == "1"
+    fused = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-iteration"]
+    assert fused["pvcMount"][0]["mountPath"] == "/mnt/rlpipe"
+    iteration_dags = [c for name, c in pipeline["components"].items() if name.startswith("comp-rlpipe-iteration")]
+    assert len(iteration_dags) == 5  # the iteration evaluates in its own task: no evaluate under it
+    assert all(list(c["dag"]["tasks"]) == ["iteration"] for c in iteration_dags)
+    argo = tmp_path / "argo.yaml"
+    fused_args = ("--target", "argo", "-o", str(argo), "--set", "loop.fuse_steps=true")
+    compile_example("addition-gke.yaml", *fused_args, check=True)
+    template = next(yaml.safe_load_all(argo.read_text()))
+    templates = {t["name"]: t for t in template["spec"]["templates"]}
+    tasks = [t["name"] for t in templates["loop"]["dag"]["tasks"]]
+    assert tasks == ["init", "evaluate-0", *(f"iteration-{k}" for k in range(1, 6))]
+    assert templates["iteration"]["container"]["command"][-1] == "iteration"

@@ -196,7 +196,9 @@ def test_kill_mid_iteration_then_resume(tmp_path: Path, kill_in: str, resident: 
         assert trainer["state"] == "stopped"
         for pid in (orphan, trainer["pid"]):
             cmdline = Path(f"/proc/{pid}/cmdline")
-            assert not cmdline.exists() or b"rlpipe.services.trainer.server" not in cmdline.read_bytes(), f"trainer {pid} lives"
+            assert not cmdline.exists() or b"rlpipe.services.trainer.server" not in cmdline.read_bytes(), (
+                f"trainer {pid} lives"
+            )
 
 
 REWARD_MODULE = '''
@@ -303,3 +305,31 @@ def test_containers_without_an_engine_say_what_to_do(monkeypatch, tiny_spec, tmp
     monkeypatch.setattr(containers.shutil, "which", lambda name: None)
     with pytest.raises(containers.ContainersUnavailable, match=r"needs Docker .* or Podman on PATH: install one"):
         containers.start_containers(tiny_spec, str(tmp_path / "run"), {})
+
+
+def test_fused_steps_run_each_iteration_in_one_task(tmp_path: Path):
+    """loop.fuse_steps: one KFP task an iteration (its eval included) computes what a task a step does, bit
+    for bit: the same weights, rewards and held-out accuracy; its KFP outputs are the steps' artifacts,
+    reports and metrics."""
+    runs = {}
+    for fused in (False, True):
+        loop = {"iterations": 2, "iterations_per_run": 2, "eval_every": 2, "fuse_steps": fused}
+        spec = _write_spec(tmp_path, loop=loop)  # the same warm-start cache: the same v0
+        run_dir = tmp_path / f"run-{fused}"
+        result = _rlpipe("run", str(spec), "--run-dir", str(run_dir))
+        assert result.returncode == 0, result.stdout + result.stderr
+        _check_consistent(run_dir, 2)
+        runs[fused] = run_dir
+    manifests = {f: json.loads((d / "weights" / "v000002" / "manifest.json").read_text()) for f, d in runs.items()}
+    assert manifests[True]["sha256"] == manifests[False]["sha256"]
+    for kind, key in (("iter", "reward/mean"), ("eval", "eval/accuracy_greedy")):
+        split, fused = (list_metrics(str(runs[f]), kind) for f in (False, True))
+        assert {n: m[key] for n, m in fused.items() if key in m} == {n: m[key] for n, m in split.items() if key in m}
+    tasks = {p.parent.name for p in (runs[True] / "kfp").glob("**/executor_output.json")}
+    assert {"iteration", "iteration-2"} <= tasks and not {"generate", "update", "sync-weights"} & tasks
+    outputs = json.loads(next((runs[True] / "kfp").glob("**/iteration-2/executor_output.json")).read_text())
+    assert "policy/loss" in outputs["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    [rollouts] = (runs[True] / "kfp").glob("**/iteration-2/rollouts")
+    assert rollouts.read_bytes()[:4] == b"PAR1"
+    [samples] = (runs[True] / "kfp").glob("**/iteration-2/eval_samples")  # the last iteration: an eval was due
+    assert "## Held-out eval of iteration 2" in samples.read_text()

@@ -132,6 +132,11 @@ class RunSpec:
                     f"storage.keep_versions must be at least max_staleness + 1 = {s + 1}, got "
                     f"{self.storage.keep_versions}"
                 )
+        if self.loop.fuse_steps and (self.loop.overlap == "dag" or self.algorithm.name == "dpo"):
+            raise ValueError(
+                "loop.fuse_steps runs an iteration's steps in one task, and loop.overlap dag (offline DPO's pipeline) "
+                "runs them as tasks of their own; set loop.fuse_steps: false"
+            )
         if self.loop.max_staleness and self.algorithm.name == "dpo":
             raise ValueError(
                 "algorithm dpo trains on a fixed preference set, with no rollouts; set loop.max_staleness: 0"

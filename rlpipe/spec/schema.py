@@ -246,9 +246,7 @@ class RolloutSpec:
 class SamplersSpec:
     """Long-lived vLLM servers for `rollout.engine: sampler`; reloaded in place by sync_weights."""
 
-    replicas: int = setting(
-        1, ge=1, doc="Servers `rlpipe run` starts on loopback when endpoints is empty (1 per free core or GPU)"
-    )
+    replicas: int = setting(1, ge=1, doc="Servers `rlpipe run` starts on loopback with no endpoints (1 a core/GPU)")
     endpoints: list[str] = setting(
         default_factory=list,
         doc="Base URLs of running samplers; a host that resolves to several addresses (a headless "
@@ -339,9 +337,7 @@ class AlgorithmSpec:
         "loss, and a larger one keeps the policy closer to the reference. Not a KL coefficient (that is kl_coef). "
         "null: 0.1",
     )
-    label_smoothing: float | None = setting(
-        None, ge=0, lt=0.5, doc="DPO: the chance a preference label is flipped (cDPO). null: 0"
-    )
+    label_smoothing: float | None = setting(None, ge=0, lt=0.5, doc="DPO: chance a label is flipped (cDPO). null: 0")
     dpo_loss: Literal["sigmoid", "ipo"] | None = setting(
         None, doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss). null: sigmoid"
     )
@@ -485,16 +481,18 @@ class LoopSpec:
     )
     partial_rollouts: bool = setting(
         False,
-        doc="Asynchronous RL with the producer and the torch engine: a completion still being sampled when a new "
-        "version is committed goes on under it (its sequence so far prefilled again with the new weights), "
-        "each token's version recorded in the token_versions column and corrected for per token, instead of "
-        "finishing under the old one",
+        doc="Asynchronous RL, producer and torch engine: a completion being sampled when a new version is committed "
+        "goes on under it (prefilled again with the new weights), each token's version in token_versions, corrected",
     )
     overlap: Literal["producer", "dag"] = setting(
         "producer",
         doc="How generation runs ahead when max_staleness >= 1. producer: a long-lived producer samples into the "
-        "rollout buffer with the latest version (any engine but vllm). dag: the compiled pipeline offsets its "
-        "iterations instead, iteration N's generate and score taking v(N-1-s) and running beside update N-1 as "
-        "sibling tasks, each in its own pod (a KFP cluster; the local runner runs one task at a time); engines "
-        "torch and vllm, storage.keep_versions >= s + 1",
+        "rollout buffer with the latest version (any engine but vllm). dag: iteration N's generate and score take "
+        "v(N-1-s) and run beside update N-1 as sibling tasks, each in its own pod (a KFP cluster; the local runner "
+        "runs one task at a time); engines torch and vllm, storage.keep_versions >= s + 1",
+    )
+    fuse_steps: bool = setting(
+        False,
+        doc="One KFP task (a process, a pod) runs each iteration's steps and due eval, not one task a step: the same "
+        "functions, artifacts and metrics without each step's start (~0.1 s a process, seconds a pod). Not with dag",
     )
