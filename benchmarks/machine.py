@@ -1,12 +1,15 @@
 """The machine a benchmark figure came from: `lscpu`'s model name (family/model when the name is
 generic, as in VMs), SIMD level and cores, or the GPU; and what it sustains (`measure_peaks`), against
-which a step's time has a floor: the FLOPs its work needs at the matmul rate, the bytes at the bandwidth."""
+which a step's time has a floor: the FLOPs its work needs at the matmul rate, the bytes at the bandwidth.
+`run_measured` runs a system under test and returns the peak memory it took."""
 
 from __future__ import annotations
 
 import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
+
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
+# so one system's peak never leaks into the other's.
+PEAK_RSS = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def run_measured(command: list[str], **kwargs) -> float:
+    """Run `command` to completion; returns the peak RSS (GB) of its largest process."""
+    wrapped = [sys.executable, "-c", PEAK_RSS, *command]
+    result = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed:\n{result.stderr[-3000:]}")
+    return int(result.stderr.strip().splitlines()[-1]) / 1e6
 
 
 def describe_machine() -> str:

@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 
 import yaml
-from machine import describe_machine, floor_lines, step_floors  # benchmarks/ is on sys.path as a script
+from machine import THREADS_ENV, describe_machine, floor_lines, run_measured, step_floors  # benchmarks/ on sys.path
+from trl_grpo import TRL_LABELS, trl_batches, trl_once
 
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec
@@ -62,27 +63,8 @@ RLPIPE_SETTINGS = {
     "samplers": {"rollout.engine": "sampler", "trainer.resident": True},
     "per-step": {"rollout.engine": "torch", "trainer.resident": False},
     "async": {"rollout.engine": "torch", "trainer.resident": True, "loop.max_staleness": 1},
+    "fused": {"rollout.engine": "torch", "trainer.resident": True, "loop.fuse_steps": True},
 }
-THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-# Runs a command and prints the peak RSS (KB) of the largest process in its tree: a fresh parent,
-# so one system's peak never leaks into the other's.
-PEAK_RSS = (
-    "import resource, subprocess, sys\n"
-    "code = subprocess.run(sys.argv[1:]).returncode\n"
-    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
-    "sys.exit(code)\n"
-)
-
-
-def run_measured(command: list[str], **kwargs) -> float:
-    """Run `command` to completion; returns the peak RSS (GB) of its largest process."""
-    wrapped = [sys.executable, "-c", PEAK_RSS, *command]
-    result = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(command[:4])} ... failed:\n{result.stderr[-3000:]}")
-    return int(result.stderr.strip().splitlines()[-1]) / 1e6
-
-
 DEMO = REPO / "examples" / "addition.yaml"
 
 
@@ -112,56 +94,6 @@ def prepare_reference(spec: RunSpec, work: Path) -> tuple[str, str]:
         staged, metrics = warm_start(spec, run_root, str(work / "cache"))
         sync_weights(spec, run_root, staged, 0, metrics)
     return run_root, read_weight_ref(run_root, 0)["uri"]
-
-
-TRL_LABELS = {"trl": "TRL", "trl_same_batch": "TRL same batch"}
-
-
-def trl_batches(spec: RunSpec) -> dict[str, tuple[int, int]]:
-    """TRL's batch structures, (completions per optimizer step, optimizer steps per generation): `trl`
-    an eighth of rlpipe's iteration per step (the demo: 64 prompts x 8), generating every step;
-    `trl_same_batch` rlpipe's (the demo: 4 steps of 1024 per generation of 512 prompts x 8)."""
-    per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
-    mini_batches = spec.trainer.mini_batches
-    return {"trl": (per_iteration // 8, 1), "trl_same_batch": (per_iteration // mini_batches, mini_batches)}
-
-
-def trl_once(
-    system: str,
-    seed: int,
-    spec: RunSpec,
-    run_root: str,
-    model_dir: str,
-    samples: int,
-    work: Path,
-    eval_every: int = 1,
-    clock_includes_eval: bool = False,
-) -> dict:
-    """TRL on `samples` completions, evaluated every `eval_every` rlpipe iterations' worth (the demo: 4096).
-    A result of the same command in `work` is read back, not re-run."""
-    per_step, per_generation = trl_batches(spec)[system]
-    per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
-    steps, eval_every = samples // per_step, eval_every * per_iteration // per_step
-    out = work / f"{system}-seed{seed}.json"
-    kept = work / f"{system}-seed{seed}.result.json"
-    command = [sys.executable, __file__, "--run-trl", "--seed", str(seed), "--run-root", run_root]
-    command += ["--model-dir", model_dir, "--trl-steps", str(steps), "--trl-eval-every", str(eval_every)]
-    command += ["--trl-per-step", str(per_step), "--trl-steps-per-generation", str(per_generation)]
-    command += ["--trl-generations", str(spec.rollout.samples_per_prompt)]
-    command += ["--trl-new-tokens", str(spec.rollout.max_new_tokens), "--trl-lr", str(spec.trainer.lr)]
-    command += ["--out", str(out), *(["--clock-includes-eval"] if clock_includes_eval else [])]
-    if kept.exists() and (previous := json.loads(kept.read_text())).get("command") == command:
-        return previous
-    launched = time.time()  # both clocks start when the system's first process starts
-    peak = run_measured(command, env={**os.environ, **THREADS_ENV})
-    result = json.loads(out.read_text())
-    for point in result["curve"][1:]:
-        point["wall_s"] = point.pop("at") - launched - point.pop("eval_s")
-    result["curve"][0]["wall_s"] = 0.0
-    result["train_wall_s"] = result.pop("finished_at") - launched - result.pop("eval_s")
-    result["peak_rss_gb"] = peak
-    kept.write_text(json.dumps(result | {"command": command}))
-    return result
 
 
 def run_rlpipe(path: Path, run_dir: Path, iterations: int, overrides: dict, **kwargs) -> tuple[float, float, float]:
@@ -299,7 +231,8 @@ def header_lines(
     length = "smoke" if args.smoke else "quick" if args.quick else "full"
     settings = RLPIPE_SETTINGS[args.rlpipe]
     prompts, group = spec.rollout.prompts_per_iteration, spec.rollout.samples_per_prompt
-    (trl_step, _), (same_step, same_steps) = trl_batches(spec).values()
+    batches = trl_batches(spec)
+    trl_step, (same_step, same_steps, _), micro = batches["trl"][0], batches["trl_same_batch"], batches["trl_micro"][2]
     return [
         f"# rlpipe vs TRL GRPOTrainer (benchmarks/vs_trl.py{'' if length == 'full' else ' --' + length})",
         "",
@@ -313,7 +246,8 @@ def header_lines(
         + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
         + f" ({prompts} prompts x {group} per iteration, {spec.trainer.mini_batches} mini-batches); TRL: GRPOTrainer, "
         f"{trl_step // group} prompts x {group} per step; TRL same batch: GRPOTrainer with rlpipe's batch structure "
-        f"({same_step} completions per step, {same_steps} steps per generation of {prompts} prompts x {group}). "
+        f"({same_step} completions per step, {same_steps} steps per generation of {prompts} prompts x {group}); "
+        f"TRL same batch, micro-batches: the same in forward passes of {micro} (gradient accumulation). "
         "Every seed starts from the same warm-started model and data (seed 0's); seeds vary the RL run. "
         "Clocks start when each system's first process starts.",
         "",
@@ -389,7 +323,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=1, help="held-out eval every this many iterations' worth")
     parser.add_argument("--clock-includes-eval", action="store_true", help="keep eval time on every clock")
     parser.add_argument(
-        "--trl", nargs="+", choices=["per_step", "same_batch"], default=["per_step", "same_batch"], help="TRL's runs"
+        "--trl",
+        nargs="+",
+        choices=["per_step", "same_batch", "micro"],
+        default=["per_step", "same_batch"],
+        help="TRL's runs (micro: the same batch in passes of 64 completions, gradient accumulation)",
     )
     parser.add_argument("--target", type=float, default=None, help="held-out greedy accuracy to reach (absolute)")
     parser.add_argument(
@@ -417,6 +355,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trl-eval-every", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trl-per-step", type=int, default=512, help=argparse.SUPPRESS)
     parser.add_argument("--trl-steps-per-generation", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-micro-batch", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trl-generations", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--trl-new-tokens", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--trl-lr", type=float, default=5e-4, help=argparse.SUPPRESS)
@@ -454,7 +393,7 @@ def main() -> None:
         check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}, args.spec))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    trl_systems = [{"per_step": "trl", "same_batch": "trl_same_batch"}[name] for name in args.trl]
+    trl_systems = [{"per_step": "trl", "same_batch": "trl_same_batch", "micro": "trl_micro"}[name] for name in args.trl]
     runs: dict[str, list[dict]] = {"rlpipe": [], **{system: [] for system in trl_systems}}
     evals = {"eval_every": args.eval_every, "clock_includes_eval": args.clock_includes_eval}
     # One warm-started model and one data split (seed 0's) for every seed; the seeds vary the RL

@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe_machine, floor_lines, step_floors
+from machine import THREADS_ENV, describe_machine, floor_lines, run_measured, step_floors
 from trl_grpo import grpo_config_at
-from vs_trl import THREADS_ENV, evaluate_intervals, prompt_tokens_mean, run_measured, run_rlpipe
+from vs_trl import evaluate_intervals, prompt_tokens_mean, run_rlpipe
 
 from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_STRICT, ITERATION_OVERHEAD, ITERATION_WALL
 from rlpipe.spec import RunSpec, load_spec

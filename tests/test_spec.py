@@ -196,3 +196,11 @@ def test_the_replaced_gpu_keys_say_what_to_write(tmp_path: Path):
         parse_spec({"name": "x", "trainer": {"nodes": 2}})
     spec = parse_spec({"name": "x", "trainer": {"gpus": 8, "nodes": 2, "resident": True}})
     assert (spec.trainer.gpus, spec.trainer.nodes) == (8, 2)
+
+
+def test_fused_steps_refuse_the_pipelines_that_split_an_iteration():
+    for sections in ({"loop": {"max_staleness": 1, "overlap": "dag"}}, {"algorithm": {"name": "dpo"}}):
+        loop = {**sections.get("loop", {}), "fuse_steps": True}
+        with pytest.raises(ValueError, match="loop.fuse_steps: false"):
+            parse_spec({"name": "x", **sections, "loop": loop})
+    assert parse_spec({"name": "x", "loop": {"fuse_steps": True, "max_staleness": 1}}).loop.fuse_steps
