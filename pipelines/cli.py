@@ -98,7 +98,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     run_root = str(Path(args.run_dir).resolve())
     version, out = export_model(run_root, args.version, args.output, Path(run_root) / ".export-cache")
     print(f"wrote v{version} of {run_root} to {out} (adapters merged): load it with from_pretrained or serve it")
+    for line in _model_registry_lines(run_root, version, out):
+        print(line)
     return 0
+
+
+def _model_registry_lines(run_root: str, version: int, out: str) -> list[str]:
+    """Where a serving team finds version `version` in the run's Kubeflow Model Registry (tracking.model_registry),
+    when the track step registers it there (tracking.register chose it)."""
+    from rlpipe.run.kubeflow_registry import WHOLE, model_format, version_name
+    from rlpipe.run.tracking import registered_model_name, registered_versions
+    from rlpipe.spec import parse_spec
+    from rlpipe.store.run_root import read_json
+    from rlpipe.store.weights import read_weight_ref
+
+    stored = read_json(str(Path(run_root) / "spec.json"))
+    spec = parse_spec(stored, f"{run_root}/spec.json") if stored else None
+    if spec is None or spec.tracking.model_registry is None or version not in registered_versions(spec, run_root):
+        return []
+    registry, name, registered = spec.tracking.model_registry, registered_model_name(spec), version_name(version)
+    fmt, _ = model_format(read_weight_ref(run_root, version)["uri"])
+    port = f", port={registry.port}" if registry.port else ""
+    lines = [
+        f"Kubeflow Model Registry {registry.server_address}: model {name!r}, version {registered!r} ({fmt}):",
+        f"  ModelRegistryClient({registry.server_address!r}{port}).get_model_artifact({name!r}, {registered!r}).uri",
+        "  is the weights' URI (KServe's storageUri); get_model_version(...).custom_properties: run, iteration, evals",
+    ]
+    if fmt != WHOLE:  # an adapter or a delta is not a servable directory: the exported one is
+        lines.append(f"  that URI holds a {fmt} version, not a servable model: serve {out} instead (upload it)")
+    return lines
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

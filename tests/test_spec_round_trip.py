@@ -29,6 +29,7 @@ CHOSEN = {
     "data.options": {"digits": 3, "scale": 2.0, "none": None, "nested": [1, 2.0, {"deep": None}]},
     "algorithm.name": "dapo",
     "rollout.environment.type": "calculator",
+    "tracking.model_registry.server_address": "https://model-registry.example:8443",
     **{
         f"cluster.{pod}.{key}": value
         for pod in ("trainer", "step")
@@ -81,6 +82,10 @@ COMPANIONS = {
     **{  # the harness section needs its tasks
         f"evaluation.harness{key}": {"evaluation.harness.tasks": ["local_task"]}
         for key in ("", ".include_path", ".every", ".limit", ".num_fewshot", ".batch_size", ".max_gen_toks")
+    },
+    **{  # the Kubeflow Model Registry section needs its address
+        f"tracking.model_registry{key}": {"tracking.model_registry.server_address": "https://model-registry.example"}
+        for key in ("", ".port", ".is_secure", ".author", ".token_env")
     },
 }
 

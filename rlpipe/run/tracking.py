@@ -3,7 +3,8 @@ evaluated weight versions in the Model Registry; the spec and the eval samples a
 
 Metrics are first written to the run root (metrics/*.json, by sync_weights and evaluate);
 `flush` copies every committed point MLflow does not yet have, registers the evaluated versions
-tracking.register asks for, and logs what the run's artifacts lack. MLflow is the record of what
+tracking.register asks for (and, with tracking.model_registry, in the Kubeflow Model Registry too:
+rlpipe.run.kubeflow_registry), and logs what the run's artifacts lack. MLflow is the record of what
 was logged, so a flush killed halfway is simply repeated.
 
 On a cluster with KFP 2.17's MLflow integration (KEP-12862) each pipeline run has an MLflow run of its
@@ -134,6 +135,11 @@ def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
     done = {"run_id": run_id, "points": logged, "artifacts": artifacts, "registered": registered}
     if kfp_mlflow():
         done["pipeline_run"] = link_pipeline_run(spec, run_root, run_id, iterations, client)
+    if spec.tracking.model_registry:  # last: a registry that fails leaves every MLflow record in place
+        from rlpipe.run.kubeflow_registry import register
+
+        records = kubeflow_records(spec, run_root, run_id)
+        done["model_registry"] = register(spec.tracking.model_registry, registered_model_name(spec), records)
     return done
 
 
@@ -363,6 +369,37 @@ def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowC
     if stopped and "when" in stopped and stopped["iteration"] in model_version:  # the eval gate passed there
         client.set_registered_model_alias(name, GATE_ALIAS, model_version[stopped["iteration"]])
     return registered
+
+
+def kubeflow_records(spec: RunSpec, run_root: str, run_id: str) -> list[dict[str, Any]]:
+    """What the Kubeflow Model Registry gets of each version `register_versions` registers (one the store
+    still has): the weights version, its source (`registry_source`, as a server sees it), its URI in the
+    store, a description and the metadata: run, MLflow run, iteration, sha256 and eval metrics."""
+    from rlpipe.store.weights import read_weight_ref
+
+    state = read_state(run_root) or {}
+    records = []
+    for iteration, metrics in versions_to_register(spec, run_root).items():
+        version = eval_weights_version(iteration, metrics)
+        try:
+            published = read_weight_ref(run_root, version)
+        except FileNotFoundError:  # pruned before registration was asked for: MLflow skips it too
+            continue
+        source = registry_source(spec, published["uri"], spec.tracking.model_registry.server_address)
+        metadata = {
+            RUN_TAG: state["run_uid"],
+            "rlpipe.run_name": spec.name,
+            "rlpipe.run_root": run_root,
+            "mlflow.run_id": run_id,
+            ITERATION_TAG: iteration,
+            "rlpipe.weights_version": version,
+            "rlpipe.sha256": published["sha256"],
+            "rlpipe.weights_uri": published["uri"],
+        } | {key: float(value) for key, value in sorted(metrics.items()) if key != EVAL_WEIGHTS_VERSION}
+        description = f"rlpipe run {spec.name}, iteration {iteration}: {EVAL_ACCURACY} {metrics[EVAL_ACCURACY]:.4f}"
+        record = {"version": version, "uri": source, "weights_uri": published["uri"], "description": description}
+        records.append(record | {"metadata": metadata})
+    return records
 
 
 def run_url(spec: RunSpec, run_root: str, run_id: str) -> str:

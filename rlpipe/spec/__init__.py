@@ -36,7 +36,17 @@ from rlpipe.spec.encoding import (
 )
 from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec, HarnessSpec
 from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
-from rlpipe.spec.placement import CPU, MEMORY, ClusterSpec, PodSpec, SecretEnv, StorageSpec, Toleration, TrackingSpec
+from rlpipe.spec.placement import (
+    CPU,
+    MEMORY,
+    ClusterSpec,
+    ModelRegistrySpec,
+    PodSpec,
+    SecretEnv,
+    StorageSpec,
+    Toleration,
+    TrackingSpec,
+)
 from rlpipe.spec.reference import (
     REFERENCE_BEGIN,
     REFERENCE_END,
@@ -85,6 +95,7 @@ __all__ = [
     "EvaluationSpec",
     "HarnessSpec",
     "LoraSpec",
+    "ModelRegistrySpec",
     "ModelSpec",
     "PodSpec",
     "PreferencesSpec",

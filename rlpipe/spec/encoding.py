@@ -122,6 +122,7 @@ RESUMABLE_KEYS = (
     "trainer.nodes",
     "tracking.register",  # which evaluated versions the registry gets from now on
     "tracking.registered_model",
+    "tracking.model_registry",  # a Kubeflow registry added later gets the versions the store still has
     "reward.timeout_s",  # how long a reward may take, not what it returns
     "evaluation",  # what the held-out evals measure (a set added on resume is prepared then)
 )

@@ -40,6 +40,24 @@ class StorageSpec:
 
 
 @section
+class ModelRegistrySpec:
+    """A Kubeflow Model Registry (Kubeflow Hub) that gets each version the MLflow registry gets, through the
+    Kubeflow SDK's ModelRegistryClient (`pip install 'rlpipe[kubeflow-hub]'`; rlpipe.run.kubeflow_registry)."""
+
+    server_address: str = setting(
+        doc="The registry's REST address with its scheme, e.g. https://model-registry-service.kubeflow.svc.cluster.local"
+    )
+    port: int | None = setting(None, ge=1, le=65535, doc="Its port; null: 443 for https://, 8080 for http://")
+    is_secure: bool | None = setting(None, doc="TLS; null: from the scheme (https:// is secure)")
+    author: str = setting("rlpipe", doc="Author of the versions and owner of the registered model")
+    token_env: str | None = setting(
+        None,
+        doc="Env var holding the bearer token (cluster.secrets can set it); null: the SDK's own: the file "
+        "$KF_PIPELINES_SA_TOKEN_PATH names, else the pod's service-account token",
+    )
+
+
+@section
 class TrackingSpec:
     """MLflow: where a run's params, metrics and registered models go."""
 
@@ -52,6 +70,12 @@ class TrackingSpec:
         "The alias 'best' follows the best eval; 'gate_passed' marks the version that passed loop.stop_when",
     )
     registered_model: str | None = setting(None, doc="The registered model's name; default: the run's name")
+    model_registry: ModelRegistrySpec | None = setting(
+        None,
+        doc="Also register each version tracking.register names in this Kubeflow Model Registry (name: the "
+        "registered model's, version v<weights version>, the weights URI and the eval metrics as metadata); "
+        "null: MLflow's registry only",
+    )
 
 
 @section
