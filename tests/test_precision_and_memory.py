@@ -126,6 +126,37 @@ def test_gradient_accumulation_equals_the_one_pass_update(tmp_path: Path, aggreg
         torch.testing.assert_close(after_parts[name], after_full[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_tracked_kl_costs_one_reference_pass_an_iteration(tmp_path: Path):
+    """kl_coef 0 with track_reference_kl: the reference runs on the iteration's first micro-batch only, and
+    kl/mean is that micro-batch's token mean (its share of the step's tokens divided out): on rows all
+    alike, the one-pass update's kl/mean."""
+    row = {"prompt_token_ids": [1, 5, 6, 7], "completion_token_ids": [8, 9, 10], "logprobs": [-2.0] * 3}
+    rows = [row | {"advantage": (-1.0) ** i, "group_id": i // 4} for i in range(24)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "alike.parquet")
+    found = {}
+    for budget in (None, 21):  # one pass a mini-batch; three rows a micro-batch
+        spec = parse_spec(
+            tiny_spec_dict(
+                tmp_path,
+                trainer={"mini_batches": 2, "warmup_steps": 0, "lr": 0.05, "micro_batch_tokens": budget},
+                algorithm={"kl_coef": 0.0, "track_reference_kl": True},
+            )
+        )
+        trainer = _make(spec)
+        torch.manual_seed(0)
+        reference = copy.deepcopy(trainer.policy).eval().requires_grad_(False)
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        passes: list[int] = []
+        reference.get_decoder().register_forward_hook(lambda *_, calls=passes: calls.append(1))
+        trainer.reference = reference
+        found[budget] = train_on_batch(trainer, str(tmp_path / "alike.parquet"), iteration=1), len(passes)
+    (one_pass, one_pass_calls), (parts, parts_calls) = found[None], found[21]
+    assert parts["policy/micro_batches"] == 8 and one_pass_calls == parts_calls == 1
+    assert parts["kl/mean"] == pytest.approx(one_pass["kl/mean"], rel=1e-5) and parts["kl/mean"] > 1e-4
+
+
 def test_gradient_checkpointing_gives_the_same_update(tmp_path: Path):
     batch = _batch(tmp_path)
     plain, checkpointed = _trainer(tmp_path), _trainer(tmp_path, gradient_checkpointing=True)

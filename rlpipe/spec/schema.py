@@ -328,7 +328,7 @@ class AlgorithmSpec:
     )
     critic_lr: float | None = setting(None, gt=0, doc="PPO: the critic's learning rate. null: trainer.lr")
     track_reference_kl: bool = setting(
-        True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first mini-batch)"
+        True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first micro-batch)"
     )
     beta: float | None = setting(
         None,

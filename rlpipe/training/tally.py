@@ -30,8 +30,8 @@ class OptimizerStepStats:
     clip_fraction: float = 0.0
     ratio: float = 0.0
     dual_clip_fraction: float | None = None  # the clipped-surrogate losses'
-    kl: float = 0.0  # the estimated KL to the reference, where kl_measured
-    kl_measured: bool = False
+    kl: float = 0.0  # the estimated KL to the reference, over the tokens where it was measured
+    kl_share: float = 0.0  # those tokens' share of the step's completion tokens (0: not measured)
     grad_norm: float = 0.0
     value_loss: float | None = None  # the critic's (PPO)
     value_clip_fraction: float | None = None
@@ -44,7 +44,6 @@ class OptimizerStepStats:
         for name in SUMMED:
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(self, name, theirs if mine is None else mine if theirs is None else mine + theirs)
-        self.kl_measured |= other.kl_measured
         self.is_weight_max = max(self.is_weight_max, other.is_weight_max)
         for name in ("off_policy", "extra"):
             mine = getattr(self, name)
@@ -65,7 +64,7 @@ class OptimizerStepStats:
             clip_fraction=share * float(terms.clip_fraction),
             ratio=share * float(terms.ratio),
             kl=share * float(terms.kl) if kl_measured else 0.0,
-            kl_measured=kl_measured,
+            kl_share=share if kl_measured else 0.0,
             is_weight_max=is_stats.pop("is_weight_max", 0.0),
             off_policy={key: share * value for key, value in is_stats.items()},
             extra={key: weight * float(value) for key, value in terms.extra.items()},  # DPO's preference_accuracy
@@ -75,7 +74,7 @@ class OptimizerStepStats:
         return stats
 
     def summed(self, device: torch.device) -> OptimizerStepStats:
-        """Each sum over the processes (is_weight_max and kl_measured stay this process's)."""
+        """Each sum over the processes (is_weight_max stays this process's)."""
         flat = {name: getattr(self, name) for name in SUMMED if getattr(self, name) is not None}
         flat |= {f"off_policy/{k}": v for k, v in self.off_policy.items()}
         flat |= {f"extra/{k}": v for k, v in self.extra.items()}
@@ -88,8 +87,8 @@ class OptimizerStepStats:
         )
 
 
-SUMMED = ("loss", "entropy", "clip_fraction", "ratio", "dual_clip_fraction", "kl", "grad_norm", "value_loss",
-          "value_clip_fraction", "critic_grad_norm")  # fmt: skip
+SUMMED = ("loss", "entropy", "clip_fraction", "ratio", "dual_clip_fraction", "kl", "kl_share", "grad_norm",
+          "value_loss", "value_clip_fraction", "critic_grad_norm")  # fmt: skip
 
 
 @dataclass
@@ -98,6 +97,7 @@ class Tally:
 
     total: OptimizerStepStats = field(default_factory=OptimizerStepStats)
     optimizer_steps: int = 0
+    kl_sum: float = 0.0  # each measuring step's KL: a token mean over the tokens it measured
     kl_steps: int = 0
     micro_batches: int = 0
     tokens: int = 0
@@ -105,7 +105,9 @@ class Tally:
     mismatch: list[torch.Tensor] = field(default_factory=list)  # d per token, the first optimizer step's
 
     def add(self, stats: OptimizerStepStats) -> None:
-        self.kl_steps += int(stats.kl_measured)
+        if stats.kl_share:
+            self.kl_sum += stats.kl / stats.kl_share
+            self.kl_steps += 1
         self.total += stats
         self.optimizer_steps += 1
 
@@ -144,7 +146,7 @@ def update_metrics(
             ENTROPY: total.entropy / steps,
             "policy/grad_norm": total.grad_norm / steps,
             "policy/ratio_mean": total.ratio / steps,
-            KL_MEAN: total.kl / max(tally.kl_steps, 1),
+            KL_MEAN: tally.kl_sum / max(tally.kl_steps, 1),
             OPTIMIZER_STEPS: float(steps),
             "policy/micro_batches": float(tally.micro_batches),
             "policy/lr": trainer.optimizer.param_groups[0]["lr"],

@@ -238,15 +238,16 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
     accumulating (weights: micro_batch_weight); gradients scale by the number of processes, which FSDP
     averages over. Returns the step's statistics, summed over processes."""
     completion_tokens = float(sum(map(trained_tokens, mini)))
-    # The frozen reference costs a forward pass: every mini-batch when the KL is in the loss;
-    # when it is only tracked (kl_coef 0), the iteration's first mini-batch estimates kl/mean.
-    use_reference = trainer.reference is not None and (objective.reference_each_step or tally.optimizer_steps == 0)
+    # The frozen reference costs a forward pass: every micro-batch when the KL is in the loss; when it is
+    # only tracked (kl_coef 0), the iteration's first micro-batch estimates kl/mean.
+    tracked = trainer.reference is not None and tally.optimizer_steps == 0
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.critic is not None:
         trainer.critic.optimizer.zero_grad(set_to_none=True)
-    stats = OptimizerStepStats(kl_measured=use_reference)
+    stats = OptimizerStepStats()
     budget = token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type)
-    for part, present in rank_parts(mini, budget, objective.unit):
+    for j, (part, present) in enumerate(rank_parts(mini, budget, objective.unit)):
+        use_reference = (trainer.reference is not None and objective.reference_each_step) or (tracked and j == 0)
         mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device.type)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
         share = present * float(mb.completion_mask.sum()) / max(completion_tokens, 1.0)  # of token means
