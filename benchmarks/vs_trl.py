@@ -1,7 +1,7 @@
 """rlpipe (`rlpipe run`, the pipeline on kfp.local) vs TRL's GRPOTrainer, side by side.
 
     pip install -e ".[local,bench]"
-    python benchmarks/vs_trl.py --quick          # 1 seed, short runs (<= 10 min here)
+    python benchmarks/vs_trl.py --quick          # 1 seed (--seeds N for more), short runs (<= 10 min here)
     python benchmarks/vs_trl.py --seeds 3        # the claim: 3 seeds per system
     python benchmarks/vs_trl.py --smoke          # tiny sizes (benchmarks/smoke.yaml), 1 seed: about a minute
 
@@ -317,7 +317,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, ~4 min per system")
     parser.add_argument("--smoke", action="store_true", help="1 seed at tiny sizes (benchmarks/smoke.yaml): ~a minute")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, help="seeds per system (default 3; --quick and --smoke: 1)")
     parser.add_argument("--spec", type=Path, default=DEMO, help="the workload (default examples/addition.yaml)")
     parser.add_argument("--iterations", type=int, help="rlpipe's iterations (default 25; --quick 8; --smoke 2)")
     parser.add_argument("--eval-every", type=int, default=1, help="held-out eval every this many iterations' worth")
@@ -374,7 +374,7 @@ def main() -> None:
 
     os.environ.update(THREADS_ENV)
     length = "smoke" if args.smoke else "quick" if args.quick else "full"
-    seeds = args.seeds if length == "full" else 1
+    seeds = args.seeds or (3 if length == "full" else 1)
     # rlpipe's iterations, and TRL's in iterations' worth of completions: `trl` (an eighth of an
     # iteration per step) learns slower per sample, so it runs ~1.5x longer
     rl_iterations, trl_iterations = {"full": (25, 37), "quick": (8, 12), "smoke": (2, 3)}[length]
@@ -426,8 +426,8 @@ def main() -> None:
     results = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)
     results.mkdir(parents=True, exist_ok=True)
     name = {"full": "vs_trl", "quick": "vs_trl_quick", "smoke": "vs_trl_smoke"}[length]
-    if workload:
-        name = name.replace("vs_trl", f"vs_trl_{args.spec.stem}_{args.rlpipe}")
+    if workload or args.rlpipe != "colocated":  # the demo as users run it keeps the plain name
+        name = name.replace("vs_trl", f"vs_trl{workload.replace('-', '_')}_{args.rlpipe}")
     (results / f"{name}.md").write_text(report + "\n")
     record = {"summary": summary, "per_seed": per_seed, "runs": runs, "target": target, "rlpipe_settings": settings}
     record |= {"note": args.note, "commit": commit.stdout.strip(), "floors": floor}
