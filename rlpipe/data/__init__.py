@@ -7,7 +7,8 @@ every other column reaches the reward functions and the verifier as keyword list
 
 A generator makes rows:
     make_rows(rng: random.Random, n: int, **options) -> list[dict]
-`data.generator` is a registered name (`register_source`; built in: addition, multiplication, sorting),
+`data.generator` is a registered name (`register_source`; built in: addition, multiplication, sorting,
+verifiers: a verifiers environment's tasks),
 'package.module:name' for one that module registers, or 'module:function' naming the generator itself.
 """
 
@@ -163,3 +164,13 @@ from rlpipe.data import addition, multiplication, sorting  # noqa: E402 (the bui
 register_source("addition", addition.make_rows)
 register_source("multiplication", multiplication.make_rows)
 register_source("sorting", sorting.make_rows)
+
+
+def verifiers_tasks(rng: random.Random, n: int, **options: Any) -> Rows:
+    """data.generator verifiers {env_id, args, shuffle}: a verifiers environment's tasks as rows."""
+    from rlpipe.rewards.verifiers_tasks import task_rows
+
+    return task_rows(rng, n, **options)
+
+
+register_source("verifiers", verifiers_tasks)

@@ -19,9 +19,12 @@ every token (0.0 at environment tokens, which no loss reads).
 `rollout.environment.type` is a registered environment (`register_environment`) or
 'package.module:name' for one that module registers. Built in:
   calculator  rlpipe.environments.tools: "37*48=" is answered "1776 " (the tiny model's demo)
-  tools       rlpipe.environments.tools: plain Python functions, Hermes-style <tool_call> JSON
+  tools       rlpipe.environments.tools: plain Python functions, Hermes-style <tool_call> JSON, and an MCP
+              server's tools (options.mcp: rlpipe.environments.mcp_tools)
   remote      rlpipe.environments.remote: an environment service over HTTP (its own pod)
   gymnasium   rlpipe.environments.text_gym: Gymnasium-style text environments (reset / step)
+  verifiers   rlpipe.environments.verifiers_env: verifiers 0.4 environments (load_environment, Env.run, rewards)
+  openenv     rlpipe.environments.openenv_env: an OpenEnv environment server (reset / step over its WebSocket)
 """
 
 from __future__ import annotations
@@ -239,6 +242,14 @@ register_environment("calculator", tools.calculator_environment)
 register_environment("tools", tools.tool_environment)
 register_environment("remote", remote.remote_environment)
 register_environment("gymnasium", text_gym.gymnasium_environment)
+
+from rlpipe.environments import verifiers_env  # noqa: E402 (imports verifiers only when used)
+
+register_environment("verifiers", verifiers_env.verifiers_environment)
+
+from rlpipe.environments import openenv_env  # noqa: E402 (imports websockets only when used)
+
+register_environment("openenv", openenv_env.openenv_environment)
 
 __all__ = [
     "ENVIRONMENTS",

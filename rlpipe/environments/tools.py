@@ -10,16 +10,21 @@ is the final answer (done, reward 0: the answer is scored by reward.functions). 
 
     {type: tools, tools: [calculator, python, 'my.module:search'], format: hermes}
     {type: calculator}                       (= tools [calculator] in the expression format)
+    {type: tools, options: {mcp: {command: [python, -m, my_server]}}}   an MCP server's tools (mcp_tools)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlpipe.environments.registry import Environment, StepResult
+
+if TYPE_CHECKING:
+    from rlpipe.environments.mcp_tools import McpConnection, McpServer
 
 EXPRESSION = re.compile(r"\s*-?\d+(\s*[-+*]\s*-?\d+)*\s*")
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>)?\s*$", re.DOTALL)
@@ -82,24 +87,63 @@ class ToolEnvironment:
         return ""
 
     def step(self, text: str, token_ids: list[int]) -> StepResult:
+        call = self.parsed(text)
+        return call if isinstance(call, StepResult) else self.answer(call[0], self.run(*call))
+
+    def parsed(self, text: str) -> StepResult | tuple[str, Any]:
+        """The turn's tool call (name, arguments), or what answers a turn without a valid one: the error,
+        or the trajectory's end when the turn calls no tool."""
         try:
             call = parse_call(text, self.call_format)
         except ValueError as err:
-            return StepResult(self.observation.format(result=f"error: {err}"), info={"tool_call": True, "tool": None})
-        if call is None:
-            return StepResult(done=True)
-        name, arguments = call
-        if name not in self.tools:
-            result = f"error: no tool {name!r}; tools: {', '.join(self.tools)}"
-        else:
-            try:
-                result = str(self.tools[name](**arguments))
-            except Exception as err:  # noqa: BLE001 (the model sees the error, as from a real tool)
-                result = f"error: {type(err).__name__}: {err}"
+            return self.answer(None, f"error: {err}")
+        return StepResult(done=True) if call is None else call
+
+    def answer(self, name: str | None, result: str) -> StepResult:
         return StepResult(self.observation.format(result=result), info={"tool_call": True, "tool": name})
+
+    def run(self, name: str, arguments: dict[str, Any]) -> str:
+        if name not in self.tools:
+            return f"error: no tool {name!r}; tools: {', '.join(self.tools)}"
+        try:
+            return str(self.tools[name](**arguments))
+        except Exception as err:  # noqa: BLE001 (the model sees the error, as from a real tool)
+            return f"error: {type(err).__name__}: {err}"
 
     def close(self) -> None:
         pass
+
+
+class McpToolEnvironment(ToolEnvironment):
+    """ToolEnvironment whose tools include an MCP server's (rlpipe.environments.mcp_tools); the Python
+    tools named in `tools` come first when a name is both."""
+
+    def __init__(
+        self, tools: dict[str, Callable[..., Any]], call_format: str, observation: str, server: McpServer
+    ) -> None:
+        super().__init__(tools, call_format, observation)
+        self.server, self.remote = server, []
+        self.connection: McpConnection | None = None
+
+    async def reset(self, row: dict[str, Any]) -> str:
+        from rlpipe.environments.mcp_tools import connection
+
+        self.connection = await asyncio.to_thread(connection, self.server)  # the process's, opened once
+        self.remote = [name for name in self.connection.tools if name not in self.tools]
+        return ""
+
+    async def step(self, text: str, token_ids: list[int]) -> StepResult:
+        call = self.parsed(text)
+        if isinstance(call, StepResult):
+            return call
+        name, arguments = call
+        if name in self.remote:
+            if not isinstance(arguments, dict):
+                return self.answer(name, f"error: the arguments of {name!r} are not a JSON object")
+            return self.answer(name, await self.connection.call(name, arguments))
+        if name not in self.tools:
+            return self.answer(name, f"error: no tool {name!r}; tools: {', '.join([*self.tools, *self.remote])}")
+        return self.answer(name, self.run(name, arguments))
 
 
 def resolve_tool(name: str, key: str) -> Callable[..., Any]:
@@ -116,21 +160,27 @@ def resolve_tool(name: str, key: str) -> Callable[..., Any]:
 
 def tool_environment(options: dict[str, Any], key: str) -> Callable[[], Environment]:
     """{tools: [...], format: hermes | expression, observation: '...{result}...'}."""
-    unknown = set(options) - {"tools", "format", "observation"}
+    unknown = set(options) - {"tools", "mcp", "format", "observation"}
     if unknown:
         raise ValueError(
-            f"{key}.options: unknown {sorted(unknown)}; the tools environment takes tools, format, observation"
+            f"{key}.options: unknown {sorted(unknown)}; the tools environment takes tools, mcp, format, observation"
         )
     call_format = options.get("format", "hermes")
     if call_format not in STOPS:
         raise ValueError(f"{key}.options.format {call_format!r}: one of {', '.join(STOPS)}")
     names = options.get("tools") or []
-    if not names:
+    if not names and "mcp" not in options:
         raise ValueError(
-            f"{key}.options.tools: name at least one tool ({', '.join(BUILT_IN_TOOLS)} or 'module:function')"
+            f"{key}.options.tools: name at least one tool ({', '.join(BUILT_IN_TOOLS)} or 'module:function'), "
+            "or an MCP server's (options.mcp)"
         )
     tools = {name.rsplit(":", 1)[-1]: resolve_tool(name, key) for name in names}
     observation = options.get("observation", CHATML_TOOL_RESPONSE if call_format == "hermes" else "{result} ")
+    if "mcp" in options:
+        from rlpipe.environments.mcp_tools import mcp_server
+
+        server = mcp_server(options["mcp"], f"{key}.options.mcp")
+        return lambda: McpToolEnvironment(dict(tools), call_format, observation, server)
     return lambda: ToolEnvironment(tools, call_format, observation)
 
 

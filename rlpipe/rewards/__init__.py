@@ -19,6 +19,7 @@ scores 0 the completions that game a verifier (rlpipe.rewards.answer_guard). Bui
   reward_model   rlpipe.rewards.reward_model: AutoModelForSequenceClassification, batched
   remote         rlpipe.rewards.remote: an HTTP endpoint, batched, with timeouts and retries
   code_sandbox   rlpipe.rewards.sandbox: candidate programs run against tests under limits
+  verifiers      rlpipe.rewards.verifiers_tasks: a verifiers 0.4 environment's task rewards
 """
 
 from __future__ import annotations
@@ -217,6 +218,6 @@ register_reward_type("function", _function_reward)
 register_reward_type("environment", _environment_reward)
 
 # the built-in reward types register themselves in rlpipe.rewards.registry (each imports its heavy parts when built)
-from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers  # noqa: E402, F401
+from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers, verifiers_tasks  # noqa: E402, F401
 
 __all__ = ["REWARD_TYPES", "RewardError", "RewardFunction", "Rewards", "register_reward_type"]

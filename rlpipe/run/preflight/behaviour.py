@@ -48,6 +48,8 @@ def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list
         "iteration": [1] * n,
     }
     columns |= {k: [row.get(k) for row in rows] for k in rows[0] if k not in ROLLOUT_SCHEMA.names}
+    if spec.rollout.environment is not None:  # trajectories carry their environment's reward ({type: environment})
+        columns |= {"environment_reward": [0.0] * n, "environment_error": [""] * n}
     return [str(row.get(spec.data.prompt, "")) for row in rows], completions, columns, held_out[:4]
 
 
@@ -94,8 +96,8 @@ def check_rewards(spec: RunSpec) -> str:
 
 
 def check_environment(spec: RunSpec) -> str:
-    """rollout.environment builds, each of its stop strings is one token of the model's tokenizer, and a
-    remote one's service answers."""
+    """rollout.environment builds, each of its stop strings is one token of the model's tokenizer, a
+    remote one's service answers, and an MCP server starts and lists its tools."""
     environment = spec.rollout.environment
     if environment is None:
         return "environment: none (single-turn rollouts)"
@@ -124,6 +126,15 @@ def check_environment(spec: RunSpec) -> str:
                 "service (rlpipe serve-environment) or fix the URL"
             ) from None
         service = f", service {url} answers"
+    if environment.type == "tools" and "mcp" in environment.options:  # the server starts and lists its tools
+        from rlpipe.environments import EnvironmentFailure
+        from rlpipe.environments.mcp_tools import listed_tools, mcp_server
+
+        try:
+            names = listed_tools(mcp_server(environment.options["mcp"], "rollout.environment.options.mcp"))
+        except EnvironmentFailure as err:
+            raise CheckFailed(f"rollout.environment.options.mcp: {err}") from None
+        service = f", MCP tools {', '.join(names)}"
     stops = list(built.stop)
     return f"environment {environment.type}: turns end at eos or {stops}, at most {environment.max_turns}{service}"
 
