@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,12 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def openenv_url(tmp_path_factory) -> Iterator[str]:
-    """An OpenEnv server in its own process; its URL once /health answers."""
-    port, log = free_port(), tmp_path_factory.mktemp("openenv") / "server.log"
+@contextmanager
+def serving(server: Path, log: Path) -> Iterator[str]:
+    """The OpenEnv server `server` in its own process on a free port; its URL once /health answers."""
+    port = free_port()
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port)], stdout=out, stderr=out)
+        process = subprocess.Popen([sys.executable, str(server), "--port", str(port)], stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -50,6 +51,12 @@ def openenv_url(tmp_path_factory) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def openenv_url(tmp_path_factory) -> Iterator[str]:
+    with serving(SERVER, tmp_path_factory.mktemp("openenv") / "server.log") as url:
+        yield url
 
 
 def spec_for(url: str, **options) -> EnvironmentSpec:
@@ -192,3 +199,29 @@ def test_options_are_checked():
         environment_factory(EnvironmentSpec(type="openenv", options={"url": "http://x", "actoin": {}}))
     with pytest.raises(ValueError, match="options.url"):
         environment_factory(EnvironmentSpec(type="openenv", options={"url": "ws://x"}))
+
+
+def test_the_openenv_example_runs_two_iterations_on_kfp_local(tmp_path: Path):
+    """examples/openenv-addition.yaml at small sizes against its server (examples/openenv_addition_server.py):
+    every rollout is a session on the server, none fails, and the server's rewards are the rollouts'."""
+    from rlpipe.store.run_root import list_metrics
+
+    from .conftest import REPO, RLPIPE
+
+    with serving(REPO / "examples" / "openenv_addition_server.py", tmp_path / "server.log") as url:
+        sets = [
+            "model.tiny={hidden_size: 64, intermediate_size: 128, num_layers: 1, num_heads: 2, num_kv_heads: 1}",
+            "model.warm_start.max_steps=50", "model.warm_start.batch_size=16", "model.warm_start.validation_size=8",
+            "data.train_size=80", "data.eval_size=20", "rollout.prompts_per_iteration=8",
+            "rollout.samples_per_prompt=4", "loop.iterations=2", "loop.iterations_per_run=2", "loop.eval_every=2",
+            f"storage.root={tmp_path / 'runs'}", f"rollout.environment.options.url={url}",
+        ]  # fmt: skip
+        command = [*RLPIPE, "run", "examples/openenv-addition.yaml", "--run-dir", str(tmp_path / "run")]
+        command += [f"--set={each}" for each in sets]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    iterations = list_metrics(str(tmp_path / "run"), "iter")
+    assert sorted(iterations) == [0, 1, 2]
+    for i in (1, 2):
+        assert iterations[i]["rollout/environment_error_fraction"] == 0.0
+        assert 1.0 <= iterations[i]["rollout/turns_mean"] <= 3.0

@@ -66,7 +66,8 @@ def task_rows(rng: Any, n: int, **options: Any) -> list[dict[str, Any]]:
     shuffle = options.pop("shuffle", False)
     unknown = set(options) - {"env_id", "args", "env_args"}
     if unknown:
-        raise ValueError(f"data.options: unknown {sorted(unknown)}; the verifiers source takes env_id, args, env_args, shuffle")
+        takes = "env_id, args, env_args, shuffle"
+        raise ValueError(f"data.options: unknown {sorted(unknown)}; the verifiers source takes {takes}")
     taskset = load(options, "data.options").taskset
     rows = []
     for task in (taskset.shuffle(rng.randrange(2**31)) if shuffle else taskset).take(n):
