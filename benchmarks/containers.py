@@ -2,13 +2,19 @@
 process (KFP's SubprocessRunner), side by side in one invocation, on the demo spec.
 
     CONTAINERS_CONF=$PWD/images/containers.conf python benchmarks/containers.py [--iterations 6]
+    python benchmarks/containers.py --fused --demo-size   # also loop.fuse_steps; the demo's own batch
     python benchmarks/containers.py --smoke      # benchmarks/smoke.yaml's sizes: the same code in a minute
 
 Both runs share the spec and seed; each has its own run root and warm-start cache, so each pays its own
-warm start. The figure is the median of `time/iteration_wall_s` over the iterations after the first of
-each pipeline run (the first pays the pipeline run's start: prepare, plan, the services' first load).
-Images: built beforehand (bash images/build.sh). Results: benchmarks/results/containers.{md,json}
-(--smoke: under runs/smoke/ unless --results-dir says).
+warm start. Two figures per run, medians over the iterations after the first of each pipeline run (the first
+pays the pipeline run's start: prepare, plan, the services' first load):
+  iteration wall   `time/iteration_wall_s`: from the generate step's entry to the commit (the iteration's own
+                   clock; it cannot see the first task's process or container start)
+  period           commit to commit (the mtimes of metrics/iter_N.json): everything an iteration costs
+  orchestration    1 - the steps' compute (their `time/*_s`) / the period
+--fused also runs each runner with loop.fuse_steps (one task an iteration). Images: built beforehand (bash
+images/build.sh). Results: benchmarks/results/containers.{md,json} (--smoke: under runs/smoke/ unless
+--results-dir says).
 """
 
 from __future__ import annotations
@@ -27,32 +33,44 @@ from machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = ("loop.iterations", "loop.iterations_per_run", "loop.eval_every")  # this benchmark's own (`run`)
-SMOKE = [f"{key}={json.dumps(value)}" for key, value in yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text()).items()
-         if key not in LOOP]  # fmt: skip
+SMOKE_SPEC = yaml.safe_load(Path(__file__).with_name("smoke.yaml").read_text())
+SMOKE = [f"{key}={json.dumps(value)}" for key, value in SMOKE_SPEC.items() if key not in LOOP]
 RLPIPE = str(Path(sys.executable).with_name("rlpipe"))
 # the demo at sizes where one iteration takes seconds: what containers add is per step, not per sample
 SIZES = ["model.warm_start.max_steps=150", "data.train_size=2000", "data.eval_size=100", "evaluation.samples=0",
          "evaluation.sets=[]", "rollout.prompts_per_iteration=64", "trainer.mini_batches=2"]  # fmt: skip
+DEMO = ["data.eval_size=100", "evaluation.samples=0", "evaluation.sets=[]"]  # the demo's batch; a short final eval
 
 
-def run(runner: str, root: Path, iterations: int, per_run: int, sizes: list[str]) -> dict:
-    """One `rlpipe run` of the demo; its iterations' wall times and the committed weights."""
-    run_root = root / runner
+def run(name: str, root: Path, iterations: int, per_run: int, sizes: list[str]) -> dict:
+    """One `rlpipe run` of the demo (`name`: runner, and "-fused" for loop.fuse_steps); its iterations'
+    walls, periods and compute, and the committed weights."""
+    run_root = root / name
     sets = [*sizes, f"loop.iterations={iterations}", f"loop.iterations_per_run={per_run}",
-            f"loop.eval_every={iterations}", f"storage.cache={root / (runner + '-cache')}"]  # fmt: skip
+            f"loop.eval_every={iterations}", f"storage.cache={root / (name + '-cache')}",
+            f"loop.fuse_steps={json.dumps(name.endswith('-fused'))}"]  # fmt: skip
     command = [RLPIPE, "run", str(REPO / "examples" / "addition.yaml"), "--run-dir", str(run_root)]
-    command += [f"--set={each}" for each in sets] + (["--containers"] if runner == "containers" else [])
+    command += [f"--set={each}" for each in sets] + (["--containers"] if name.startswith("containers") else [])
     started = time.time()
     subprocess.run(command, check=True, capture_output=True, text=True)
-    walls = {}
+    walls, compute, committed = {}, {}, {}
     for path in sorted((run_root / "metrics").glob("iter_*.json")):
         iteration = int(path.stem.split("_")[1])
         if iteration == 0:  # the warm start's record
             continue
-        walls[iteration] = json.loads(path.read_text())["time/iteration_wall_s"]
-    steady = [wall for i, wall in walls.items() if (i - 1) % per_run != 0]
+        metrics = json.loads(path.read_text())
+        walls[iteration] = metrics["time/iteration_wall_s"]
+        compute[iteration] = sum(v for k, v in metrics.items() if k.startswith("time/") and k.endswith("_s")
+                                 and k != "time/iteration_wall_s")  # fmt: skip
+        committed[iteration] = path.stat().st_mtime
+    steady = [i for i in walls if (i - 1) % per_run != 0]  # i - 1 and i in one pipeline run
+    periods = [committed[i] - committed[i - 1] for i in steady]
     state = json.loads((run_root / "state.json").read_text())
-    return {"run_s": time.time() - started, "iteration_walls_s": walls, "steady_median_s": statistics.median(steady),
+    return {"run_s": time.time() - started, "iteration_walls_s": walls,
+            "steady_median_s": statistics.median(walls[i] for i in steady),
+            "period_median_s": statistics.median(periods),
+            "compute_median_s": statistics.median(compute[i] for i in steady),
+            "orchestration_share": statistics.median(1 - compute[i] / p for i, p in zip(steady, periods)),
             "weights_sha256": state["weights_sha256"]}  # fmt: skip
 
 
@@ -63,31 +81,38 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, help="default runs/bench-containers (--smoke: runs/smoke/containers)")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     parser.add_argument("--smoke", action="store_true", help="benchmarks/smoke.yaml's sizes, 2 iterations")
+    parser.add_argument("--fused", action="store_true", help="also each runner with loop.fuse_steps")
+    parser.add_argument("--demo-size", action="store_true", help="the demo's own batch (512 prompts x 8)")
     args = parser.parse_args()
-    sizes = SMOKE if args.smoke else SIZES
+    sizes = SMOKE if args.smoke else DEMO if args.demo_size else SIZES
     if args.smoke:
         args.iterations, args.per_run = 2, 2
     args.runs = args.runs or REPO / "runs" / ("smoke/containers" if args.smoke else "bench-containers")
     args.results_dir = args.results_dir or (REPO / "runs" / "smoke" if args.smoke else REPO / "benchmarks" / "results")
     shutil.rmtree(args.runs, ignore_errors=True)
     args.runs.mkdir(parents=True)
-    results = {runner: run(runner, args.runs, args.iterations, args.per_run, sizes) for runner in ("processes", "containers")}
-    ratio = results["containers"]["steady_median_s"] / results["processes"]["steady_median_s"]
-    same = results["containers"]["weights_sha256"] == results["processes"]["weights_sha256"]
+    names = ["processes", "containers"] + (["processes-fused", "containers-fused"] if args.fused else [])
+    results = {name: run(name, args.runs, args.iterations, args.per_run, sizes) for name in names}
+    ratio = results["containers"]["period_median_s"] / results["processes"]["period_median_s"]
+    same = len({result["weights_sha256"] for result in results.values()}) == 1
     machine = describe_machine()
     lines = [
         f"# An iteration in containers vs processes ({machine})",
         "",
-        f"`python benchmarks/containers.py --iterations {args.iterations} --per-run {args.per_run}`: the demo spec "
-        f"(resident trainer) at {', '.join(sizes)}; median iteration wall after each pipeline run's first.",
+        f"`python benchmarks/containers.py {' '.join(sys.argv[1:])}`: the demo spec (resident trainer) at "
+        f"{', '.join(sizes)}; medians over the iterations after each pipeline run's first. Iteration wall: the "
+        "iteration's own clock (generate's entry to the commit); period: commit to commit; orchestration: "
+        "1 - the steps' compute / the period.",
         "",
-        "| runner | iteration wall (median) | whole run | final weights sha256 |",
-        "|---|---|---|---|",
+        "| runner | steps | iteration wall | period | steps' compute | orchestration | whole run | final weights |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for runner, result in results.items():
-        lines.append(f"| {runner} | {result['steady_median_s']:.2f} s | {result['run_s']:.0f} s | "
-                     f"{result['weights_sha256'][:12]} |")  # fmt: skip
-    lines += ["", f"containers / processes: **{ratio:.2f}x** the iteration wall; same weights: {same}"]
+    for name, result in results.items():
+        runner, steps = name.split("-")[0], "one task an iteration" if name.endswith("-fused") else "a task a step"
+        lines.append(f"| {runner} | {steps} | {result['steady_median_s']:.2f} s | {result['period_median_s']:.2f} s | "
+                     f"{result['compute_median_s']:.2f} s | {result['orchestration_share']:.1%} | "
+                     f"{result['run_s']:.0f} s | {result['weights_sha256'][:12]} |")  # fmt: skip
+    lines += ["", f"containers / processes: **{ratio:.2f}x** the period (a task a step); same weights: {same}"]
     text = "\n".join(lines) + "\n"
     print(text)
     args.results_dir.mkdir(parents=True, exist_ok=True)

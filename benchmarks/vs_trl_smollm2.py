@@ -70,11 +70,12 @@ def settings(spec: RunSpec) -> dict:
 
 
 def prepared(spec: RunSpec, work: Path) -> tuple[str, str]:
-    """(run root holding data/, the converted model directory) both systems start from."""
+    """(run root holding data/, the converted model directory) both systems start from: the seed's own rows
+    (rlpipe's run generates the same from spec.seed), so both train and evaluate on the same ones."""
     from rlpipe.data import prepare_data
     from rlpipe.models.files import resolve_model_source
 
-    run_root = str(work / "reference")
+    run_root = str(work / "reference" / f"seed{spec.seed}")
     prepare_data(spec, run_root)
     return run_root, resolve_model_source(spec.model.path, spec.cache_root)
 
@@ -218,6 +219,11 @@ def main() -> None:
             result |= {"system": system, "seed": seed, "samples_per_s": result["completions"] / result["train_wall_s"]}
             rows.append(result)
             print(json.dumps(result), flush=True)
+        before = {r["system"]: r["before"]["acc"] for r in rows if r["seed"] == seed}
+        if abs(before["rlpipe"] - before["trl"]) > 0.011:  # one problem of 200 either way: batch numerics
+            raise SystemExit(
+                f"seed {seed}: the held-out accuracy before training differs ({before}): not the same rows"
+            )
     by = {s: [r for r in rows if r["system"] == s] for s in ("rlpipe", "trl")}
     ratio = statistics.fmean(r["samples_per_s"] for r in by["rlpipe"]) / statistics.fmean(
         r["samples_per_s"] for r in by["trl"]

@@ -69,9 +69,11 @@ def initialize(images: dict[str, str], root: Path, spec_json: str, run_root: str
         "import importlib.util, os, sys\n"
         "from rlpipe import loop\nfrom rlpipe.spec import spec_from_json\n"
         f"print(loop.prepare(spec_from_json({spec_json!r}), {run_root!r}))\n"
-        "print('uid', os.getuid(), 'torch', importlib.util.find_spec('torch'), 'imported', 'torch' in sys.modules)",
+        "print('uid', os.getuid(), 'torch', importlib.util.find_spec('torch'), 'imported', 'torch' in sys.modules)\n"
+        "from kubeflow.hub import ModelRegistryClient\nprint('registry client', ModelRegistryClient.__name__)",
     )  # fmt: skip
     assert "uid 1000 torch None imported False" in prepared
+    assert "registry client ModelRegistryClient" in prepared  # the track step's tracking.model_registry
     run_in(
         images["trainer"], root, "-c",
         "import json\nfrom rlpipe import loop\nfrom rlpipe.spec import spec_from_json\n"

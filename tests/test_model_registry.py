@@ -155,6 +155,26 @@ def test_an_unreachable_registry_names_the_key_and_mlflow_keeps_its_record(tmp_p
         assert flush(registry_spec(tmp_path, stub.address, stub.port), run_root)["model_registry"] == ["v0"]
 
 
+def test_rlpipe_check_asks_the_registry_and_names_what_to_fix(tmp_path, run_root, monkeypatch):
+    """`rlpipe check`: the registry answers the SDK's client; unreachable, or token_env unset, is a
+    failure naming tracking.model_registry and what to change."""
+    from rlpipe.run.preflight import CheckFailed, check_model_registry
+
+    with ModelRegistryStub() as stub:
+        line = check_model_registry(registry_spec(tmp_path, stub.address, stub.port))
+        assert line == f"Kubeflow Model Registry at {stub.address} port {stub.port} answers (author rl-team)"
+        assert stub.requests, "the check asked the registry nothing"
+        monkeypatch.delenv(TOKEN_ENV)
+        with pytest.raises(CheckFailed, match=rf"tracking\.model_registry\.token_env: the env var {TOKEN_ENV}"):
+            check_model_registry(registry_spec(tmp_path, stub.address, stub.port))
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with pytest.raises(CheckFailed, match=r"tracking\.model_registry: the registry at .* refused the client .*fix"):
+        check_model_registry(registry_spec(tmp_path, "http://127.0.0.1", port))
+
+
 def test_another_runs_version_is_an_error_not_overwritten(tmp_path, run_root):
     evaluated(run_root, 0, 0.30)
     with ModelRegistryStub() as stub:

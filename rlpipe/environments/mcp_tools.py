@@ -7,11 +7,12 @@ turn that calls one is sent to the server (`tools/call`) and the text of its res
     mcp: {url: http://tools:8000/mcp}                     a running server, over streamable HTTP
     mcp: {..., timeout_s: 30, connect_timeout_s: 60}      for each call; to start and connect
 One connection per server per process, opened at the first trajectory's reset and shared by all that
-follow, across steps of a long-lived process (the resident trainer): its own thread runs its event loop,
-since the turn loop starts a fresh one every turn. A tool's own error (MCP's `isError`, bad arguments)
-comes back as the observation "error: ...", as a Python tool's does; a server that does not start, is
-unreachable, times out or drops the connection ends the trajectory with an EnvironmentFailure naming
-the server (a failed connect is retried after RETRY_AFTER_S, so one turn's trajectories share it).
+follow, across steps of a long-lived process (the resident trainer): it lives on the process's background
+event loop (rlpipe.environments.background_loop), since the turn loop starts a fresh one every turn.
+A tool's own error (MCP's `isError`, bad arguments) comes back as the observation "error: ...", as a Python
+tool's does; a server that does not start, is unreachable, times out or drops the connection ends the
+trajectory with an EnvironmentFailure naming the server (a failed connect is retried after RETRY_AFTER_S, so
+one turn's trajectories share it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from rlpipe.environments import background_loop
 from rlpipe.environments.registry import EnvironmentFailure
 
 INSTALL = 'pip install -e ".[mcp]"'
@@ -90,7 +92,7 @@ def root_error(err: BaseException) -> BaseException:
 
 
 class McpConnection:
-    """One client session to a server, on an event loop of its own (daemon) thread."""
+    """One client session to a server, on the process's background event loop."""
 
     def __init__(self, server: McpServer) -> None:
         self.server, self.pid, self.closed = server, os.getpid(), False
@@ -100,13 +102,8 @@ class McpConnection:
         self.ready = threading.Event()
         self.stderr = tempfile.TemporaryFile("w+b")  # a stdio server's log, its end quoted when it fails
         self.stopping = asyncio.Event()  # bound to self.loop at its first wait (set only from there)
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self._run_loop, name="mcp-client", daemon=True).start()
+        self.loop = background_loop()
         self.main = asyncio.run_coroutine_threadsafe(self._serve(), self.loop)
-
-    def _run_loop(self) -> None:
-        self.loop.run_forever()
-        self.loop.close()
 
     def _transport(self) -> Any:
         from mcp import StdioServerParameters, stdio_client
@@ -163,7 +160,7 @@ class McpConnection:
         return reason + (f"; its stderr ends: {' | '.join(line.strip() for line in log)}" if log else "")
 
     def alive(self) -> bool:
-        return self.session is not None and self.pid == os.getpid()  # a forked child has no loop thread
+        return self.session is not None and self.pid == os.getpid()  # a forked child's session is its parent's
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """The text of the tool's result ("error: ..." when the tool failed); EnvironmentFailure when the
@@ -196,7 +193,7 @@ class McpConnection:
         return f"error: {text}" if result.is_error else text
 
     def close(self) -> None:
-        """End the session (a stdio server is stopped) and the thread's loop."""
+        """End the session (a stdio server is stopped)."""
         if self.closed or self.pid != os.getpid():
             return  # closed already, or a forked child's copy (the parent owns the session)
         self.closed = True
@@ -205,7 +202,6 @@ class McpConnection:
             self.main.result(timeout=10.0)
         except Exception:  # noqa: BLE001, S110 (closing: nothing is lost)
             pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def listed_tools(server: McpServer) -> list[str]:

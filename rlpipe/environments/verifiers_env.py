@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
 
+from rlpipe.environments import background_loop
 from rlpipe.environments.registry import Environment, EnvironmentFailure, StepResult
 from rlpipe.rewards.verifiers_tasks import add_message, load, new_trace, task_of
 
@@ -29,20 +29,6 @@ CHATML_TOOL = (
     "<|im_end|>\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 )
 OPTIONS = {"env_id", "args", "env_args", "observation", "tool_observation", "stop"}
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def background_loop() -> asyncio.AbstractEventLoop:
-    """One event loop in a daemon thread for every episode: an Env's `run` lives across turns, while
-    the turn loop runs each batch of turns in an `asyncio.run` of its own."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="verifiers-episodes", daemon=True).start()
-    return _loop
 
 
 def tools_of(env: Any, task: Any) -> dict[str, Callable[..., Any]]:

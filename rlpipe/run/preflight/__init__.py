@@ -5,7 +5,8 @@ Each check returns one line saying what it found, or raises CheckFailed saying w
 `preflight` runs them all and reports every failure at once, so one edit fixes them all.
 
     machine     the packages and the device (check_installed, check_device)
-    storage     the run root, the cache and the tracking store (check_run_root, check_tracking)
+    storage     the run root, the cache, the tracking store and a Kubeflow Model Registry (check_run_root,
+                check_tracking, check_model_registry)
     inputs      the model and the data's prompts, and how they tokenize (check_model, check_data)
     behaviour   the algorithm, rewards, environment and evaluation (check_algorithm, check_rewards,
                 check_environment, check_evaluation)
@@ -22,7 +23,7 @@ from rlpipe.run.preflight.behaviour import check_algorithm, check_environment, c
 from rlpipe.run.preflight.inputs import check_data, check_model
 from rlpipe.run.preflight.machine import check_device, check_installed, cuda_builds_beside_cpu_torch, gpus_problem
 from rlpipe.run.preflight.probe import CheckFailed
-from rlpipe.run.preflight.storage import check_run_root, check_tracking, tracking_store_problem
+from rlpipe.run.preflight.storage import check_model_registry, check_run_root, check_tracking, tracking_store_problem
 from rlpipe.spec import RunSpec
 
 
@@ -44,6 +45,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
         lambda: check_environment(spec),
         lambda: check_evaluation(spec),
         lambda: check_tracking(spec, run_root),
+        *([lambda: check_model_registry(spec)] if spec.tracking.model_registry else []),
     ]
     failures = []
     log_path = Path(spec.cache_root) / "logs" / "preflight.log"
@@ -94,6 +96,7 @@ __all__ = [
     "check_evaluation",
     "check_installed",
     "check_model",
+    "check_model_registry",
     "check_rewards",
     "check_run_root",
     "check_tracking",

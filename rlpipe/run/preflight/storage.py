@@ -94,6 +94,30 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
     return f"tracking: {uri} (a {_scheme(uri)} store: accepted by MLflow, not probed here)"
 
 
+def check_model_registry(spec: RunSpec) -> str:
+    """tracking.model_registry: the Kubeflow SDK is installed, token_env is set, and the registry answers
+    the client's first request (its constructor asks the server for a registered model)."""
+    from rlpipe.run.kubeflow_registry import KEY, RegistryError, connect
+
+    settings = spec.tracking.model_registry
+    where = f"{settings.server_address}" + (f" port {settings.port}" if settings.port else "")
+    try:
+        within(PROBE_S, lambda: connect(settings))
+    except RegistryError as err:
+        raise CheckFailed(str(err)) from None
+    except TimeoutError:
+        raise CheckFailed(
+            f"{KEY}: the registry at {where} did not answer in {PROBE_S:g} s; fix {KEY}.server_address and port, "
+            "or check the network"
+        ) from None
+    except Exception as err:  # noqa: BLE001 (refused, TLS, 401/403: the SDK's own exception types)
+        raise CheckFailed(
+            f"{KEY}: the registry at {where} refused the client ({type(err).__name__}: {err}); fix "
+            f"{KEY}.server_address, port, is_secure or token_env"
+        ) from None
+    return f"Kubeflow Model Registry at {where} answers (author {settings.author})"
+
+
 NO_SQLALCHEMY = "tracking.uri {uri}: MLflow's database stores need SQLAlchemy; pip install mlflow (or '.[local]')"
 
 
