@@ -43,7 +43,7 @@ from rlpipe.metric_keys import (
     ZERO_VARIANCE_GROUPS,
 )
 from rlpipe.run.preflight import preflight
-from rlpipe.run.tracking import run_url
+from rlpipe.run.tracking import flush_as_it_commits, run_url
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import service_for
@@ -381,6 +381,8 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
         )
         watcher = threading.Thread(target=watch, args=(live,), daemon=True)
         watcher.start()
+        tracker = threading.Thread(target=flush_as_it_commits, args=(served, run_root, stop), daemon=True)
+        tracker.start()  # MLflow as each iteration commits; the pipeline runs' track steps find it done
         try:
             while True:
                 offset = log_path.stat().st_size if log_path.exists() else 0
@@ -400,6 +402,7 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
         finally:
             stop.set()
             watcher.join()
+            tracker.join()
             progress.refresh(run_root, log_path)
             if live is not None:
                 live.update(progress.render())

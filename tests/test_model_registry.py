@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from rlpipe.run.kubeflow_registry import RegistryError, model_format
 from rlpipe.run.tracking import flush, tracking_uri
 from rlpipe.spec import parse_spec
-from rlpipe.store.run_root import eval_metrics_uri, write_json
+from rlpipe.store.run_root import eval_metrics_uri, tracked_uri, write_json
 from rlpipe.store.weights import publish, read_weight_ref, seal, staging_uri
 
 from .conftest import set_state, tiny_spec_dict
@@ -130,6 +130,8 @@ def test_a_repeated_track_step_registers_each_version_once(tmp_path, run_root):
         spec = registry_spec(tmp_path, stub.address, stub.port)
         assert flush(spec, run_root)["model_registry"] == ["v0"]
         writes = stub.writes()
+        assert flush(spec, run_root)["model_registry"] == []  # nothing new (tracked.json)
+        Path(tracked_uri(run_root)).unlink()  # as after a flush killed before its record: the registry is asked
         assert flush(spec, run_root)["model_registry"] == []
         assert stub.writes() == writes
         evaluated(run_root, 1, 0.20)  # no better: tracking.register best registers nothing
@@ -182,6 +184,7 @@ def test_another_runs_version_is_an_error_not_overwritten(tmp_path, run_root):
         flush(spec, run_root)
         for version in stub.versions.values():
             version["customProperties"]["rlpipe.run_uid"] = {"string_value": "other", "metadataType": STRING}
+        Path(tracked_uri(run_root)).unlink()  # the registry is asked again
         with pytest.raises(RegistryError, match="belongs to run other.*tracking.registered_model"):
             flush(spec, run_root)
 

@@ -1,5 +1,6 @@
 """MLflow: one run per RL run, one point per iteration, even when a flush is repeated."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from rlpipe.run.tracking import flush_metrics, tracking_uri
 from rlpipe.spec import parse_spec
-from rlpipe.store.run_root import eval_metrics_uri, iteration_metrics_uri, write_json
+from rlpipe.store.run_root import eval_metrics_uri, iteration_metrics_uri, tracked_uri, write_json
 
 from .conftest import set_state, tiny_spec_dict
 
@@ -35,6 +36,72 @@ def test_flush_is_idempotent_and_skips_uncommitted(tmp_path: Path):
     run = client.get_run(run_id)
     assert run.data.params["trainer.lr"] == "0.0005"
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_a_flush_with_nothing_new_returns_without_mlflow_and_the_next_commit_logs(tmp_path: Path):
+    """tracked.json: a flush that finds what the last complete one logged from returns at once (in a fresh
+    process MLflow is not even imported); an iteration committed, or the tracking settings changed, and
+    the next flush logs again."""
+    import json
+    import subprocess
+    import sys
+
+    from rlpipe.run.tracking import flush
+    from rlpipe.spec import spec_to_json
+
+    spec = parse_spec(tiny_spec_dict(tmp_path))
+    run_root = str(tmp_path / "run")
+    set_state(run_root, iteration=0, weights_version=0)
+    write_json(iteration_metrics_uri(run_root, 1), {"reward/mean": 0.5})
+    first = flush(spec, run_root)
+    assert first["points"] == 0 and Path(tracked_uri(run_root)).exists()
+    code = (
+        "import json, sys\nfrom rlpipe.run.tracking import flush\nfrom rlpipe.spec import spec_from_json\n"
+        f"done = flush(spec_from_json({spec_to_json(spec)!r}), {run_root!r})\n"
+        "print(json.dumps([done, 'mlflow' in sys.modules]))"
+    )
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done, imported = json.loads(again.stdout.strip().splitlines()[-1])
+    assert done["up_to_date"] and done["run_id"] == first["run_id"] and not imported
+    set_state(run_root, iteration=1)
+    assert flush(spec, run_root)["points"] == 1
+    assert flush(spec, run_root)["up_to_date"]
+    moved = parse_spec(tiny_spec_dict(tmp_path, tracking={"register": "every_eval"}))
+    assert "up_to_date" not in flush(moved, run_root)
+
+
+def test_rlpipe_run_flushes_as_each_iteration_commits(tmp_path: Path):
+    """The driver's live tracking (a thread of `rlpipe run`): a commit reaches MLflow within seconds,
+    before any track step; stopping it ends the thread."""
+    import threading
+    import time
+
+    from rlpipe.run.tracking import flush_as_it_commits
+
+    spec = parse_spec(tiny_spec_dict(tmp_path))
+    run_root = str(tmp_path / "run")
+    set_state(run_root, iteration=0, weights_version=0)
+    stop = threading.Event()
+    tracker = threading.Thread(target=flush_as_it_commits, args=(spec, run_root, stop, 0.1))
+    tracker.start()
+    try:
+        for iteration in (1, 2):
+            write_json(iteration_metrics_uri(run_root, iteration), {"reward/mean": iteration / 10})
+            set_state(run_root, iteration=iteration)
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                run_id = json.loads((Path(run_root) / "state.json").read_text()).get("mlflow_run_id")
+                client = MlflowClient(tracking_uri(spec, run_root))
+                if run_id and len(client.get_metric_history(run_id, "reward/mean")) == iteration:
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"iteration {iteration} did not reach MLflow in 30 s")
+    finally:
+        stop.set()
+        tracker.join(timeout=30)
+    assert not tracker.is_alive()
+    assert [m.value for m in client.get_metric_history(run_id, "reward/mean")] == [0.1, 0.2]
 
 
 def test_lost_run_id_finds_the_same_mlflow_run(tmp_path: Path):
@@ -94,7 +161,10 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     # keep_versions 1 pruned v2 and v3; v1 stays while the registry points at it
     kept = sorted(p.name for p in (Path(run_root) / "weights").glob("v0*"))
     assert kept == ["v000000", "v000001", "v000004"]
-    assert flush(spec, run_root)["registered"] == []  # a repeated flush registers nothing twice
+    again = flush(spec, run_root)
+    assert again["up_to_date"] and again["registered"] == []  # nothing new: MLflow is not asked
+    Path(tracked_uri(run_root)).unlink()  # as after a flush killed before its record: MLflow is asked
+    assert flush(spec, run_root)["registered"] == []  # and registers nothing twice
 
     # every_eval from here on: each eval the store still has; the gate's version gets its alias
     data["tracking"] = {"register": "every_eval"}
@@ -128,4 +198,5 @@ def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run)
     assert tag == [{"path": "eval_samples/eval_000000.json", "type": "table"}]
     spec_logged = client.download_artifacts(done["run_id"], "spec.yaml")
     assert yaml.safe_load(Path(spec_logged).read_text())["name"] == spec.name
+    Path(tracked_uri(run_root)).unlink()  # MLflow is asked, not tracked.json
     assert flush(spec, run_root)["artifacts"] == []  # logged once

@@ -5,7 +5,11 @@ Metrics are first written to the run root (metrics/*.json, by sync_weights and e
 `flush` copies every committed point MLflow does not yet have, registers the evaluated versions
 tracking.register asks for (and, with tracking.model_registry, in the Kubeflow Model Registry too:
 rlpipe.run.kubeflow_registry), and logs what the run's artifacts lack. MLflow is the record of what
-was logged, so a flush killed halfway is simply repeated.
+was logged, so a flush killed halfway is simply repeated. A complete flush records what it logged from
+(`flushed_from`: the commit, the stop, the eval records, the tracking settings) in tracked.json; a flush
+that finds the same returns at once, without importing MLflow. The track step flushes at the end of
+every pipeline run; `rlpipe run` also flushes as each iteration commits (live metrics), so that its
+track steps find little or nothing left. Flushes of a local run root take turns (`one_flush_at_a_time`).
 
 On a cluster with KFP 2.17's MLflow integration (KEP-12862) each pipeline run has an MLflow run of its
 own and each task one nested under it; the launcher logs the tasks' Metrics artifacts and inputs
@@ -17,19 +21,33 @@ empty (rlpipe.components.finish): every metric is logged once, in the RL run, by
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
 import socket
+import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_WEIGHTS_VERSION, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.commit import record_tracking_run
-from rlpipe.store.run_root import is_local, list_metrics, read_state
+from rlpipe.store.run_root import (
+    filesystem,
+    is_local,
+    join,
+    list_metrics,
+    read_json,
+    read_state,
+    tracked_uri,
+    tracking_lock_path,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -121,9 +139,74 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
     return run_id
 
 
+@contextlib.contextmanager
+def one_flush_at_a_time(run_root: str) -> Iterator[None]:
+    """An exclusive lock on a local run root's .tracking.lock (rlpipe run's live flushes and the track
+    step's, also across a container's bind mount); nothing for a remote run root."""
+    path = tracking_lock_path(run_root)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def flushed_from(spec: RunSpec, run_root: str) -> dict[str, Any]:
+    """What a flush logs from, read without MLflow: the committed iteration and stop, the names of the eval
+    records (metrics and samples) and the tracking settings."""
+    state = read_state(run_root) or {}
+    fs, path = filesystem(join(run_root, "metrics"))
+    names = [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
+    return {
+        "iteration": state.get("iteration"),
+        "stopped": state.get("stopped"),
+        "evals": sorted(name for name in names if name.startswith("eval_")),
+        "tracking": spec_to_dict(spec)["tracking"],
+    }
+
+
 def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
-    """The track step: log what MLflow lacks of the committed run (metrics, the spec, eval samples)
-    and register the evaluated versions tracking.register asks for. Returns what it did."""
+    """The track step (and `rlpipe run`'s live tracking): log what MLflow lacks of the committed run
+    (metrics, the spec, eval samples) and register the evaluated versions tracking.register asks for.
+    Returns what it did; at once, without MLflow, when the last complete flush logged from the same
+    (`flushed_from`), except in a KFP-integrated task, which also tags its pipeline run."""
+    with one_flush_at_a_time(run_root):
+        source = flushed_from(spec, run_root)
+        if source == read_json(tracked_uri(run_root)) and not kfp_mlflow():
+            run_id = (read_state(run_root) or {}).get("mlflow_run_id", "")
+            done = {"run_id": run_id, "points": 0, "artifacts": [], "registered": [], "up_to_date": True}
+            return done | ({"model_registry": []} if spec.tracking.model_registry else {})
+        done = flush_everything(spec, run_root)
+        if done["run_id"]:
+            write_json(tracked_uri(run_root), source)
+        return done
+
+
+def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, every_s: float = 1.0) -> None:
+    """`rlpipe run`'s live tracking (a thread of the driver, until `stop`): a flush whenever an iteration
+    or an eval is committed, so MLflow follows the run iteration by iteration and the track step at each
+    pipeline run's end finds it done. A failure waits for the next commit; the track step, flushing
+    again, fails naming it."""
+    import logging
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines ("Creating ... tables") not on the console
+    tried = None
+    while not stop.wait(every_s):
+        with contextlib.suppress(Exception):
+            source = flushed_from(spec, run_root)
+            if source != tried and source["iteration"] is not None:
+                tried = source
+                flush(spec, run_root)
+
+
+def flush_everything(spec: RunSpec, run_root: str) -> dict[str, Any]:
+    """`flush`'s work: every committed point, artifact and registration MLflow (and a Kubeflow Model
+    Registry) lacks."""
     run_id, logged, iterations = flush_metrics(spec, run_root)
     if not run_id:
         return {"run_id": "", "points": 0}

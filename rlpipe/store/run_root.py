@@ -8,6 +8,7 @@
   metrics/eval_000005_samples.jsonl   that eval's held-out rows: prompt, greedy completion, answer, reward
   weights/ (see weight_store)   optimizer/v000007/optimizer.pt
   trainers/fleet.json, samplers/fleet.json, producers/fleet.json   the local services `rlpipe run` started
+  mlflow.db, tracked.json   the default MLflow store; what the last complete flush to MLflow logged from
 """
 
 from __future__ import annotations
@@ -191,6 +192,18 @@ def list_metrics(run_root: str, kind: str) -> dict[int, dict[str, float]]:
             with fs.open(name, "r") as f:
                 found[int(base[len(kind) + 1 : -5])] = json.load(f)
     return found
+
+
+def tracked_uri(run_root: str) -> str:
+    """What the last complete MLflow flush logged from (rlpipe.run.tracking.flush): a later flush with
+    nothing new returns without importing MLflow. Delete it to make the next flush ask MLflow again."""
+    return join(run_root, "tracked.json")
+
+
+def tracking_lock_path(run_root: str) -> Path | None:
+    """The lock file that serializes MLflow flushes of a local run root (the local driver's and the track
+    step's); None for a remote one (a cluster's single track step needs none)."""
+    return Path(run_root.removeprefix("file://")) / ".tracking.lock" if is_local(run_root) else None
 
 
 def fleet_uri(run_root: str, kind: str) -> str:
