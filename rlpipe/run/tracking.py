@@ -187,11 +187,12 @@ def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
         return done
 
 
-def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, every_s: float = 1.0) -> None:
+def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, every_s: float = 0.2) -> None:
     """`rlpipe run`'s live tracking (a thread of the driver, until `stop`): a flush whenever an iteration
     or an eval is committed, so MLflow follows the run iteration by iteration and the track step at each
-    pipeline run's end finds it done. A failure waits for the next commit; the track step, flushing
-    again, fails naming it."""
+    pipeline run's end finds it done (it starts a fraction of a second after the last commit: hence the
+    short poll, a read of state.json and a listing of metrics/). A failure waits for the next commit;
+    the track step, flushing again, fails naming it."""
     import logging
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines ("Creating ... tables") not on the console
