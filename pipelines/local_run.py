@@ -350,10 +350,7 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
     say(f"rlpipe: run root {run_root}\n        KFP task logs {log_path}")
     served, fleet, trainer, producer = local_services(spec, run_root, engine, say)
     spec_arg = spec_to_json(served)
-    stop = threading.Event()
-    interactive = console.is_terminal
-
-    printed: dict[str, int] = {}
+    stop, interactive, printed = threading.Event(), console.is_terminal, {}
 
     def watch(live: Live | None) -> None:
         while not stop.wait(1.0):

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,22 +127,6 @@ async def _answers(calls: list[Callable[[], Any]]) -> list[Any]:
 def answers(calls: list[Callable[[], Any]]) -> list[Any]:
     """`_answers` from synchronous code (the generate step's)."""
     return asyncio.run(_answers(calls))
-
-
-_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop): a forked child makes its own
-_LOOP_LOCK = threading.Lock()
-
-
-def background_loop() -> asyncio.AbstractEventLoop:
-    """This process's one event loop in a daemon thread, for what lives across turns (an MCP session, a
-    verifiers Env's `run`): the turn loop runs each batch of turns in an `asyncio.run` of its own."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP[0] != os.getpid():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="rlpipe-environments", daemon=True).start()
-            _LOOP = (os.getpid(), loop)
-        return _LOOP[1]
 
 
 def run_trajectories(

@@ -8,7 +8,7 @@ turn that calls one is sent to the server (`tools/call`) and the text of its res
     mcp: {..., timeout_s: 30, connect_timeout_s: 60}      for each call; to start and connect
 One connection per server per process, opened at the first trajectory's reset and shared by all that
 follow, across steps of a long-lived process (the resident trainer): it lives on the process's background
-event loop (rlpipe.environments.background_loop), since the turn loop starts a fresh one every turn.
+event loop (rlpipe.environments.registry.background_loop), since the turn loop starts a fresh one every turn.
 A tool's own error (MCP's `isError`, bad arguments) comes back as the observation "error: ...", as a Python
 tool's does; a server that does not start, is unreachable, times out or drops the connection ends the
 trajectory with an EnvironmentFailure naming the server (a failed connect is retried after RETRY_AFTER_S, so
@@ -28,8 +28,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from rlpipe.environments import background_loop
-from rlpipe.environments.registry import EnvironmentFailure
+from rlpipe.environments.registry import EnvironmentFailure, background_loop
 
 INSTALL = 'pip install -e ".[mcp]"'
 RETRY_AFTER_S = 10.0

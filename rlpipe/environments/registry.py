@@ -1,9 +1,12 @@
-"""The environment types by name, and the interface every environment fills: imported by the built-ins
-(which register themselves) and by rlpipe.environments (which imports them), so no module imports its
-package."""
+"""The environment types by name, the interface every environment fills, and the background event loop of
+those that live across turns: imported by the built-ins (which register themselves) and by
+rlpipe.environments (which imports them), so no module imports its package."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,3 +60,19 @@ def environment_factory(spec: EnvironmentSpec) -> Callable[[], Environment]:
         "rlpipe.environments.register_environment",
     )
     return build(dict(spec.options), "rollout.environment")
+
+
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop): a forked child makes its own
+_LOOP_LOCK = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """This process's one event loop in a daemon thread, for what lives across turns (an MCP session, a
+    verifiers Env's `run`): the turn loop runs each batch of turns in an `asyncio.run` of its own."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="rlpipe-environments", daemon=True).start()
+            _LOOP = (os.getpid(), loop)
+        return _LOOP[1]

@@ -20,8 +20,7 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
 
-from rlpipe.environments import background_loop
-from rlpipe.environments.registry import Environment, EnvironmentFailure, StepResult
+from rlpipe.environments.registry import Environment, EnvironmentFailure, StepResult, background_loop
 from rlpipe.rewards.verifiers_tasks import add_message, load, new_trace, task_of
 
 CHATML_USER = "<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"

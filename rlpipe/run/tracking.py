@@ -5,11 +5,9 @@ Metrics are first written to the run root (metrics/*.json, by sync_weights and e
 `flush` copies every committed point MLflow does not yet have, registers the evaluated versions
 tracking.register asks for (and, with tracking.model_registry, in the Kubeflow Model Registry too:
 rlpipe.run.kubeflow_registry), and logs what the run's artifacts lack. MLflow is the record of what
-was logged, so a flush killed halfway is simply repeated. A complete flush records what it logged from
-(`flushed_from`: the commit, the stop, the eval records, the tracking settings) in tracked.json; a flush
-that finds the same returns at once, without importing MLflow. The track step flushes at the end of
-every pipeline run; `rlpipe run` also flushes as each iteration commits (live metrics), so that its
-track steps find little or nothing left. Flushes of a local run root take turns (`one_flush_at_a_time`).
+was logged, so a flush killed halfway is simply repeated; a complete one records what it logged from in
+tracked.json, and a flush finding the same returns without importing MLflow. The track step flushes at the
+end of each pipeline run; `rlpipe run` also flushes as each iteration commits (`flush_as_it_commits`).
 
 On a cluster with KFP 2.17's MLflow integration (KEP-12862) each pipeline run has an MLflow run of its
 own and each task one nested under it; the launcher logs the tasks' Metrics artifacts and inputs
@@ -25,6 +23,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
@@ -157,8 +156,7 @@ def one_flush_at_a_time(run_root: str) -> Iterator[None]:
 
 
 def flushed_from(spec: RunSpec, run_root: str) -> dict[str, Any]:
-    """What a flush logs from, read without MLflow: the committed iteration and stop, the names of the eval
-    records (metrics and samples) and the tracking settings."""
+    """What a flush logs from, read without MLflow: the commit and stop, the eval records, the settings."""
     state = read_state(run_root) or {}
     fs, path = filesystem(join(run_root, "metrics"))
     names = [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
@@ -174,17 +172,26 @@ def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
     """The track step (and `rlpipe run`'s live tracking): log what MLflow lacks of the committed run
     (metrics, the spec, eval samples) and register the evaluated versions tracking.register asks for.
     Returns what it did; at once, without MLflow, when the last complete flush logged from the same
-    (`flushed_from`), except in a KFP-integrated task, which also tags its pipeline run."""
+    (`flushed_from`), except in a KFP-integrated task, which also tags its pipeline run. What is committed
+    while it flushes is flushed before the lock is let go, so a track step waiting on it finds all done."""
     with one_flush_at_a_time(run_root):
+        done: dict[str, Any] | None = None
         source = flushed_from(spec, run_root)
-        if source == read_json(tracked_uri(run_root)) and not kfp_mlflow():
+        while source != read_json(tracked_uri(run_root)) or (done is None and kfp_mlflow()):
+            more = flush_everything(spec, run_root)
+            done = more if done is None else {k: done[k] + v if k in SUMMED_RESULTS else v for k, v in more.items()}
+            if not more["run_id"]:
+                break
+            write_json(tracked_uri(run_root), source)
+            source = flushed_from(spec, run_root)
+        if done is None:
             run_id = (read_state(run_root) or {}).get("mlflow_run_id", "")
             done = {"run_id": run_id, "points": 0, "artifacts": [], "registered": [], "up_to_date": True}
             return done | ({"model_registry": []} if spec.tracking.model_registry else {})
-        done = flush_everything(spec, run_root)
-        if done["run_id"]:
-            write_json(tracked_uri(run_root), source)
         return done
+
+
+SUMMED_RESULTS = ("points", "artifacts", "registered", "model_registry")  # flush_everything's, over its rounds
 
 
 def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, every_s: float = 0.2) -> None:
@@ -193,8 +200,6 @@ def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, eve
     pipeline run's end finds it done (it starts a fraction of a second after the last commit: hence the
     short poll, a read of state.json and a listing of metrics/). A failure waits for the next commit;
     the track step, flushing again, fails naming it."""
-    import logging
-
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines ("Creating ... tables") not on the console
     tried = None
     while not stop.wait(every_s):
@@ -327,8 +332,6 @@ def log_artifacts(spec: RunSpec, run_root: str, run_id: str, client: MlflowClien
 def log_table(client: MlflowClient, run_id: str, columns: list[str], rows: list[list[Any]], path: str) -> None:
     """What mlflow.log_table writes (a {columns, data} JSON the UI shows as a table, listed in the
     run's mlflow.loggedArtifacts tag), without pandas: the step image has mlflow-skinny."""
-    import json
-
     client.log_dict(run_id, {"columns": columns, "data": rows}, path)
     tag = client.get_run(run_id).data.tags.get("mlflow.loggedArtifacts")
     listed = json.loads(tag) if tag else []
