@@ -43,7 +43,7 @@ from rlpipe.metric_keys import (
     ZERO_VARIANCE_GROUPS,
 )
 from rlpipe.run.preflight import preflight
-from rlpipe.run.tracking import flush_as_it_commits, run_url
+from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, run_url
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import service_for
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 # allocation until its thresholds adapt): fixed thresholds cut a fresh update step's
 # compute ~30% (benchmarks/results/iteration_breakdown.md).
 STEP_ENV = {
+    LIVE_TRACKING_ENV: "1",  # the driver flushes to MLflow as each iteration commits: track steps wait for it
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),

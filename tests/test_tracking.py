@@ -71,12 +71,13 @@ def test_a_flush_with_nothing_new_returns_without_mlflow_and_the_next_commit_log
 
 
 def test_rlpipe_run_flushes_as_each_iteration_commits(tmp_path: Path):
-    """The driver's live tracking (a thread of `rlpipe run`): a commit reaches MLflow within seconds,
-    before any track step; stopping it ends the thread."""
+    """The driver's live tracking (a thread of `rlpipe run`): a commit reaches MLflow within seconds, before
+    any track step; a track step under the driver (driver_s) waits for it and finds all done; stopping it
+    ends the thread."""
     import threading
     import time
 
-    from rlpipe.run.tracking import flush_as_it_commits
+    from rlpipe.run.tracking import flush, flush_as_it_commits
 
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
@@ -85,23 +86,23 @@ def test_rlpipe_run_flushes_as_each_iteration_commits(tmp_path: Path):
     tracker = threading.Thread(target=flush_as_it_commits, args=(spec, run_root, stop, 0.1))
     tracker.start()
     try:
-        for iteration in (1, 2):
-            write_json(iteration_metrics_uri(run_root, iteration), {"reward/mean": iteration / 10})
-            set_state(run_root, iteration=iteration)
-            deadline = time.time() + 30
-            while time.time() < deadline:
-                run_id = json.loads((Path(run_root) / "state.json").read_text()).get("mlflow_run_id")
-                client = MlflowClient(tracking_uri(spec, run_root))
-                if run_id and len(client.get_metric_history(run_id, "reward/mean")) == iteration:
-                    break
-                time.sleep(0.2)
-            else:
-                pytest.fail(f"iteration {iteration} did not reach MLflow in 30 s")
+        write_json(iteration_metrics_uri(run_root, 1), {"reward/mean": 0.1})
+        set_state(run_root, iteration=1)
+        deadline = time.time() + 30
+        while not (run_id := json.loads((Path(run_root) / "state.json").read_text()).get("mlflow_run_id")) or not (
+            MlflowClient(tracking_uri(spec, run_root)).get_metric_history(run_id, "reward/mean")
+        ):
+            assert time.time() < deadline, "iteration 1 did not reach MLflow in 30 s"
+            time.sleep(0.2)
+        write_json(iteration_metrics_uri(run_root, 2), {"reward/mean": 0.2})
+        set_state(run_root, iteration=2)
+        assert flush(spec, run_root, driver_s=30.0)["up_to_date"]  # the track step: the driver logged it
     finally:
         stop.set()
         tracker.join(timeout=30)
     assert not tracker.is_alive()
-    assert [m.value for m in client.get_metric_history(run_id, "reward/mean")] == [0.1, 0.2]
+    history = MlflowClient(tracking_uri(spec, run_root)).get_metric_history(run_id, "reward/mean")
+    assert [m.value for m in history] == [0.1, 0.2]
 
 
 def test_lost_run_id_finds_the_same_mlflow_run(tmp_path: Path):

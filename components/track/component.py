@@ -7,9 +7,11 @@ from rlpipe.components import STEP_IMAGE
 def track(spec: str, run_root: str, status: dsl.PipelineTaskFinalStatus) -> str:
     """Exit task: log what MLflow lacks of the committed run (metrics, eval samples, registered versions),
     even when an iteration failed (what was committed is kept). Returns the MLflow run id."""
-    from rlpipe.run.tracking import flush
+    import os
+
+    from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush
     from rlpipe.spec import spec_from_json
 
-    done = flush(spec_from_json(spec), run_root)
+    done = flush(spec_from_json(spec), run_root, driver_s=10.0 if os.environ.get(LIVE_TRACKING_ENV) else 0.0)
     print(f"MLflow run {done['run_id']}: {done}; pipeline {status.state}")
     return done["run_id"]

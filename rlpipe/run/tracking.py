@@ -20,7 +20,6 @@ empty (rlpipe.components.finish): every metric is logged once, in the RL run, by
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import json
 import logging
@@ -29,7 +28,6 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +39,10 @@ from rlpipe.store.run_root import (
     is_local,
     join,
     list_metrics,
+    one_flush_at_a_time,
     read_json,
     read_state,
     tracked_uri,
-    tracking_lock_path,
     write_json,
 )
 
@@ -138,23 +136,6 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
     return run_id
 
 
-@contextlib.contextmanager
-def one_flush_at_a_time(run_root: str) -> Iterator[None]:
-    """An exclusive lock on a local run root's .tracking.lock (rlpipe run's live flushes and the track
-    step's, also across a container's bind mount); nothing for a remote run root."""
-    path = tracking_lock_path(run_root)
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def flushed_from(spec: RunSpec, run_root: str) -> dict[str, Any]:
     """What a flush logs from, read without MLflow: the commit and stop, the eval records, the settings."""
     state = read_state(run_root) or {}
@@ -168,12 +149,16 @@ def flushed_from(spec: RunSpec, run_root: str) -> dict[str, Any]:
     }
 
 
-def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
+def flush(spec: RunSpec, run_root: str, driver_s: float = 0.0) -> dict[str, Any]:
     """The track step (and `rlpipe run`'s live tracking): log what MLflow lacks of the committed run
     (metrics, the spec, eval samples) and register the evaluated versions tracking.register asks for.
     Returns what it did; at once, without MLflow, when the last complete flush logged from the same
     (`flushed_from`), except in a KFP-integrated task, which also tags its pipeline run. What is committed
-    while it flushes is flushed before the lock is let go, so a track step waiting on it finds all done."""
+    while it flushes is flushed before the lock is let go. `driver_s`: a track step under `rlpipe run`
+    (LIVE_TRACKING_ENV set) first gives the driver's flush that long to log the last commit."""
+    deadline = time.time() + driver_s
+    while time.time() < deadline and flushed_from(spec, run_root) != read_json(tracked_uri(run_root)):
+        time.sleep(0.05)
     with one_flush_at_a_time(run_root):
         done: dict[str, Any] | None = None
         source = flushed_from(spec, run_root)
@@ -192,6 +177,7 @@ def flush(spec: RunSpec, run_root: str) -> dict[str, Any]:
 
 
 SUMMED_RESULTS = ("points", "artifacts", "registered", "model_registry")  # flush_everything's, over its rounds
+LIVE_TRACKING_ENV = "RLPIPE_LIVE_TRACKING"  # "1" in the steps of `rlpipe run`, whose driver flushes as it goes
 
 
 def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, every_s: float = 0.2) -> None:

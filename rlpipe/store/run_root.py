@@ -13,8 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +203,22 @@ def tracked_uri(run_root: str) -> str:
     return join(run_root, "tracked.json")
 
 
-def tracking_lock_path(run_root: str) -> Path | None:
-    """The lock file that serializes MLflow flushes of a local run root (the local driver's and the track
-    step's); None for a remote one (a cluster's single track step needs none)."""
-    return Path(run_root.removeprefix("file://")) / ".tracking.lock" if is_local(run_root) else None
+@contextlib.contextmanager
+def one_flush_at_a_time(run_root: str) -> Iterator[None]:
+    """An exclusive lock on a local run root's .tracking.lock, serializing its MLflow flushes (rlpipe run's
+    live ones and the track step's, also across a container's bind mount); nothing for a remote run root,
+    whose flushes are a cluster's track steps, one at a time."""
+    if not is_local(run_root):
+        yield
+        return
+    path = Path(run_root.removeprefix("file://")) / ".tracking.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fleet_uri(run_root: str, kind: str) -> str:
