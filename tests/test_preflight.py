@@ -10,6 +10,7 @@ import pytest
 
 from rlpipe.run.preflight import gpus_problem, tracking_store_problem
 
+from .conftest import REPO
 from .test_failures import _fails_clearly, _rlpipe, _spec
 
 
@@ -39,6 +40,27 @@ def test_more_gpus_than_torch_sees_names_trainer_gpus():
     assert "trainer.gpus is 4 but torch sees 2 GPU(s) here; set trainer.gpus: 2" in gpus_problem(4, "cuda", 2)
     assert gpus_problem(2, "cuda", 2) is None
     assert gpus_problem(4, "cpu", 0) is None  # on cpu, trainer.gpus gloo processes
+
+
+def test_auto_on_a_machine_without_gpu_devices_is_the_cpu_without_importing_torch(tmp_path: Path):
+    """check_device reads /dev for GPU device files before importing torch (a second of every run's start);
+    trainer.device cuda still asks torch."""
+    import subprocess
+    import sys
+
+    from rlpipe.run.preflight.machine import gpu_device_nodes
+
+    code = (
+        "import sys\nfrom rlpipe.run.preflight import check_device\nfrom rlpipe.spec import parse_spec\n"
+        "from tests.conftest import tiny_spec_dict\nfrom pathlib import Path\n"
+        f"print(check_device(parse_spec(tiny_spec_dict(Path({str(tmp_path)!r})))))\n"
+        "print('torch imported:', 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    if gpu_device_nodes():  # a GPU machine: torch decides
+        assert "torch imported: True" in out
+    else:
+        assert "-> cpu (no GPU device on this machine)" in out and "torch imported: False" in out
 
 
 def test_an_unknown_tracking_scheme_is_refused_with_the_ones_mlflow_accepts(tmp_path: Path):

@@ -200,6 +200,32 @@ def test_preflight_shows_the_first_prompt_as_pieces(ggufs: dict[bool, RunSpec], 
     assert " tokens: <bos> | " in check_data(_spec(tmp_path, str(_hf_dir(tmp_path / "model", True))))
 
 
+def test_the_policy_tokenizers_answer_is_kept_by_the_model_folders_content(tmp_path: Path):
+    """policy_problem's ids are kept under <cache>/preflight: a second check (a fresh process) refuses the
+    same folder without importing transformers; a changed tokenizer_config.json is asked anew."""
+    import subprocess
+    import sys
+
+    from rlpipe.spec import spec_to_json
+
+    folder = _hf_dir(tmp_path / "llama", True, tokenizer={"tokenizer_class": "LlamaTokenizer"})
+    spec = _spec(tmp_path, str(folder), prompt_template="1 + {prompt}")
+    with pytest.raises(CheckFailed, match="tokenizes differently"):
+        check_data(spec)
+    assert len(list((Path(spec.cache_root) / "preflight").glob("tokenized-*.json"))) == 1
+    code = (
+        "import sys\nfrom rlpipe.run.preflight import CheckFailed, check_data\nfrom rlpipe.spec import spec_from_json\n"
+        f"try:\n    check_data(spec_from_json({spec_to_json(spec)!r}))\nexcept CheckFailed as err:\n    print(err)\n"
+        "print('transformers imported:', 'transformers' in sys.modules)"
+    )
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "tokenizes differently" in again and "transformers imported: False" in again
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert "first prompt" in check_data(spec)
+    assert len(list((Path(spec.cache_root) / "preflight").glob("tokenized-*.json"))) == 2
+
+
 def test_preflight_refuses_tokenizers_that_disagree_and_a_missing_bos(tmp_path: Path):
     # a tokenizer class of a model family: transformers swaps in its pre-tokenizer, which drops the spaces the
     # prepare step's tokenizer.json keeps

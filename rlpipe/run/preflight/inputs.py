@@ -4,6 +4,7 @@ bos first) and alike in the prepare step and the policy's tokenizer."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
@@ -235,15 +236,8 @@ def policy_problem(spec: RunSpec, folder: Path, text: str, rendered: bool, ids: 
     not installed (the light image) or do not load in PROBE_S."""
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         return None
-
-    def policy_ids() -> tuple[str, list[int]]:
-        from rlpipe.models.loading import load_tokenizer
-
-        policy = load_tokenizer(folder)
-        return type(policy).__name__, policy(text, add_special_tokens=not rendered)["input_ids"]
-
     try:
-        name, theirs = within(PROBE_S, policy_ids)
+        name, theirs = within(PROBE_S, lambda: policy_ids(spec, folder, text, rendered))
     except TimeoutError:
         return None
     except Exception as err:  # noqa: BLE001 (a tokenizer class or file transformers cannot load)
@@ -258,6 +252,35 @@ def policy_problem(spec: RunSpec, folder: Path, text: str, rendered: bool, ids: 
         f"{folder / 'tokenizer_config.json'} set tokenizer_class to PreTrainedTokenizerFast (transformers then uses "
         "tokenizer.json as it is) and add_bos_token / add_eos_token to what the model expects"
     )
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".h5", ".msgpack")
+
+
+def policy_ids(spec: RunSpec, folder: Path, text: str, rendered: bool) -> tuple[str, list[int]]:
+    """The policy's tokenizer's class and ids for `text`, kept under <cache>/preflight/ by the model folder's
+    files (all but weights), the text and transformers' version: importing transformers is two seconds of
+    every `rlpipe run`'s start, and the answer changes only with those."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256(json.dumps([text, rendered, importlib.metadata.version("transformers")]).encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    kept = Path(spec.cache_root) / "preflight" / f"tokenized-{digest.hexdigest()[:32]}.json"
+    if kept.is_file():
+        name, ids = json.loads(kept.read_text())
+        return name, ids
+    from rlpipe.models.loading import load_tokenizer
+
+    policy = load_tokenizer(folder)
+    found = type(policy).__name__, policy(text, add_special_tokens=not rendered)["input_ids"]
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f".{kept.name}.{os.getpid()}")
+    partial.write_text(json.dumps(found))
+    partial.replace(kept)  # whole or absent: runs may share the cache
+    return found
 
 
 def context_problem(spec: RunSpec, longest: tuple[int, str, str]) -> str | None:
