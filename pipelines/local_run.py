@@ -50,6 +50,7 @@ from rlpipe.steps import service_for
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
+    is_local,
     join,
     list_metrics,
     read_json,
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
 # allocation until its thresholds adapt): fixed thresholds cut a fresh update step's
 # compute ~30% (benchmarks/results/iteration_breakdown.md).
 STEP_ENV = {
-    LIVE_TRACKING_ENV: "1",  # the driver flushes to MLflow as each iteration commits: track steps wait for it
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
@@ -264,14 +264,16 @@ def run_locally(
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
     check_spec_unchanged(spec, run_root)
-    os.environ.update(STEP_ENV)
+    # a local run root: the driver flushes to MLflow as each iteration commits, and the track steps wait for it
+    step_env = STEP_ENV | ({LIVE_TRACKING_ENV: "1"} if is_local(run_root) else {})
+    os.environ.update(step_env)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
     engine = None
     if containers:
         from rlpipe.services.containers import start_containers
 
-        engine = start_containers(spec, run_root, STEP_ENV)
+        engine = start_containers(spec, run_root, step_env)
     try:
         return _drive(spec, run_root, log_path, console, engine)
     finally:

@@ -185,7 +185,10 @@ def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, eve
     or an eval is committed, so MLflow follows the run iteration by iteration and the track step at each
     pipeline run's end finds it done (it starts a fraction of a second after the last commit: hence the
     short poll, a read of state.json and a listing of metrics/). A failure waits for the next commit;
-    the track step, flushing again, fails naming it."""
+    the track step, flushing again, fails naming it. A remote run root's flushes cannot take turns: its track
+    steps flush alone."""
+    if not is_local(run_root):
+        return
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines ("Creating ... tables") not on the console
     tried = None
     while not stop.wait(every_s):
