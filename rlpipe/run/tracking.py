@@ -141,12 +141,13 @@ def flushed_from(spec: RunSpec, run_root: str) -> dict[str, Any]:
     state = read_state(run_root) or {}
     fs, path = filesystem(join(run_root, "metrics"))
     names = [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
-    return {
+    source = {
         "iteration": state.get("iteration"),
         "stopped": state.get("stopped"),
         "evals": sorted(name for name in names if name.startswith("eval_")),
         "tracking": spec_to_dict(spec)["tracking"],
     }
+    return json.loads(json.dumps(source))  # as tracked.json reads back (tuples as lists)
 
 
 def flush(spec: RunSpec, run_root: str, driver_s: float = 0.0) -> dict[str, Any]:
