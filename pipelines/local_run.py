@@ -43,14 +43,13 @@ from rlpipe.metric_keys import (
     ZERO_VARIANCE_GROUPS,
 )
 from rlpipe.run.preflight import preflight
-from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, run_url
+from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import service_for
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
-    is_local,
     join,
     list_metrics,
     read_json,
@@ -264,8 +263,8 @@ def run_locally(
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
     check_spec_unchanged(spec, run_root)
-    # a local run root: the driver flushes to MLflow as each iteration commits, and the track steps wait for it
-    step_env = STEP_ENV | ({LIVE_TRACKING_ENV: "1"} if is_local(run_root) else {})
+    # the driver flushes to MLflow as each iteration commits (flush_as_it_commits), and the track steps wait for it
+    step_env = STEP_ENV | ({LIVE_TRACKING_ENV: "1"} if live_tracking(run_root) else {})
     os.environ.update(step_env)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ from .conftest import REPO
 
 IMAGES = REPO / "images"
 # image -> the pyproject extra its pip install must request (None: base dependencies only)
-EXTRAS = {"trainer": "torch,harness", "sampler": "vllm", "step": None}
+EXTRAS = {"trainer": "torch,harness", "sampler": "vllm", "step": "kubeflow-hub"}
 ROOT_USERS = {"root", "0"}
 
 

@@ -186,9 +186,10 @@ def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, eve
     or an eval is committed, so MLflow follows the run iteration by iteration and the track step at each
     pipeline run's end finds it done (it starts a fraction of a second after the last commit: hence the
     short poll, a read of state.json and a listing of metrics/). A failure waits for the next commit;
-    the track step, flushing again, fails naming it. A remote run root's flushes cannot take turns: its track
-    steps flush alone."""
-    if not is_local(run_root):
+    the track step, flushing again, fails naming it. Not for a remote run root (its flushes cannot take
+    turns) nor under KFP's MLflow integration (each track step links its pipeline run to what it logged):
+    there the track steps flush alone (`live_tracking`)."""
+    if not live_tracking(run_root):
         return
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines ("Creating ... tables") not on the console
     tried = None
@@ -198,6 +199,11 @@ def flush_as_it_commits(spec: RunSpec, run_root: str, stop: threading.Event, eve
             if source != tried and source["iteration"] is not None:
                 tried = source
                 flush(spec, run_root)
+
+
+def live_tracking(run_root: str) -> bool:
+    """Whether `rlpipe run` flushes as each iteration commits (and its track steps wait for it)."""
+    return is_local(run_root) and kfp_mlflow() is None
 
 
 def flush_everything(spec: RunSpec, run_root: str) -> dict[str, Any]:
