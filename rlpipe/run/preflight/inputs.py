@@ -259,12 +259,14 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".h5
 
 def policy_ids(spec: RunSpec, folder: Path, text: str, rendered: bool) -> tuple[str, list[int]]:
     """The policy's tokenizer's class and ids for `text`, kept under <cache>/preflight/ by the model folder's
-    files (all but weights), the text and transformers' version: importing transformers is two seconds of
-    every `rlpipe run`'s start, and the answer changes only with those."""
+    files (all but weights), the text, transformers' version and rlpipe's loader (rlpipe.models.loading, read,
+    not imported): importing transformers is two seconds of every `rlpipe run`'s start, and the answer changes
+    only with those."""
     import hashlib
     import os
 
-    digest = hashlib.sha256(json.dumps([text, rendered, importlib.metadata.version("transformers")]).encode())
+    loader = Path(importlib.util.find_spec("rlpipe.models.loading").origin).read_bytes()
+    digest = hashlib.sha256(json.dumps([text, rendered, importlib.metadata.version("transformers")]).encode() + loader)
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
