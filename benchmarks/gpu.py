@@ -4,7 +4,11 @@
     python benchmarks/gpu.py --device cpu --shapes small   # anywhere: a small shape on the CPU
     python benchmarks/gpu.py --smoke                       # the CPU path at tiny batches: seconds
 
-Models are random-init Qwen2 configs of the real sizes (vocab 151,936); the batch is synthetic
+    python benchmarks/gpu.py --shapes smollm2-135m --rows-per-step 32 --prompt-tokens 58 \
+        --completion-tokens 32 --gen-rows 64 --new-tokens 32 --tag cuda_smollm2  # the real-model example's batch
+
+Models are random-init configs of the real sizes (Qwen2.5: vocab 151,936; SmolLM2-135M, the real-model
+example's LlamaForCausalLM: vocab 49,152); the batch is synthetic
 (prompt and completion tokens, advantages, sampling log-probs). Per shape, through rlpipe's own
 functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.sample):
   - update: tokens/s over `--steps` optimizer steps (micro-batches of `--micro-batch-tokens`,
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,14 +41,15 @@ import torch
 from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
 if TYPE_CHECKING:
-    from transformers import Qwen2Config
+    from transformers import PretrainedConfig
 
 RESULTS = Path(__file__).with_name("results")
 SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
-    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
-    "small": (256, 1024, 4, 4, 2, 32000),
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, family
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, "qwen2"),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, "qwen2"),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, "llama"),  # examples/smollm2 (rope theta 1e5, as its config)
+    "small": (256, 1024, 4, 4, 2, 32000, "qwen2"),
 }
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense, no sparsity
 
@@ -55,13 +61,15 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if all(w in name for w in key.split())), None)
 
 
-def qwen2_config(shape: str, **token_ids: int | None) -> Qwen2Config:
-    """A Qwen2 config of `shape` (SHAPES): tied embeddings, 4096 positions; `token_ids` (pad_token_id,
-    ...) as given. benchmarks/iteration_at_scale.py builds its models with it too."""
-    from transformers import Qwen2Config
+def model_config(shape: str, **token_ids: int | None) -> PretrainedConfig:
+    """The config of `shape` (SHAPES: a Qwen2 or a Llama): tied embeddings, 4096 positions; `token_ids`
+    (pad_token_id, ...) as given. benchmarks/iteration_at_scale.py builds its models with it too."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
-    return Qwen2Config(
+    hidden, intermediate, layers, heads, kv_heads, vocab, family = SHAPES[shape]
+    if family == "llama":
+        token_ids = {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, **token_ids}
+    return (LlamaConfig if family == "llama" else Qwen2Config)(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -75,13 +83,12 @@ def qwen2_config(shape: str, **token_ids: int | None) -> Qwen2Config:
 
 
 def build(shape: str, device: torch.device):
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rlpipe.models.loading import build_char_tokenizer
 
-    config = qwen2_config(shape)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device)
+    model = AutoModelForCausalLM.from_config(model_config(shape)).to(device)
     return model, build_char_tokenizer()  # token ids above the tokenizer's decode to nothing
 
 
@@ -156,7 +163,7 @@ def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     model, tokenizer = build(shape, device)
     parameters = sum(p.numel() for p in model.parameters())
-    hidden, _, layers, _, _, vocab = SHAPES[shape]
+    hidden, _, layers, _, _, vocab, _ = SHAPES[shape]
     rows = args.steps * args.rows_per_step
     spec = parse_spec(
         {
@@ -227,14 +234,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--smoke", action="store_true", help="the CPU path at tiny batches (any --device): seconds")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
+    parser.add_argument("--tag", default=None, help="results file suffix (default: the device)")
     return parser.parse_args()
+
+
+def command_arguments() -> str:
+    """This command's arguments as a user would type them: --results-dir (where the files went) left out."""
+    argv = sys.argv[1:]
+    if "--results-dir" in argv:
+        at = argv.index("--results-dir")
+        argv = argv[:at] + argv[at + 2 :]
+    return " ".join(argv)
 
 
 def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, settings: dict) -> list[str]:
     """The results as the command line, the machine and a markdown table."""
     lines = [
-        f"`python benchmarks/gpu.py --device {args.device}{' --smoke' if args.smoke else ''}` on {machine}; "
-        f"torch {torch.__version__}; {settings}",
+        f"`python benchmarks/gpu.py {command_arguments()}` on {machine}; torch {torch.__version__}; {settings}",
         "",
         "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
         "| generation tokens/s | generate + update |",
@@ -299,7 +315,8 @@ def main() -> None:
     lines = markdown_lines(args, results, machine, settings)
     print("\n".join(lines))
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"gpu_{device.type}.md").write_text("\n".join(lines) + "\n")
+    tag = args.tag or device.type
+    (results_dir / f"gpu_{tag}.md").write_text("\n".join(lines) + "\n")
     record = {
         "machine": machine,
         "torch": torch.__version__,
@@ -307,7 +324,7 @@ def main() -> None:
         "settings": settings,
         "results": results,
     }
-    (results_dir / f"gpu_{device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (results_dir / f"gpu_{tag}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

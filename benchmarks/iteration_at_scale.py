@@ -47,15 +47,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu import SHAPES  # benchmarks/ is on sys.path when run as a script
+
 from rlpipe.spec import RunSpec, parse_spec
 
 RESULTS = Path(__file__).with_name("results")
 SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (as benchmarks/gpu.py)
-    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
-    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
-    "small": (256, 1024, 4, 4, 2, 32000),
-}
 SPECIAL = ["<|endoftext|>", "<|im_end|>", "<unk>"]  # pad, eos, unk: ids 0, 1, 2
 
 
@@ -73,14 +70,14 @@ def stand_in_reward(prompts: list[str], completions: list[str], **columns) -> li
 
 
 def build_model_dir(shape: str, out: Path) -> int:
-    """A random-init Qwen2 of `shape` with a word-level tokenizer covering its vocabulary, saved as an
+    """A random-init model of `shape` with a word-level tokenizer covering its vocabulary, saved as an
     HF model directory (what model.path points at). Returns its parameter count."""
     import torch
-    from gpu import qwen2_config  # benchmarks/ is on sys.path when run as a script
+    from gpu import model_config
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    config = qwen2_config(shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = model_config(shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), config.vocab_size)}
     backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -88,7 +85,7 @@ def build_model_dir(shape: str, out: Path) -> int:
         tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return model.num_parameters()
