@@ -19,8 +19,9 @@ functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.s
     gradients, so 2 P of the 6 P are not done)
         MFU = (4 P + 12 L h T) tokens/s / peak FLOP/s,
     and peak memory (weights, gradients, AdamW state, activations);
-  - generation: torch-engine tokens/s, `--gen-rows` rows of `--new-tokens` (LoRA samples merged, so
-    its generation is the full model's: measured once per shape);
+  - generation: the torch engine's decode (rlpipe.engines.decode: each step a CUDA graph on a GPU)
+    tokens/s, `--gen-rows` rows of `--new-tokens`, and beside it on a GPU the same decode with eager
+    steps (LoRA samples merged, so its generation is the full model's: measured once per shape);
   - the iteration's compute: generate + update wall.
 Writes benchmarks/results/gpu_<device>.{json,md} (--smoke: under runs/smoke/ unless --results-dir
 says). A whole iteration through the step functions, with weight sync, is benchmarks/iteration_at_scale.py.
@@ -34,6 +35,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,36 +120,43 @@ def peak_memory_gib(device: torch.device, rss_before: int) -> float:
     return (high_water - rss_before) / 1024**3
 
 
-def measure_generation(
-    model: torch.nn.Module, args: argparse.Namespace, device: torch.device, vocab: int, update_s: float
-) -> dict:
-    """Torch-engine generation speed of `model`, and the iteration's compute with the update's `update_s`."""
-    from rlpipe.engines.torch_engine import sample
+def timed_decode(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace, static: bool | None):
+    """(seconds, tokens) of the torch engine's decode (rlpipe.engines.decode) of `prompts`, no end id: every
+    row generates args.new_tokens; `static` None as the engine runs (a CUDA graph on a GPU)."""
+    from rlpipe.engines import Sampling
+    from rlpipe.engines.decode import decode, decoder_of, next_tokens
 
-    model.eval()
-    prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
-    sample(model, prompts[:2], 2, eos_id=-1, pad_id=0, bf16=args.dtype == "bfloat16")  # warm-up
+    device = next(model.parameters()).device
+    decoder = decoder_of(model, args.prompt_tokens + args.new_tokens, set(), pad_id=0)
+    sampling = Sampling(1, args.new_tokens, batch_size=len(prompts), bf16=args.dtype == "bfloat16")
+    generator = torch.Generator(device=device).manual_seed(0)
+    decode(decoder, prompts[:2], replace(sampling, max_new_tokens=2), lambda z: next_tokens(z, generator=generator))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.time()
-    out = sample(
-        model,
-        prompts,
-        args.new_tokens,
-        eos_id=-1,  # no early stop: every row generates new_tokens
-        pad_id=0,
-        generator=torch.Generator(device=device).manual_seed(0),
-        bf16=args.dtype == "bfloat16",
-    )
+    out = decode(decoder, prompts, sampling, lambda z: next_tokens(z, generator=generator), static=static)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    generate_s = time.time() - started
-    generated = sum(map(len, out.token_ids))
-    return {
+    return time.time() - started, sum(map(len, out.token_ids))
+
+
+def measure_generation(
+    model: torch.nn.Module, args: argparse.Namespace, device: torch.device, vocab: int, update_s: float
+) -> dict:
+    """Torch-engine generation speed of `model` (on a GPU also with eager steps, no CUDA graph: side by
+    side), and the iteration's compute with the update's `update_s`."""
+    model.eval()
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(args.prompt_tokens)] for i in range(args.gen_rows)]
+    generate_s, generated = timed_decode(model, prompts, args, static=None)
+    result = {
         "generate_tokens_per_s": round(generated / generate_s, 1),
         "generate_s": round(generate_s, 3),
         "iteration_compute_s": round(update_s + generate_s, 3),
     }
+    if device.type == "cuda":
+        eager_s, eager_generated = timed_decode(model, prompts, args, static=False)
+        result["eager_generate_tokens_per_s"] = round(eager_generated / eager_s, 1)
+    return result
 
 
 def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.device, work: Path) -> dict:
@@ -253,8 +262,8 @@ def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, 
         f"`python benchmarks/gpu.py {command_arguments()}` on {machine}; torch {torch.__version__}; {settings}",
         "",
         "| shape | mode | parameters trained | update tokens/s | TFLOP/s | MFU | peak memory "
-        "| generation tokens/s | generate + update |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| generation tokens/s | eager steps (no graph) | generate + update |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         mfu = "n/a (CPU)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
@@ -267,6 +276,7 @@ def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, 
             mfu,
             f"{r['peak_memory_gib']:.2f} GiB",
             f"{r['generate_tokens_per_s']:.0f}" if "generate_s" in r else "(as full)",
+            f"{r['eager_generate_tokens_per_s']:.0f}" if "eager_generate_tokens_per_s" in r else "",
             f"{r['iteration_compute_s']:.1f} s" if "generate_s" in r else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,7 +1,8 @@
 """The torch engine's fast decode (rlpipe.engines.decode) against Hugging Face's forward: the log-prob it
 records for every sampled token is the one a full forward of prompt + completion gives, for each
-architecture it runs (LoRA adapters included); its draws follow softmax(logits / T) and what top-k /
-top-p leave."""
+architecture it runs (LoRA adapters included), with rows leaving the batch (a CPU) and at the fixed shapes
+a GPU captures as a CUDA graph (`static`; the graph itself: tests/test_gpu.py); its draws follow
+softmax(logits / T) and what top-k / top-p leave."""
 
 from __future__ import annotations
 
@@ -38,17 +39,18 @@ def tiny(family: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(configs[family]).eval()
 
 
-def recorded_against_forward(model: torch.nn.Module, samples: int, temperature: float, **options) -> float:
+def recorded_against_forward(
+    model: torch.nn.Module, samples: int, temperature: float, static: bool = False, **options
+) -> float:
     """The largest |recorded log-prob - a full forward's| over every token of every completion."""
     decoder = decoder_of(model, 32, {0, 1}, 23)
     assert decoder is not None
     generator = torch.Generator().manual_seed(0)
     top_k = options.get("top_k", 0)
-    done = decode(
-        decoder, PROMPTS, Sampling(samples, 10), lambda z: next_tokens(z, temperature, False, top_k, 1.0, generator)
-    )
+    pick = lambda z: next_tokens(z, temperature, False, top_k, 1.0, generator)  # noqa: E731
+    done = decode(decoder, PROMPTS, Sampling(samples, 10), pick, static=static)
     assert len(done.token_ids) == len(PROMPTS) * samples
-    assert any(reason == "stop" for reason in done.finish_reasons)  # rows left the batch before the others
+    assert any(reason == "stop" for reason in done.finish_reasons)  # rows ended before the others
     worst = 0.0
     for row, (tokens, logprobs) in enumerate(zip(done.token_ids, done.logprobs)):
         prompt = PROMPTS[row // samples]
@@ -60,17 +62,30 @@ def recorded_against_forward(model: torch.nn.Module, samples: int, temperature: 
     return worst
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
-def test_recorded_logprobs_are_the_forward_ones(family: str):
-    assert recorded_against_forward(tiny(family), samples=4, temperature=0.8) < 1e-5
+def test_recorded_logprobs_are_the_forward_ones(family: str, static: bool):
+    assert recorded_against_forward(tiny(family), samples=4, temperature=0.8, static=static) < 1e-5
 
 
-def test_a_lora_model_decodes_through_its_adapters():
+@pytest.mark.parametrize("static", [False, True])
+def test_a_lora_model_decodes_through_its_adapters(static: bool):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny("qwen2"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"],
                                                      init_lora_weights=False))  # fmt: skip
-    assert recorded_against_forward(model.eval(), samples=3, temperature=1.0, top_k=5) < 1e-5
+    assert recorded_against_forward(model.eval(), samples=3, temperature=1.0, static=static, top_k=5) < 1e-5
+
+
+def test_fixed_shapes_decode_what_rows_leaving_the_batch_decode():
+    """The GPU's static steps and the CPU's shrinking batch: the same greedy tokens, ends and log-probs."""
+    decoder = decoder_of(tiny("llama"), 32, {0, 1}, 23)
+    greedy = lambda z: next_tokens(z, greedy=True)  # noqa: E731
+    shrinking, static = (decode(decoder, PROMPTS, Sampling(2, 10), greedy, static=s) for s in (False, True))
+    assert static.token_ids == shrinking.token_ids and static.finish_reasons == shrinking.finish_reasons
+    assert "stop" in static.finish_reasons and "length" in static.finish_reasons
+    for a, b in zip(static.logprobs, shrinking.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
 
 def test_greedy_takes_the_argmax():

@@ -110,3 +110,41 @@ def test_a_whole_iteration_runs_on_the_gpu(tmp_path: Path, lora: bool):
         trained, _ = load_weights(v1, cache, threads=1, device="cuda", trainable=True)
         with torch.no_grad(), trained.disable_adapter():
             torch.testing.assert_close(trained(ids).logits, before(ids).logits)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_decode_replays_one_cuda_graph_a_step_and_decodes_what_eager_steps_do(monkeypatch, lora: bool):
+    """rlpipe.engines.decode on a GPU: the step captured once and replayed (not launched op by op), the
+    same greedy tokens, ends and log-probs as eager steps with rows leaving the batch; sampled in bf16,
+    each recorded log-prob is a full forward's."""
+    from rlpipe.engines import Sampling
+    from rlpipe.engines.decode import decode, decoder_of, next_tokens
+
+    from .test_decode import PROMPTS, tiny
+
+    model = tiny("llama").cuda()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+        model = get_peft_model(model, config).eval()
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or replay(graph))
+    decoder = decoder_of(model, 32, {0, 1}, 23)
+    greedy = lambda z: next_tokens(z, greedy=True)  # noqa: E731
+    graphed = decode(decoder, PROMPTS, Sampling(2, 10), greedy)
+    assert len(replays) >= 3  # a replay per step after the first
+    eager = decode(decoder, PROMPTS, Sampling(2, 10), greedy, static=False)
+    assert graphed.token_ids == eager.token_ids and graphed.finish_reasons == eager.finish_reasons
+    assert lora or "stop" in graphed.finish_reasons  # (this LoRA's greedy rows never end: all "length")
+    for a, b in zip(graphed.logprobs, eager.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    generator = torch.Generator("cuda").manual_seed(0)
+    sampled = decode(decoder, PROMPTS, Sampling(4, 10, bf16=True), lambda z: next_tokens(z, 0.8, generator=generator))
+    for row, (tokens, logprobs) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+        ids = torch.tensor([PROMPTS[row // 4] + tokens], device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits[0, len(PROMPTS[row // 4]) - 1 : -1].float()
+        full = torch.log_softmax(logits / 0.8, -1).gather(-1, ids[0, -len(tokens) :, None]).squeeze(-1)
+        assert (full.cpu() - torch.tensor(logprobs)).abs().max() < 0.05  # bf16 on both sides

@@ -9,6 +9,10 @@ LoRA adapters, RoPE variants and biases are theirs) and does the rest itself:
     attention  scaled_dot_product_attention(q, K[:, :, :t], V[:, :, :t], mask, enable_gqa=True): no repeat
     rows       rows that have ended leave the batch (their cache rows dropped, once an eighth has
                ended), so the long tail of a batch costs about what its unfinished rows do
+    GPU        one step is a few hundred small kernels, each launched from Python: tens of ms a token for
+               a model whose weights a GPU reads in well under one. There the step runs at fixed shapes
+               (every row to the end, the whole cache attended under the mask, the new K, V written at a
+               column tensor) and is captured once as a CUDA graph, then replayed: one launch a token
     sampling   log p = z - logsumexp(z), z = logits / T (one pass for the recorded log-prob); the token
                by inverse CDF: the first index whose cumulative probability exceeds u ~ U(0, 1) (one
                uniform draw per row, from `generator`)
@@ -101,11 +105,12 @@ def forward(
     ids: torch.Tensor,
     positions: torch.Tensor,
     cache: list[tuple[torch.Tensor, torch.Tensor]],
-    start: int,
+    start: int | torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
     """The last position's logits [rows, vocab] for `ids` [rows, n] at cache columns start .. start + n;
-    `mask` [rows, 1, n, start + n]: True where a query may attend a key."""
+    `mask` [rows, 1, n, start + n]: True where a query may attend a key. `start` a tensor (one column,
+    n = 1: `static_step`): K, V written there and the whole cache attended, `mask` [rows, 1, 1, length]."""
     model, rows, n = decoder.model, ids.shape[0], ids.shape[1]
     hidden = model.embed_tokens(ids)
     cos, sin = model.rotary_emb(hidden, positions)
@@ -117,12 +122,17 @@ def forward(
         if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head
             q, k = attention.q_norm(q), attention.k_norm(k)
         q, k = decoder.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        keys[:, :, start : start + n] = k
-        values[:, :, start : start + n] = attention.v_proj(x).view(rows, n, -1, decoder.head_dim).transpose(1, 2)
+        v = attention.v_proj(x).view(rows, n, -1, decoder.head_dim).transpose(1, 2)
+        if isinstance(start, int):
+            keys[:, :, start : start + n], values[:, :, start : start + n] = k, v
+            attended = keys[:, :, : start + n], values[:, :, : start + n]
+        else:
+            keys.index_copy_(2, start, k.to(keys.dtype))
+            values.index_copy_(2, start, v.to(values.dtype))
+            attended = keys, values
         mixed = F.scaled_dot_product_attention(
             q,
-            keys[:, :, : start + n],
-            values[:, :, : start + n],
+            *attended,
             attn_mask=mask,
             scale=attention.scaling,
             enable_gqa=True,
@@ -154,14 +164,64 @@ def next_tokens(
     return token, scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - normalizer
 
 
+Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (tokens, positions, column) -> logits
+
+
+def static_step(
+    decoder: Decoder, cache: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor, bf16: bool, graph: bool
+) -> Step:
+    """One decode step at fixed shapes: the next logits [rows, vocab] for the rows' tokens [rows] at
+    `positions` [rows, 1], their K, V written at cache column `column`, every key where `valid` [rows,
+    length] (the caller's, updated in place) attended. `graph` (a GPU): captured as a CUDA graph at the
+    first call (after a warm-up on a side stream, as torch.cuda.graphs asks) and replayed after, the
+    inputs copied into the tensors it was captured with; the logits returned are its output tensor,
+    overwritten by the next call."""
+    rows, device = valid.shape[0], valid.device
+    ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+    positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+    column = torch.zeros(1, dtype=torch.long, device=device)
+    mask = valid[:, None, None, :]
+    captured: list[tuple[torch.cuda.CUDAGraph, torch.Tensor]] = []
+
+    def run() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            return forward(decoder, ids, positions, cache, column, mask)
+
+    def step(token: torch.Tensor, at: torch.Tensor, column_now: int) -> torch.Tensor:
+        ids.copy_(token[:, None])
+        positions.copy_(at)
+        column.fill_(column_now)
+        if not graph:
+            return run()
+        if not captured:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                run()  # writes the same K, V the replay writes
+            torch.cuda.current_stream(device).wait_stream(side)
+            replayed = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(replayed):
+                logits = run()
+            captured.append((replayed, logits))
+        replayed, logits = captured[0]
+        replayed.replay()
+        return logits
+
+    return step
+
+
 @torch.no_grad()
-def decode(decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick: Pick) -> Completions:
+def decode(
+    decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick: Pick, static: bool | None = None
+) -> Completions:
     """`sampling.samples` completions per prompt (prompt-major), each through its first end id or
     sampling.max_new_tokens: the prompts left-padded and prefilled once, their cache rows repeated per
     sample, then one forward per new token over the rows still running; `pick` chooses each token
-    (next_tokens with the sampling's temperature, top-k, top-p, or greedy)."""
+    (next_tokens with the sampling's temperature, top-k, top-p, or greedy). `static` (default: on a
+    GPU): the steps at fixed shapes, every row to the batch's end (`static_step`; a CUDA graph there)."""
     samples, max_new_tokens, bf16, pad_id = sampling.samples, sampling.max_new_tokens, sampling.bf16, decoder.pad_id
     device = next(decoder.model.parameters()).device
+    static = device.type == "cuda" if static is None else static
     dtype = torch.bfloat16 if bf16 else next(decoder.model.parameters()).dtype
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
     width, length = input_ids.shape[1], input_ids.shape[1] + max_new_tokens
@@ -169,7 +229,8 @@ def decode(decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick:
     valid[:, :width] = attention.bool()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     shape = (len(prompts), decoder.kv_heads, length, decoder.head_dim)
-    cache = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    # zeros, not empty: a static step attends unwritten columns under the mask, and 0 x NaN is NaN
+    cache = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
              for _ in decoder.model.layers]  # fmt: skip
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(width, dtype=torch.bool, device=device)  # a pad query attends itself: no empty row
@@ -187,24 +248,28 @@ def decode(decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick:
     tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, max_new_tokens), device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
+    step_logits = static_step(decoder, cache, valid, bf16, graph=device.type == "cuda") if static else None
     for step in range(max_new_tokens):
         token, logprob = pick(logits)
-        live = (~finished).nonzero().squeeze(-1)
-        tokens[running[live], step], logprobs[running[live], step] = token[live], logprob[live]
+        tokens[running, step] = token.masked_fill(finished, pad_id)  # no host sync: an ended row writes pad
+        logprobs[running, step] = logprob.masked_fill(finished, 0.0)
         ended = ~finished & torch.isin(token, ends)
-        lengths[running[ended]] = step + 1
+        lengths[running] = torch.where(ended, step + 1, lengths[running])
         finished |= ended
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
-        if 8 * int(finished.sum()) >= len(finished):  # an eighth has ended: they leave the batch (a cache copy)
+        if not static and 8 * int(finished.sum()) >= len(finished):  # an eighth has ended: they leave the batch
             keep = (~finished).nonzero().squeeze(-1)
             running, token, valid, next_position = running[keep], token[keep], valid[keep], next_position[keep]
             finished = finished[keep]
             cache = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in cache]
         valid[:, width + step] = True
-        step_mask = valid[:, None, None, : width + step + 1]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = forward(decoder, token[:, None], next_position, cache, width + step, step_mask)
+        if step_logits is not None:
+            logits = step_logits(token, next_position, width + step)
+        else:
+            step_mask = valid[:, None, None, : width + step + 1]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = forward(decoder, token[:, None], next_position, cache, width + step, step_mask)
         next_position = next_position + 1
     return completions_of(tokens, logprobs, lengths, decoder.end_ids)
 
