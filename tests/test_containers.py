@@ -327,3 +327,26 @@ def test_run_in_containers_starts_its_samplers_as_containers(images, shared_dir)
     assert read_state(str(run_root))["iteration"] == 2 and labelled(run_root) == []
     log = (run_root / "logs" / "sampler-0.log").read_text()
     assert "(APIServer pid=1)" in log and "collective_rpc" in log
+
+
+def test_a_step_container_streams_its_output_and_returns_its_status(images, shared_dir, capsys):
+    """What DockerRunner runs each task with (rlpipe.services.containers.run_step_container), against
+    `podman system service`: the output as the step prints it, a failed step's own exit code, a step
+    silent for longer than the client's read timeout, and the container removed after."""
+    import docker
+
+    from rlpipe.services.containers import run_step_container
+
+    socket = shared_dir / "docker.sock"
+    service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{socket}"])
+    try:
+        wait_for(socket.exists, 30, "podman system service")
+        client = docker.DockerClient(base_url=f"unix://{socket}", timeout=2)
+        script = "echo one; sleep 3; echo two >&2; exit 3"  # silent 3 s: past the client's 2-s read timeout
+        status = run_step_container(client, images["step"], ["sh", "-c", script], {}, labels={"t": "rlpipe-step"})
+        assert status == 3 and capsys.readouterr().out.split() == ["one", "two"]
+        assert run_step_container(client, images["step"], ["true"], {}, labels={"t": "rlpipe-step"}) == 0
+        assert client.containers.list(all=True, filters={"label": "t=rlpipe-step"}) == []
+    finally:
+        service.terminate()
+        service.wait(timeout=10)

@@ -9,8 +9,9 @@ trainer, samplers, rollout producer) run as containers of the same images instea
                 `podman system service` this run starts on a socket of its own for the Docker SDK
                 that DockerRunner speaks. Podman reads its settings from CONTAINERS_CONF
                 (images/containers.conf suits sandboxes and CI machines).
-    mounts      the working directory, the run root and the cache root, each at the same path, so every path a step is given means
-                the same inside and outside (on a cluster: the PVC at cluster.mount_path).
+    mounts      the working directory, the run root and the cache root, each at the same path, so every
+                path a step is given means the same inside and outside (on a cluster: the PVC at
+                cluster.mount_path).
     workdir     <run root>/containers/workdir: links to the working directory's entries (relative paths,
                 and modules such as a reward `my_rewards:score`, import as with processes), except an
                 `rlpipe/` source tree, which would shadow the image's installed rlpipe (run from a checkout).
@@ -138,15 +139,22 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
     replaces kfp.local.docker_task_handler.run_docker_container, kfp==2.17.0). KFP's own starts the
     container with auto_remove and reads the status after the container is gone: Podman removes it as
     it exits, so every failed step read as a success. Here the container is removed after its status is
-    read. A container stopped from outside (exit 137, 143) says so in the step's log, as the last
-    error line the driver reports."""
+    read. Its output comes through an attach made before it starts, which ends as it exits: following
+    its logs (KFP's way) ends at the engine's next poll, a quarter to half a second later with Podman,
+    on every step. A container stopped from outside (exit 137, 143) says so in the step's log, as the
+    last error line the driver reports."""
+    import codecs
+
     import docker
 
-    container = client.containers.run(image=image, command=command, detach=True, volumes=volumes, **run_args)
+    container = client.containers.create(image=image, command=command, volumes=volumes, **run_args)
     try:
-        for line in container.logs(stream=True, follow=True):
-            print(line.decode(errors="replace"), end="")
-        status = container.wait()["StatusCode"]
+        output = client.api.attach(container.id, stdout=True, stderr=True, stream=True, logs=True)
+        container.start()
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for chunk in output:
+            print(text.decode(chunk), end="")
+        status = exit_status(container)
     finally:
         try:
             container.remove(force=True)
@@ -156,6 +164,21 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
         signal_name = "SIGKILL, or the out-of-memory killer" if status == 137 else "SIGTERM"
         print(f"StepContainerError: the step's container was stopped from outside (exit {status}: {signal_name})")
     return status
+
+
+def exit_status(container) -> int:
+    """The exit code of a container whose output has ended: read from its state (Podman: "stopped",
+    Docker: "exited"), or waited for while the engine has not yet recorded the exit; 137 when it is gone
+    (removed by the run's stop)."""
+    import docker
+
+    try:
+        container.reload()
+        if container.attrs["State"]["Status"] in ("exited", "stopped"):
+            return container.attrs["State"]["ExitCode"]
+        return container.wait()["StatusCode"]
+    except docker.errors.NotFound:
+        return 137
 
 
 def container_mounts(spec: RunSpec, run_root: str) -> list[str]:
