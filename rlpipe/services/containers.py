@@ -31,9 +31,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlpipe.services.local_servers import LocalServers, die_with_parent
 from rlpipe.spec import RunSpec
@@ -69,7 +71,7 @@ class LocalContainers:
         from kfp import local
         from kfp.local import docker_task_handler
 
-        docker_task_handler.run_docker_container = run_step_container
+        docker_task_handler.DockerTaskHandler.run = run_task
 
         return local.DockerRunner(
             network_mode="host",
@@ -134,15 +136,46 @@ class LocalContainers:
                 self.service.kill()
 
 
+def run_task(handler) -> Any:  # -> kfp.local.status.Status
+    """One task in its container: kfp.local.docker_task_handler.DockerTaskHandler.run (kfp==2.17.0) with
+    one engine client a thread instead of one a task (docker.from_env asks the engine its API version)
+    and the engine's SELinux setting asked once (KFP asks its info on every task): with Podman 0.4 s a
+    step. The task's own env is laid over the run's (KFP's replaces it)."""
+    from kfp.local import status
+
+    client, selinux = engine_client()
+    volumes = handler.get_volumes_to_mount(client=None)
+    for volume in volumes.values():
+        volume["mode"] += ",z" if selinux else ""
+    run_args = dict(handler.runner.container_run_args)
+    run_args["environment"] = {**run_args.get("environment", {}), **(handler.env_vars or {})}
+    code = run_step_container(client, handler.image, handler.full_command, volumes, **run_args)
+    return status.Status.SUCCESS if code == 0 else status.Status.FAILURE
+
+
+_ENGINE = threading.local()
+
+
+def engine_client() -> tuple[Any, bool]:
+    """This thread's client of the engine at DOCKER_HOST (docker.from_env) and whether the engine labels
+    mounts for SELinux, made on the thread's first task."""
+    if getattr(_ENGINE, "host", None) != os.environ.get("DOCKER_HOST"):
+        import docker
+
+        _ENGINE.client = docker.from_env()
+        _ENGINE.selinux = "name=selinux" in _ENGINE.client.info().get("SecurityOptions", [])
+        _ENGINE.host = os.environ.get("DOCKER_HOST")
+    return _ENGINE.client, _ENGINE.selinux
+
+
 def run_step_container(client, image: str, command: list[str], volumes: dict, **run_args) -> int:
-    """One step's container, to its exit status: what kfp.local's DockerRunner runs each task with (it
-    replaces kfp.local.docker_task_handler.run_docker_container, kfp==2.17.0). KFP's own starts the
-    container with auto_remove and reads the status after the container is gone: Podman removes it as
-    it exits, so every failed step read as a success. Here the container is removed after its status is
-    read. Its output comes through an attach made before it starts, which ends as it exits: following
-    its logs (KFP's way) ends at the engine's next poll, a quarter to half a second later with Podman,
-    on every step. A container stopped from outside (exit 137, 143) says so in the step's log, as the
-    last error line the driver reports."""
+    """One step's container, to its exit status (KFP's: kfp.local.docker_task_handler.run_docker_container,
+    kfp==2.17.0). KFP's starts the container with auto_remove and reads the status after the container
+    is gone: Podman removes it as it exits, so every failed step read as a success. Here the container
+    is removed after its status is read. Its output comes through an attach made before it starts,
+    which ends as it exits: following its logs (KFP's way) ends at the engine's next poll, a quarter to
+    half a second later with Podman, on every step. A container stopped from outside (exit 137, 143)
+    says so in the step's log, as the last error line the driver reports."""
     import codecs
 
     import docker
