@@ -45,6 +45,7 @@ from rlpipe.metric_keys import (
 from rlpipe.run.preflight import preflight
 from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
 from rlpipe.services.local_servers import LocalServers
+from rlpipe.services.step_forks import forked_steps
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import service_for
 from rlpipe.store.run_root import (
@@ -268,16 +269,16 @@ def run_locally(
     os.environ.update(step_env)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
-    engine = None
-    if containers:
-        from rlpipe.services.containers import start_containers
+    with contextlib.ExitStack() as stack:
+        engine = None
+        if containers:
+            from rlpipe.services.containers import start_containers
 
-        engine = start_containers(spec, run_root, step_env)
-    try:
+            engine = start_containers(spec, run_root, step_env)
+            stack.callback(engine.stop)
+        else:  # each step a fork of one process that has imported what the steps import
+            stack.enter_context(forked_steps())
         return _drive(spec, run_root, log_path, console, engine)
-    finally:
-        if engine is not None:
-            engine.stop()
 
 
 def containers_placement(spec: RunSpec) -> RunSpec:

@@ -201,3 +201,22 @@ def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run)
     assert yaml.safe_load(Path(spec_logged).read_text())["name"] == spec.name
     Path(tracked_uri(run_root)).unlink()  # MLflow is asked, not tracked.json
     assert flush(spec, run_root)["artifacts"] == []  # logged once
+
+
+def test_a_new_sqlite_store_appears_whole_or_not_at_all(tmp_path: Path):
+    """MLflow migrates a new sqlite database for seconds; a kill in them left one every later open failed
+    on (`duplicate column name`). It is made under another name and linked into place."""
+    from rlpipe.store.run_root import created_whole
+
+    db = tmp_path / "mlflow.db"
+
+    def killed(at: Path) -> None:
+        at.write_text("half a schema")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        created_whole(db, killed)
+    assert not db.exists() and list(tmp_path.iterdir()) == []
+    created_whole(db, lambda at: at.write_text("whole"))
+    created_whole(db, killed)  # there already: not made again
+    assert db.read_text() == "whole" and list(tmp_path.iterdir()) == [db]

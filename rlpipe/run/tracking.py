@@ -35,6 +35,7 @@ from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_WEIGHTS_VERSION, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.commit import record_tracking_run
 from rlpipe.store.run_root import (
+    created_whole,
     filesystem,
     is_local,
     join,
@@ -98,6 +99,10 @@ def ensure_run(spec: RunSpec, run_root: str) -> str:
     if state.get("mlflow_run_id"):
         return state["mlflow_run_id"]
     uri = tracking_uri(spec, run_root)
+    if uri.startswith("sqlite:///"):
+        created_whole(
+            Path(uri.removeprefix("sqlite:///")), lambda at: MlflowClient(f"sqlite:///{at}").search_experiments()
+        )
     mlflow.set_tracking_uri(uri)
     client = MlflowClient()
     kfp = None if spec.tracking.uri else kfp_mlflow()

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,23 @@ def tracked_uri(run_root: str) -> str:
     """What the last complete MLflow flush logged from (rlpipe.run.tracking.flush): a later flush with
     nothing new returns without importing MLflow. Delete it to make the next flush ask MLflow again."""
     return join(run_root, "tracked.json")
+
+
+def created_whole(path: Path, create: Callable[[Path], object]) -> None:
+    """`path` made by `create` under another name and linked into place, unless it exists: a kill while
+    `create` runs leaves nothing at `path` (MLflow migrates a new sqlite database for seconds, and one
+    cut short fails every later open). Of two makers at once, the first to link wins."""
+    if path.exists():
+        return
+    making = path.with_name(f"{path.name}.creating-{os.getpid()}")
+    making.unlink(missing_ok=True)
+    try:
+        create(making)
+        os.link(making, path)
+    except FileExistsError:
+        pass
+    finally:
+        making.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

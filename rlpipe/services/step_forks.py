@@ -1,0 +1,196 @@
+"""KFP's local tasks as forks of one warm process: each step of `rlpipe run` (without --containers).
+
+kfp.local's SubprocessRunner starts every task as `sh -c` -> `python3 -m kfp.dsl.executor_main`: a
+fresh interpreter that imports KFP's executor, pyarrow, numpy and rlpipe before the step computes,
+~0.15 s a task (five tasks a demo iteration: ~14% of it). Here one server process, started with the
+steps' environment, imports them once; each task is a fork of it that runs the same executor on the
+same arguments, its output streamed to the driver and its exit status returned as the subprocess's were.
+
+    driver  replaces kfp.local.subprocess_task_handler.run_local_subprocess (kfp==2.17.0) while
+            `forked_steps` lasts: a task of KFP's lightweight-component shape goes to the server once
+            it listens; any other (one that pip-installs, or one before the server is up) runs as KFP
+            runs it
+    server  `python -m rlpipe.services.step_forks SOCKET`, single-threaded (a fork copies no lock that
+            another thread holds): accepts a task, forks, answers each fork's exit status as it ends
+            (SIGCHLD wakes it); dies with the driver (PR_SET_PDEATHSIG), its tasks with it
+    task    a fork: the driver's environment and working directory at the call, stdout and stderr the
+            pipe the driver passed, the component's source in a temporary directory, then
+            kfp.dsl.executor_main run as __main__ and the interpreter's normal exit (threads joined,
+            atexit run), as in a fresh process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlpipe.services.local_servers import die_with_parent
+
+# KFP's executor and what the light steps import (rlpipe.steps.modules_for); torch stays with the steps that need it
+PRELOAD = ("kfp.dsl.executor_main", "numpy", "pyarrow.parquet", "rlpipe.loop", "rlpipe.data", "rlpipe.rewards",
+           "rlpipe.algorithms", "rlpipe.store.commit", "rlpipe.run.tracking",
+           "rlpipe.services.trainer.client")  # fmt: skip
+HEADER = 8  # a request: its length in these many bytes (with the output's file descriptor), then its JSON
+
+
+@contextlib.contextmanager
+def forked_steps() -> Iterator[str]:
+    """kfp.local's lightweight tasks run as forks of a server started with this process's environment
+    (the steps' settings already in it) while the context lasts; as KFP runs them after. Yields the
+    server's socket path, there once it listens."""
+    from kfp.local import subprocess_task_handler
+
+    folder = tempfile.mkdtemp(prefix="rlpipe-steps-")
+    path = os.path.join(folder, "forks.sock")
+    server = subprocess.Popen([sys.executable, "-m", "rlpipe.services.step_forks", path], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)  # fmt: skip
+    as_kfp = subprocess_task_handler.run_local_subprocess
+
+    def run_local_subprocess(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
+        task = task_of(full_command)
+        if task is not None and os.path.exists(path):  # else not listening yet: as KFP runs it
+            try:
+                return run_forked(path, *task, {**os.environ, **(env_vars or {})})
+            except ConnectionError:  # the server is gone, and the task was not sent
+                pass
+        return as_kfp(full_command, env_vars)
+
+    subprocess_task_handler.run_local_subprocess = run_local_subprocess
+    try:
+        yield path
+    finally:
+        subprocess_task_handler.run_local_subprocess = as_kfp
+        server.terminate()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def task_of(full_command: list[str]) -> tuple[str, list[str]] | None:
+    """(the component's source, the executor's arguments) of KFP's lightweight-component command
+    `sh -ec SCRIPT SOURCE ARGS...` (kfp.dsl.component_factory), when its script only runs the executor."""
+    if full_command[:2] not in (["sh", "-ec"], ["sh", "-c"]) or len(full_command) < 4:
+        return None
+    script = full_command[2]
+    if "kfp.dsl.executor_main" not in script or "pip" in script:
+        return None
+    return full_command[3], full_command[4:]
+
+
+def run_forked(path: str, source: str, args: list[str], env: dict[str, str]) -> int:
+    """One task as a fork of the server at `path`: its output printed as kfp.local prints a
+    subprocess's, then its exit status (1 when the server died under it)."""
+    request = json.dumps({"source": source, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+    read_end, write_end = os.pipe()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.connect(path)
+        except ConnectionError:
+            os.close(read_end)
+            os.close(write_end)
+            raise
+        socket.send_fds(conn, [len(request).to_bytes(HEADER, "big")], [write_end])
+        os.close(write_end)
+        conn.sendall(request)
+        with os.fdopen(read_end, errors="replace") as output:
+            for line in iter(output.readline, ""):
+                print(line, end="")
+        print("\n")
+        answer = b""
+        while chunk := conn.recv(64):
+            answer += chunk
+    return int(answer) if answer.strip() else 1
+
+
+def serve(path: str) -> tuple[socket.socket, int, dict]:
+    """Accept tasks and fork one process each, answering each its exit status as it ends; returns
+    only in a fork: (its connection, its output's file descriptor, the request)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(8)
+    os.rename(path + ".tmp", path)  # the driver sends tasks once the path exists: the imports are done
+    wakeup, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    waiting: dict[int, socket.socket] = {}  # pid -> the connection its status goes to
+    while True:
+        readable, _, _ = select.select([listener, wakeup], [], [])
+        if wakeup in readable:
+            os.read(wakeup, 4096)
+        if listener in readable:
+            conn, request, output = received(listener)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for each in (listener, *waiting.values()):
+                    each.close()
+                os.close(wakeup)
+                os.close(woken)
+                return conn, output, request
+            os.close(output)
+            waiting[pid] = conn
+        for pid in list(waiting):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                with waiting.pop(pid) as conn:
+                    conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+
+
+def received(listener: socket.socket) -> tuple[socket.socket, dict, int]:
+    """The next task: (its connection, its request, its output's file descriptor)."""
+    conn, _ = listener.accept()
+    header, fds, _, _ = socket.recv_fds(conn, HEADER, 1)
+    while len(header) < HEADER:
+        header += conn.recv(HEADER - len(header))
+    size, body = int.from_bytes(header, "big"), b""
+    while len(body) < size:
+        body += conn.recv(size - len(body))
+    return conn, json.loads(body), fds[0]
+
+
+def run_task(conn: socket.socket, output: int, request: dict) -> int:
+    """In the fork: the executor as `python3 -m kfp.dsl.executor_main --component_module_path FILE ARGS`
+    runs it, with the request's environment, working directory and output; its exit code."""
+    conn.close()
+    die_with_parent()
+    sys.stdout.flush()
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    os.environ.clear()
+    os.environ.update(request["env"] | {"_KFP_RUNTIME": "true"})
+    os.chdir(request["cwd"])
+    sys.modules["numpy"].random.seed()  # its own draws, as a fresh process's (Python's random reseeds at fork)
+    module = Path(tempfile.mkdtemp()) / "ephemeral_component.py"
+    module.write_text(request["source"])
+    sys.argv = ["kfp.dsl.executor_main", "--component_module_path", str(module), *request["args"]]
+    try:
+        runpy.run_module("kfp.dsl.executor_main", run_name="__main__", alter_sys=True)
+    except SystemExit as exit:
+        return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    except BaseException as error:  # as a fresh interpreter leaves an uncaught one (atexit hooks read it)
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+        sys.last_exc = error
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    for name in PRELOAD:
+        importlib.import_module(name)
+    sys.exit(run_task(*serve(sys.argv[1])))
