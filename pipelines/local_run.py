@@ -2,8 +2,9 @@
 iterations, until state.json says the loop is done. This is `rlpipe run`.
 
 Each pipeline run is a real KFP run (kfp.local.SubprocessRunner, every step its own
-process); the driver holds no training state, so killing it at any moment and running it
-again continues from the last committed iteration.
+process: a fork of one process that imported what the steps import, rlpipe.services.step_forks);
+the driver holds no training state, so killing it at any moment and running it again continues
+from the last committed iteration.
 """
 
 from __future__ import annotations
