@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from kfp import dsl, local
 
-from rlpipe.services.step_forks import forked_steps, task_of
+from rlpipe.services.step_forks import forked_steps, preloaded, task_of
 
 
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
@@ -48,3 +48,14 @@ def test_only_the_executor_alone_goes_to_the_server():
     assert task_of(run) == ("SOURCE", ["--x", "1"])
     installs = [run[0], run[1], "python3 -m pip install kfp && " + run[2], *run[3:]]
     assert task_of(installs) is None and task_of(["python3", "-c", "pass"]) is None
+
+
+def test_the_server_imports_what_light_steps_compute_with_and_no_torch():
+    import subprocess
+    import sys
+
+    modules = preloaded()
+    light = {"rlpipe.rewards", "rlpipe.algorithms", "rlpipe.store.commit", "rlpipe.services.trainer.client"}
+    assert light <= set(modules)
+    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"

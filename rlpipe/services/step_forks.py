@@ -39,10 +39,6 @@ from pathlib import Path
 
 from rlpipe.services.local_servers import die_with_parent
 
-# KFP's executor and what the light steps import (rlpipe.steps.modules_for); torch stays with the steps that need it
-PRELOAD = ("kfp.dsl.executor_main", "numpy", "pyarrow.parquet", "rlpipe.loop", "rlpipe.data", "rlpipe.rewards",
-           "rlpipe.algorithms", "rlpipe.store.commit", "rlpipe.run.tracking",
-           "rlpipe.services.trainer.client")  # fmt: skip
 HEADER = 8  # a request: its length in these many bytes (with the output's file descriptor), then its JSON
 
 
@@ -76,6 +72,16 @@ def forked_steps() -> Iterator[str]:
         server.terminate()
         server.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def preloaded() -> list[str]:
+    """What the server imports: KFP's executor and what the light steps compute with (rlpipe.steps: the
+    steps without torch, and the services' clients); torch stays with the steps that need it."""
+    from rlpipe.steps import BY_NAME
+
+    light = [module for step in BY_NAME.values() if not step.torch for module in step.computes_with]
+    clients = ["rlpipe.services.trainer.client", "rlpipe.services.producer.buffer"]
+    return ["kfp.dsl.executor_main", "numpy", "pyarrow.parquet", "rlpipe.loop", *dict.fromkeys(light), *clients]
 
 
 def task_of(full_command: list[str]) -> tuple[str, list[str]] | None:
@@ -191,6 +197,6 @@ def run_task(conn: socket.socket, output: int, request: dict) -> int:
 
 
 if __name__ == "__main__":
-    for name in PRELOAD:
+    for name in preloaded():
         importlib.import_module(name)
     sys.exit(run_task(*serve(sys.argv[1])))
