@@ -2,7 +2,7 @@
 process (KFP's SubprocessRunner), side by side in one invocation, on the demo spec.
 
     CONTAINERS_CONF=$PWD/images/containers.conf python benchmarks/containers.py [--iterations 6]
-    python benchmarks/containers.py --fused --demo-size   # also loop.fuse_steps; the demo's own batch
+    python benchmarks/containers.py --fused --fresh --demo-size   # + fuse_steps, --fresh-steps; the demo's batch
     python benchmarks/containers.py --smoke      # benchmarks/smoke.yaml's sizes: the same code in a minute
 
 Both runs share the spec and seed; each has its own run root and warm-start cache, so each pays its own
@@ -12,7 +12,9 @@ pays the pipeline run's start: prepare, plan, the services' first load):
                    clock; it cannot see the first task's process or container start)
   period           commit to commit (the mtimes of metrics/iter_N.json): everything an iteration costs
   orchestration    1 - the steps' compute (their `time/*_s`) / the period
---fused also runs each runner with loop.fuse_steps (one task an iteration). Images: built beforehand (bash
+A task a step is a fork of a warm step server (one a step image in containers: rlpipe.services.step_forks);
+--fresh also runs each runner with `rlpipe run --fresh-steps` (a fresh process or container a step, as KFP's
+runners start them), --fused with loop.fuse_steps (one task an iteration). Images: built beforehand (bash
 images/build.sh). Results: benchmarks/results/containers.{md,json} (--smoke: under runs/smoke/ unless
 --results-dir says).
 """
@@ -39,18 +41,20 @@ RLPIPE = str(Path(sys.executable).with_name("rlpipe"))
 # the demo at sizes where one iteration takes seconds: what containers add is per step, not per sample
 SIZES = ["model.warm_start.max_steps=150", "data.train_size=2000", "data.eval_size=100", "evaluation.samples=0",
          "evaluation.sets=[]", "rollout.prompts_per_iteration=64", "trainer.mini_batches=2"]  # fmt: skip
+STEPS = {"forks": "a task a step (forks)", "fresh": "a task a step (fresh)", "fused": "one task an iteration"}
 DEMO = ["data.eval_size=100", "evaluation.samples=0", "evaluation.sets=[]"]  # the demo's batch; a short final eval
 
 
 def run(name: str, root: Path, iterations: int, per_run: int, sizes: list[str]) -> dict:
-    """One `rlpipe run` of the demo (`name`: runner, and "-fused" for loop.fuse_steps); its iterations'
-    walls, periods and compute, and the committed weights."""
+    """One `rlpipe run` of the demo (`name`: runner, and "-fused" for loop.fuse_steps, "-fresh" for
+    --fresh-steps); its iterations' walls, periods and compute, and the committed weights."""
     run_root = root / name
     sets = [*sizes, f"loop.iterations={iterations}", f"loop.iterations_per_run={per_run}",
             f"loop.eval_every={iterations}", f"storage.cache={root / (name + '-cache')}",
             f"loop.fuse_steps={json.dumps(name.endswith('-fused'))}"]  # fmt: skip
     command = [RLPIPE, "run", str(REPO / "examples" / "addition.yaml"), "--run-dir", str(run_root)]
     command += [f"--set={each}" for each in sets] + (["--containers"] if name.startswith("containers") else [])
+    command += ["--fresh-steps"] if name.endswith("-fresh") else []
     started = time.time()
     subprocess.run(command, check=True, capture_output=True, text=True)
     walls, compute, committed = {}, {}, {}
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     parser.add_argument("--smoke", action="store_true", help="benchmarks/smoke.yaml's sizes, 2 iterations")
     parser.add_argument("--fused", action="store_true", help="also each runner with loop.fuse_steps")
+    parser.add_argument("--fresh", action="store_true", help="also each runner with --fresh-steps")
     parser.add_argument("--demo-size", action="store_true", help="the demo's own batch (512 prompts x 8)")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else DEMO if args.demo_size else SIZES
@@ -91,7 +96,8 @@ def main() -> None:
     args.results_dir = args.results_dir or (REPO / "runs" / "smoke" if args.smoke else REPO / "benchmarks" / "results")
     shutil.rmtree(args.runs, ignore_errors=True)
     args.runs.mkdir(parents=True)
-    names = ["processes", "containers"] + (["processes-fused", "containers-fused"] if args.fused else [])
+    names = ["processes", "containers"] + (["processes-fresh", "containers-fresh"] if args.fresh else [])
+    names += ["processes-fused", "containers-fused"] if args.fused else []
     results = {name: run(name, args.runs, args.iterations, args.per_run, sizes) for name in names}
     ratio = results["containers"]["period_median_s"] / results["processes"]["period_median_s"]
     same = len({result["weights_sha256"] for result in results.values()}) == 1
@@ -108,7 +114,8 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
-        runner, steps = name.split("-")[0], "one task an iteration" if name.endswith("-fused") else "a task a step"
+        runner, mode = (name.split("-") + ["forks"])[:2]
+        steps = STEPS[mode]
         lines.append(f"| {runner} | {steps} | {result['steady_median_s']:.2f} s | {result['period_median_s']:.2f} s | "
                      f"{result['compute_median_s']:.2f} s | {result['orchestration_share']:.1%} | "
                      f"{result['run_s']:.0f} s | {result['weights_sha256'][:12]} |")  # fmt: skip

@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu import SHAPES  # benchmarks/ is on sys.path when run as a script
+from gpu import SHAPES, command_arguments  # benchmarks/ is on sys.path when run as a script
 
 from rlpipe.spec import RunSpec, parse_spec
 
@@ -369,7 +369,6 @@ def main() -> None:
     }
     if args.smoke:
         defaults |= dict(prompts=2, samples=2, prompt_tokens=8, new_tokens=8, generate_batch=4, micro_batch_tokens=16)
-    overridden = {key for key in defaults if getattr(args, key) is not None}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -396,10 +395,7 @@ def main() -> None:
     from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
 
     machine = describe_machine()
-    command = f"python benchmarks/iteration_at_scale.py --device {args.device} --shapes {' '.join(args.shapes)} " + (
-        f"--modes {' '.join(args.modes)}" + (" --smoke" if args.smoke else "") + (" --compare" if args.compare else "")
-    )
-    command += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if k in overridden)
+    command = f"python benchmarks/iteration_at_scale.py {command_arguments()}"
     record = dict(machine=machine, torch=torch.__version__, smoke=args.smoke, settings=settings, results=results)
     headline = f"`{command}` on {machine}; torch {torch.__version__}; {settings}"
     results_dir = args.results_dir or (SMOKE_ROOT if args.smoke else RESULTS)

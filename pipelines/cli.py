@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     try:
-        state = run_locally(spec, args.run_dir, containers=args.containers)
+        state = run_locally(spec, args.run_dir, containers=args.containers, fresh_steps=args.fresh_steps)
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every step and service in the image the cluster runs it in (KFP's DockerRunner over Docker or Podman; "
         "build the images with images/build.sh)",
+    )
+    run.add_argument(
+        "--fresh-steps",
+        action="store_true",
+        help="each step a fresh process (or container) as KFP's runners start it, not a fork of a warm one "
+        "(one a step image): slower by its interpreter's start and imports (and the container's)",
     )
     run.set_defaults(func=cmd_run)
 

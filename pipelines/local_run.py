@@ -48,7 +48,7 @@ from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tra
 from rlpipe.services.local_servers import LocalServers
 from rlpipe.services.step_forks import forked_steps
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
-from rlpipe.steps import service_for
+from rlpipe.steps import iteration_modules, service_for
 from rlpipe.store.run_root import (
     data_uri,
     filesystem,
@@ -257,10 +257,16 @@ def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
 
 
 def run_locally(
-    spec: RunSpec, run_dir: str | None = None, console: Console | None = None, containers: bool = False
+    spec: RunSpec,
+    run_dir: str | None = None,
+    console: Console | None = None,
+    containers: bool = False,
+    fresh_steps: bool = False,
 ) -> dict:
     """Drive the loop to `spec.loop.iterations`; returns the final state. `containers`: every step and
-    service in its image (rlpipe.services.containers), else each step a process."""
+    service in its image (rlpipe.services.containers), else each step a process. Steps are forks of a warm
+    process (one a step image in containers: rlpipe.services.step_forks); `fresh_steps`: each a fresh
+    process or container, as KFP's runners start them."""
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
@@ -275,10 +281,10 @@ def run_locally(
         if containers:
             from rlpipe.services.containers import start_containers
 
-            engine = start_containers(spec, run_root, step_env)
+            engine = start_containers(spec, run_root, step_env, fresh_steps)
             stack.callback(engine.stop)
-        else:  # each step a fork of one process that has imported what the steps import
-            stack.enter_context(forked_steps())
+        elif not fresh_steps:  # each step a fork of one process that has imported what the steps import
+            stack.enter_context(forked_steps(iteration_modules(spec)))
         return _drive(spec, run_root, log_path, console, engine)
 
 

@@ -138,6 +138,13 @@ def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
     return BY_NAME[step].computes_with
 
 
+def iteration_modules(spec: RunSpec) -> tuple[str, ...]:
+    """What the tasks of this spec's iterations import (evaluate's included): a warm process that forks
+    each task imports them once (rlpipe.services.step_forks)."""
+    tasks = (FUSED,) if spec.loop.fuse_steps else (*iteration_steps(spec), "evaluate")
+    return tuple(dict.fromkeys(module for task in tasks for module in modules_for(task, spec)))
+
+
 def reward_types(spec: RunSpec) -> set[str]:
     """The `type`s of the spec's reward.functions entries ('function' for 'module:function')."""
     return {f.get("type", "") if isinstance(f, dict) else "function" for f in spec.reward.functions}

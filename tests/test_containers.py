@@ -287,7 +287,8 @@ def test_containers_failures_say_what_to_do(images, shared_dir):
     assert "Traceback" not in missing.stderr
 
     run_root = shared_dir / "runs" / "tiny"
-    driver = subprocess.Popen([RLPIPE, "run", str(spec), "--containers"], cwd=shared_dir,
+    # a container a step (a step server's container killed under its step: tests/test_step_forks.py)
+    driver = subprocess.Popen([RLPIPE, "run", str(spec), "--containers", "--fresh-steps"], cwd=shared_dir,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     wait_for(lambda: labelled(run_root), 300, "a step's container")
     subprocess.run(["podman", "kill", labelled(run_root)[0]], capture_output=True)

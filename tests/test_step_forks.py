@@ -1,14 +1,20 @@
 """`rlpipe run`'s steps as forks of one warm process (rlpipe.services.step_forks) under the real KFP
 local runner: a task sees what the server imported, its own env, and fails as a process does; after
-the context, tasks are KFP's fresh interpreters again."""
+the context, tasks are KFP's fresh interpreters again. With --containers, under KFP's DockerRunner
+(marker containers): forks of a server in a container of the step's image, which lives while the
+driver's lifeline is open."""
 
+import concurrent.futures
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from kfp import dsl, local
 
-from rlpipe.services.step_forks import forked_steps, preloaded, task_of
+from rlpipe.services.step_forks import forked_steps, hold, preloaded, task_of
 
 
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
@@ -59,3 +65,107 @@ def test_the_server_imports_what_light_steps_compute_with_and_no_torch():
     assert light <= set(modules)
     probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_server_lives_while_its_lifeline_is_open(tmp_path: Path):
+    path = tmp_path / "forks.sock"
+    server = subprocess.Popen([sys.executable, "-m", "rlpipe.services.step_forks", str(path)])
+    try:
+        deadline = time.time() + 60
+        while not path.exists():
+            assert time.time() < deadline and server.poll() is None, "the fork server did not listen"
+            time.sleep(0.1)
+        lifeline = hold(str(path))
+        time.sleep(0.5)
+        assert server.poll() is None
+        lifeline.close()  # as a driver killed with -9 closes it
+        assert server.wait(timeout=30) == 0
+    finally:
+        server.kill()
+
+
+def probe_in_image(started: str, sleep_s: float) -> str:
+    import os
+    import pathlib
+    import sys
+    import time
+
+    pathlib.Path(started).write_text(str(os.getpid()))
+    time.sleep(sleep_s)
+    seen = [os.environ.get(key, "-") for key in ("PROBE", "OMP_NUM_THREADS", "RUN_ENV")]
+    return " ".join([str("rlpipe.loop" in sys.modules), *seen])
+
+
+@pytest.mark.containers
+def test_steps_in_containers_are_forks_of_a_server_in_their_image(images, capsys, monkeypatch):
+    """KFP's DockerRunner as `rlpipe run --containers` sets it up (rlpipe.services.containers): a task of the
+    step image runs in a fork of the step server in a container of that image (it finds rlpipe.loop
+    imported), with the image's env (OMP_NUM_THREADS), the run's and its own; a server container killed
+    under a running step fails that step and says so; the next step gets a container of its own; stopping
+    removes the server's container."""
+    from rlpipe.services.containers import LocalContainers, WarmSteps
+
+    shared = Path(tempfile.mkdtemp(prefix="rlpipe-warm-", dir="/tmp"))
+    sock = shared / "docker.sock"
+    service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"])
+    containers = LocalContainers("podman", f"unix://{sock}", str(shared), [str(shared)], {"RUN_ENV": "run"},
+                                 str(shared), warm=WarmSteps())  # fmt: skip
+    component = dsl.component(base_image=images["step"], install_kfp_package=False)(probe_in_image)
+
+    @dsl.pipeline
+    def in_image(started: str, sleep_s: float) -> str:
+        task = component(started=started, sleep_s=sleep_s)
+        task.set_env_variable("PROBE", "seen")
+        return task.output
+
+    def labelled() -> list[str]:
+        found = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=rlpipe.run-root={shared}"],
+                               capture_output=True, text=True)  # fmt: skip
+        return found.stdout.split()
+
+    try:
+        deadline = time.time() + 30
+        while not sock.exists():
+            assert time.time() < deadline, "podman system service did not listen"
+            time.sleep(0.2)
+        monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
+        local.init(runner=containers.step_runner(), pipeline_root=str(shared / "kfp"))
+        assert in_image(started=str(shared / "a"), sleep_s=0.0).output == "True seen 1 run"
+        assert in_image(started=str(shared / "b"), sleep_s=0.0).output == "True seen 1 run"
+        assert len(labelled()) == 1  # the server's container: no container a step
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(in_image, started=str(shared / "c"), sleep_s=120.0)
+            deadline = time.time() + 60
+            while not (shared / "c").exists():
+                assert time.time() < deadline, "the step did not start"
+                time.sleep(0.2)
+            subprocess.run(["podman", "kill", *labelled()], capture_output=True, check=True)
+            with pytest.raises(RuntimeError, match="probe-in-image"):
+                running.result(timeout=120)
+        assert "StepContainerError: the step's container was stopped from outside (exit 137" in capsys.readouterr().out
+        assert in_image(started=str(shared / "d"), sleep_s=0.0).output == "False seen 1 run"  # a fresh interpreter
+    finally:
+        containers.warm.stop()
+        containers.remove_all()
+        service.terminate()
+        service.wait(timeout=10)
+    assert labelled() == []
+
+
+def test_a_spec_whose_steps_compute_with_torch_has_the_server_import_it():
+    """The demo's resident trainer leaves its steps thin clients (nothing of torch to import); with
+    trainer.resident false, generate, update and evaluate compute in their tasks: the server imports
+    their modules, so a task is a fork of a process that has torch (seconds a task otherwise)."""
+    from rlpipe.spec import parse_spec
+    from rlpipe.steps import iteration_modules
+
+    from .conftest import tiny_spec_dict
+
+    resident = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), trainer={"resident": True})))
+    per_step = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), trainer={"resident": False})))
+    torch_steps = {"rlpipe.engines", "rlpipe.training.trainer", "rlpipe.evaluation.accuracy"}
+    assert "rlpipe.services.trainer.client" in resident and not torch_steps & set(resident)
+    assert torch_steps <= set(per_step)
+    fused = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), loop={"fuse_steps": True})))
+    assert torch_steps <= set(fused)

@@ -23,22 +23,29 @@ trainer, samplers, rollout producer) run as containers of the same images instea
     network     the host's: the steps reach the services on loopback as processes do.
     label       `rlpipe.run-root=<run root>` on every container, so stopping a run (or resuming
                 one whose driver was killed) removes what it left running.
+    warm steps  a step of KFP's lightweight shape runs as a fork of a step server (rlpipe.services.step_forks)
+                in a container of its image, started at the image's first step with the settings above:
+                the interpreter, its imports and the container's start once a run and image, not once a
+                step (`rlpipe run --fresh-steps`: a container a step, as KFP's DockerRunner runs them).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlpipe.services.local_servers import LocalServers, die_with_parent
+from rlpipe.services.step_forks import hold, run_forked, task_of
 from rlpipe.spec import RunSpec
+from rlpipe.steps import iteration_modules
 from rlpipe.store.run_root import is_local
 
 RUN_LABEL = "rlpipe.run-root"
@@ -65,13 +72,15 @@ class LocalContainers:
     workdir: str
     user: str = field(default_factory=lambda: f"{os.getuid()}:{os.getgid()}")
     service: subprocess.Popen | None = None  # `podman system service`, when this run started it
+    warm: WarmSteps | None = None  # None: a container a step (--fresh-steps)
 
     def step_runner(self):  # -> kfp.local.DockerRunner
         from docker.types import Mount
         from kfp import local
         from kfp.local import docker_task_handler
 
-        docker_task_handler.DockerTaskHandler.run = run_task
+        warm = self.warm
+        docker_task_handler.DockerTaskHandler.run = lambda handler: run_task(handler, warm)
 
         return local.DockerRunner(
             network_mode="host",
@@ -127,6 +136,8 @@ class LocalContainers:
             subprocess.run([self.cli, "rm", "-f", "-t", "2", *ids], capture_output=True)
 
     def stop(self) -> None:
+        if self.warm is not None:
+            self.warm.stop()
         self.remove_all()
         if self.service is not None:
             self.service.terminate()
@@ -136,11 +147,12 @@ class LocalContainers:
                 self.service.kill()
 
 
-def run_task(handler) -> Any:  # -> kfp.local.status.Status
-    """One task in its container: kfp.local.docker_task_handler.DockerTaskHandler.run (kfp==2.17.0) with
+def run_task(handler, warm: WarmSteps | None) -> Any:  # -> kfp.local.status.Status
+    """One task in its image: kfp.local.docker_task_handler.DockerTaskHandler.run (kfp==2.17.0) with
     one engine client a thread instead of one a task (docker.from_env asks the engine its API version)
     and the engine's SELinux setting asked once (KFP asks its info on every task): with Podman 0.4 s a
-    step. The task's own env is laid over the run's (KFP's replaces it)."""
+    step. The task's own env is laid over the run's (KFP's replaces it). A lightweight component's task
+    is a fork of its image's step server when `warm` (a container of its own when that server cannot start)."""
     from kfp.local import status
 
     client, selinux = engine_client()
@@ -148,9 +160,86 @@ def run_task(handler) -> Any:  # -> kfp.local.status.Status
     for volume in volumes.values():
         volume["mode"] += ",z" if selinux else ""
     run_args = dict(handler.runner.container_run_args)
-    run_args["environment"] = {**run_args.get("environment", {}), **(handler.env_vars or {})}
-    code = run_step_container(client, handler.image, handler.full_command, volumes, **run_args)
+    env = {**run_args.get("environment", {}), **(handler.env_vars or {})}
+    code = forked_in(warm, client, handler, volumes, run_args, env) if warm is not None else None
+    if code is None:
+        command = handler.full_command
+        code = run_step_container(client, handler.image, command, volumes, **run_args | {"environment": env})
     return status.Status.SUCCESS if code == 0 else status.Status.FAILURE
+
+
+def forked_in(warm: WarmSteps, client, handler, volumes: dict, run_args: dict, env: dict[str, str]) -> int | None:
+    """The task as a fork of its image's step server, to its exit status; None when it runs in a container
+    of its own instead: not a lightweight component's task, or no server to take it."""
+    task = task_of(handler.full_command)
+    server = warm.server_for(client, handler.image, volumes, run_args) if task is not None else None
+    if server is None:
+        return None
+    try:
+        code = run_forked(server.path, *task, env, cwd=run_args.get("working_dir"), inherit_env=True)
+    except ConnectionError:  # the server is gone, and the task was not sent
+        return None
+    if code is None:  # the server's container stopped while the step ran
+        code = exit_status(server.container) or 1  # never a success: the step did not finish
+        say_stopped(code)
+    return code
+
+
+class StepServer(NamedTuple):
+    path: str  # its socket
+    lifeline: socket.socket  # rlpipe.services.step_forks.hold
+    container: Any
+
+
+@dataclass
+class WarmSteps:
+    """One step server a step image (rlpipe.services.step_forks) in a container of that image, with the
+    settings a step's container gets and the servers' socket folder mounted at the same path; kept
+    alive by a lifeline from this process, so a driver killed with -9 takes them down."""
+
+    modules: tuple[str, ...] = ()  # what each server imports besides its light steps' (step_forks.serve)
+    folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rlpipe-steps-"))
+    servers: dict[str, StepServer | None] = field(default_factory=dict)  # by image
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def server_for(self, client, image: str, volumes: dict, run_args: dict) -> StepServer | None:
+        """`image`'s server, started on its first task; None when it could not start."""
+        with self.lock:
+            if image not in self.servers:
+                path = os.path.join(self.folder, f"{len(self.servers)}.sock")
+                self.servers[image] = start_step_server(client, image, path, self.modules, volumes, run_args)
+            return self.servers[image]
+
+    def stop(self) -> None:
+        """Close the lifelines: each server ends, and its container with it."""
+        with self.lock:
+            for server in self.servers.values():
+                if server:
+                    server.lifeline.close()
+            self.servers.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start_step_server(
+    client, image: str, path: str, modules: tuple[str, ...], volumes: dict, run_args: dict
+) -> StepServer | None:
+    """A container of `image` serving steps at `path` and a lifeline to it, or None (each step then gets a
+    container, as KFP runs it) when it does not listen within a minute: an image built before step
+    servers, or one that cannot start; what it printed goes to the step's log."""
+    folder = os.path.dirname(path)
+    command = ["python3", "-m", "rlpipe.services.step_forks", path, *modules]
+    mounted = {**volumes, folder: {"bind": folder, "mode": "rw"}}
+    container = client.containers.run(image, command, detach=True, init=True, volumes=mounted, **run_args)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        container.reload()
+        if container.status not in ("created", "running") or time.monotonic() > deadline:
+            said = container.logs().decode(errors="replace").strip()
+            container.remove(force=True)
+            print(f"the step server in {image} did not start ({said[-500:] or container.status}): a container a step")
+            return None
+        time.sleep(0.05)
+    return StepServer(path, hold(path), container)
 
 
 _ENGINE = threading.local()
@@ -174,8 +263,7 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
     is gone: Podman removes it as it exits, so every failed step read as a success. Here the container
     is removed after its status is read. Its output comes through an attach made before it starts,
     which ends as it exits: following its logs (KFP's way) ends at the engine's next poll, a quarter to
-    half a second later with Podman, on every step. A container stopped from outside (exit 137, 143)
-    says so in the step's log, as the last error line the driver reports."""
+    half a second later with Podman, on every step."""
     import codecs
 
     import docker
@@ -193,10 +281,16 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
             container.remove(force=True)
         except docker.errors.NotFound:
             pass  # removed by the run's stop (rlpipe.services.containers.LocalContainers.remove_all)
+    say_stopped(status)
+    return status
+
+
+def say_stopped(status: int) -> None:
+    """A container stopped from outside (exit 137, 143) says so in the step's log, as the last error line
+    the driver reports."""
     if status in (137, 143):
         signal_name = "SIGKILL, or the out-of-memory killer" if status == 137 else "SIGTERM"
         print(f"StepContainerError: the step's container was stopped from outside (exit {status}: {signal_name})")
-    return status
 
 
 def exit_status(container) -> int:
@@ -241,8 +335,11 @@ def container_workdir(spec: RunSpec, run_root: str) -> str:
     return str(workdir)
 
 
-def start_containers(spec: RunSpec, run_root: str, step_env: dict[str, str]) -> LocalContainers:
-    """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise."""
+def start_containers(
+    spec: RunSpec, run_root: str, step_env: dict[str, str], fresh_steps: bool = False
+) -> LocalContainers:
+    """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise.
+    `fresh_steps`: a container a step, not forks of a step server per image."""
     mounts = container_mounts(spec, run_root)
     workdir = container_workdir(spec, run_root)
     forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
@@ -284,6 +381,7 @@ def start_containers(spec: RunSpec, run_root: str, step_env: dict[str, str]) -> 
     except ContainersUnavailable:
         containers.stop()
         raise
+    containers.warm = None if fresh_steps else WarmSteps(iteration_modules(spec))
     return containers
 
 

@@ -17,12 +17,17 @@ same arguments, its output streamed to the driver and its exit status returned a
             pipe the driver passed, the component's source in a temporary directory, then
             kfp.dsl.executor_main run as __main__ and the interpreter's normal exit (threads joined,
             atexit run), as in a fresh process
+    in a container  the same server in a step image (rlpipe.services.containers: `rlpipe run --containers`),
+            its socket in a folder mounted at the same path; each task's environment laid over the
+            container's (`inherit_env`), and the server ends when the driver's lifeline (`hold`) closes,
+            as a driver killed with -9 closes it
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -34,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rlpipe.services.local_servers import die_with_parent
@@ -43,25 +48,30 @@ HEADER = 8  # a request: its length in these many bytes (with the output's file 
 
 
 @contextlib.contextmanager
-def forked_steps() -> Iterator[str]:
+def forked_steps(modules: Sequence[str] = ()) -> Iterator[str]:
     """kfp.local's lightweight tasks run as forks of a server started with this process's environment
-    (the steps' settings already in it) while the context lasts; as KFP runs them after. Yields the
-    server's socket path, there once it listens."""
+    (the steps' settings already in it) while the context lasts; as KFP runs them after. The server
+    imports `modules` too (the spec's torch steps' own: rlpipe.steps.iteration_modules), once it listens.
+    Yields the server's socket path, there once it listens."""
     from kfp.local import subprocess_task_handler
 
     folder = tempfile.mkdtemp(prefix="rlpipe-steps-")
     path = os.path.join(folder, "forks.sock")
-    server = subprocess.Popen([sys.executable, "-m", "rlpipe.services.step_forks", path], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)  # fmt: skip
+    argv = [sys.executable, "-m", "rlpipe.services.step_forks", path, *modules]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     as_kfp = subprocess_task_handler.run_local_subprocess
 
     def run_local_subprocess(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
         task = task_of(full_command)
         if task is not None and os.path.exists(path):  # else not listening yet: as KFP runs it
             try:
-                return run_forked(path, *task, {**os.environ, **(env_vars or {})})
+                code = run_forked(path, *task, {**os.environ, **(env_vars or {})})
             except ConnectionError:  # the server is gone, and the task was not sent
-                pass
+                return as_kfp(full_command, env_vars)
+            if code is None:
+                print("StepServerError: the step server (rlpipe.services.step_forks) ended while the step ran")
+                return 1
+            return code
         return as_kfp(full_command, env_vars)
 
     subprocess_task_handler.run_local_subprocess = run_local_subprocess
@@ -81,7 +91,11 @@ def preloaded() -> list[str]:
 
     light = [module for step in BY_NAME.values() if not step.torch for module in step.computes_with]
     clients = ["rlpipe.services.trainer.client", "rlpipe.services.producer.buffer"]
-    return ["kfp.dsl.executor_main", "numpy", "pyarrow.parquet", "rlpipe.loop", *dict.fromkeys(light), *clients]
+    # pyarrow imports pandas, where installed, on the first table it builds from Python objects (pa.table
+    # asks whether each is a DataFrame): 0.15 s of score's and advantages' 0.2 s on the demo
+    pandas = ["pandas"] if importlib.util.find_spec("pandas") is not None else []
+    executor = ["kfp.dsl.executor_main", "numpy", "pyarrow.parquet", *pandas]
+    return [*executor, "rlpipe.loop", *dict.fromkeys(light), *clients]
 
 
 def task_of(full_command: list[str]) -> tuple[str, list[str]] | None:
@@ -95,10 +109,14 @@ def task_of(full_command: list[str]) -> tuple[str, list[str]] | None:
     return full_command[3], full_command[4:]
 
 
-def run_forked(path: str, source: str, args: list[str], env: dict[str, str]) -> int:
-    """One task as a fork of the server at `path`: its output printed as kfp.local prints a
-    subprocess's, then its exit status (1 when the server died under it)."""
-    request = json.dumps({"source": source, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+def run_forked(
+    path: str, source: str, args: list[str], env: dict[str, str], cwd: str | None = None, inherit_env: bool = False
+) -> int | None:
+    """One task as a fork of the server at `path`, in `cwd` (default this one's) with `env` (laid over the
+    server's with `inherit_env`): its output printed as kfp.local prints a subprocess's, then its exit
+    status; None when the server ended while the task ran (ConnectionError: it was not sent)."""
+    request = {"source": source, "args": args, "env": env, "cwd": cwd or os.getcwd(), "inherit_env": inherit_env}
+    request = json.dumps(request).encode()
     read_end, write_end = os.pipe()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         try:
@@ -117,38 +135,60 @@ def run_forked(path: str, source: str, args: list[str], env: dict[str, str]) -> 
         answer = b""
         while chunk := conn.recv(64):
             answer += chunk
-    return int(answer) if answer.strip() else 1
+    return int(answer) if answer.strip() else None
 
 
-def serve(path: str) -> tuple[socket.socket, int, dict]:
+def hold(path: str) -> socket.socket:
+    """The server at `path` lives while the returned connection is open: close it (or end this process)
+    and the server ends, its running tasks with it."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    request = json.dumps({"lifeline": True}).encode()
+    conn.sendall(len(request).to_bytes(HEADER, "big") + request)  # no output to pass: no file descriptor
+    return conn
+
+
+def serve(path: str, modules: Sequence[str] = ()) -> tuple[socket.socket, int, dict]:
     """Accept tasks and fork one process each, answering each its exit status as it ends; returns
-    only in a fork: (its connection, its output's file descriptor, the request)."""
+    only in a fork: (its connection, its output's file descriptor, the request). `modules` (torch's,
+    seconds) are imported after it listens: a task sent meanwhile waits in the backlog for them rather
+    than starting a fresh interpreter; one this image lacks is left to its step to report."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
-    listener.listen(8)
-    os.rename(path + ".tmp", path)  # the driver sends tasks once the path exists: the imports are done
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the driver sends tasks once the path exists: the light imports are done
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # e.g. torch in the step image: its steps run elsewhere
+            pass
     wakeup, woken = os.pipe()
     os.set_blocking(woken, False)
     signal.set_wakeup_fd(woken)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     waiting: dict[int, socket.socket] = {}  # pid -> the connection its status goes to
+    lifelines: list[socket.socket] = []
     while True:
-        readable, _, _ = select.select([listener, wakeup], [], [])
+        readable, _, _ = select.select([listener, wakeup, *lifelines], [], [])
+        if any(conn in readable for conn in lifelines):
+            sys.exit(0)  # the driver closed it, or died: its tasks die with this process (die_with_parent)
         if wakeup in readable:
             os.read(wakeup, 4096)
         if listener in readable:
             conn, request, output = received(listener)
-            pid = os.fork()
-            if pid == 0:
+            if request.get("lifeline"):
+                lifelines.append(conn)
+            elif (pid := os.fork()) == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for each in (listener, *waiting.values()):
+                for each in (listener, *waiting.values(), *lifelines):
                     each.close()
                 os.close(wakeup)
                 os.close(woken)
                 return conn, output, request
-            os.close(output)
-            waiting[pid] = conn
+            else:
+                os.close(output)
+                waiting[pid] = conn
         for pid in list(waiting):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -157,7 +197,7 @@ def serve(path: str) -> tuple[socket.socket, int, dict]:
 
 
 def received(listener: socket.socket) -> tuple[socket.socket, dict, int]:
-    """The next task: (its connection, its request, its output's file descriptor)."""
+    """The next task: (its connection, its request, its output's file descriptor; -1 for a lifeline)."""
     conn, _ = listener.accept()
     header, fds, _, _ = socket.recv_fds(conn, HEADER, 1)
     while len(header) < HEADER:
@@ -165,7 +205,7 @@ def received(listener: socket.socket) -> tuple[socket.socket, dict, int]:
     size, body = int.from_bytes(header, "big"), b""
     while len(body) < size:
         body += conn.recv(size - len(body))
-    return conn, json.loads(body), fds[0]
+    return conn, json.loads(body), fds[0] if fds else -1
 
 
 def run_task(conn: socket.socket, output: int, request: dict) -> int:
@@ -177,7 +217,8 @@ def run_task(conn: socket.socket, output: int, request: dict) -> int:
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.close(output)
-    os.environ.clear()
+    if not request.get("inherit_env"):
+        os.environ.clear()
     os.environ.update(request["env"] | {"_KFP_RUNTIME": "true"})
     os.chdir(request["cwd"])
     sys.modules["numpy"].random.seed()  # its own draws, as a fresh process's (Python's random reseeds at fork)
@@ -199,4 +240,4 @@ def run_task(conn: socket.socket, output: int, request: dict) -> int:
 if __name__ == "__main__":
     for name in preloaded():
         importlib.import_module(name)
-    sys.exit(run_task(*serve(sys.argv[1])))
+    sys.exit(run_task(*serve(sys.argv[1], sys.argv[2:])))
