@@ -226,10 +226,16 @@ def start_step_server(
     """A container of `image` serving steps at `path` and a lifeline to it, or None (each step then gets a
     container, as KFP runs it) when it does not listen within a minute: an image built before step
     servers, or one that cannot start; what it printed goes to the step's log."""
+    import docker
+
     folder = os.path.dirname(path)
     command = ["python3", "-m", "rlpipe.services.step_forks", path, *modules]
     mounted = {**volumes, folder: {"bind": folder, "mode": "rw"}}
-    container = client.containers.run(image, command, detach=True, init=True, volumes=mounted, **run_args)
+    try:
+        container = client.containers.run(image, command, detach=True, init=True, volumes=mounted, **run_args)
+    except docker.errors.DockerException as error:  # the task's own container will say what is wrong
+        print(f"the step server in {image} did not start ({error}): a container a step")
+        return None
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
         container.reload()
