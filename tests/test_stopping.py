@@ -108,6 +108,20 @@ def _run_processes(driver: int, run_dir: Path) -> dict[int, float]:
     return found
 
 
+def _a_step_runs(processes: dict[int, float]) -> bool:
+    """Whether a KFP step is running among `processes`: a child of the step server
+    (rlpipe.services.step_forks), or KFP's own executor process."""
+    import psutil
+
+    alive = _alive(processes)
+    servers = [int(line.split()[0]) for line in alive if "rlpipe.services.step_forks" in line]
+    try:
+        forks = [child for pid in servers for child in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        forks = []
+    return bool(forks) or any("executor_main" in line for line in alive)
+
+
 def _alive(processes: dict[int, float]) -> list[str]:
     import psutil
 
@@ -146,14 +160,12 @@ def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
         if log.exists() and marker in log.read_text(errors="replace"):
             break
         time.sleep(0.05)
-    assert driver.poll() is None, "the run finished before the signal could land"
     started = _run_processes(driver.pid, run_dir)
-    import psutil
-
-    alive = _alive(started)  # a KFP step: a child of the step server (rlpipe.services.step_forks), or KFP's process
-    servers = [int(line.split()[0]) for line in alive if "rlpipe.services.step_forks" in line]
-    forks = [child for pid in servers for child in psutil.Process(pid).children()]
-    assert forks or any("executor_main" in line for line in alive), f"no KFP step was running: {alive}"
+    while not _a_step_runs(started) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.01)  # between two steps (a thin client's step can end within the marker's poll)
+        started = _run_processes(driver.pid, run_dir)
+    assert driver.poll() is None, "the run finished before the signal could land"
+    assert _a_step_runs(started), f"no KFP step was running: {_alive(started)}"
     assert any("rlpipe.services.trainer.server" in line for line in _alive(started))
     if max_staleness:
         assert any("rlpipe.services.producer.server" in line for line in _alive(started))
