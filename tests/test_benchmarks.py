@@ -232,3 +232,25 @@ def test_padding(tmp_path: Path):
     # sorted by length: the six 4-token rows in one pass of 6 x 4 = 24 tokens, the two 12-token rows in another
     assert budgeted["forward_passes"] == 2 and budgeted["padding_share"] == pytest.approx(0.0)
     assert "| 24 | 0.0% | 2 |" in (tmp_path / "padding.md").read_text()
+    assert whole["packed_passes"] == 1 and budgeted["packed_passes"] == 2  # 24 tokens, then 24 more
+
+
+def test_padding_times_padded_and_packed_passes_side_by_side(tmp_path: Path):
+    """--model: the update's passes over the same rows, right-padded and packed, timed in one process."""
+    from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
+    from rlpipe.rollouts import write_table
+    from rlpipe.spec import TinyModelSpec
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1), tokenizer, 0).save_pretrained(
+        tmp_path / "model"
+    )
+    tokenizer.save_pretrained(tmp_path / "model")
+    rows = {"prompt_token_ids": [[1, 5, 6]] * 8, "completion_token_ids": [[7] * n for n in range(1, 9)]}
+    write_table(rows | {"advantage": [0.5] * 8}, tmp_path / "batch.parquet")
+    args = ("--budgets", "none", "24", "--model", tmp_path / "model", "--repeats", "2", "--results-dir", tmp_path)
+    bench("padding.py", tmp_path / "batch.parquet", *args)
+    timed = json.loads((tmp_path / "padding.json").read_text())["timed"]
+    assert [t["budget"] for t in timed] == [None, 24]
+    assert all(len(t["runs"]["padded"]) == len(t["runs"]["packed"]) == 2 and t["speedup"] > 0 for t in timed)
+    assert "| padded / packed |" in (tmp_path / "padding.md").read_text()

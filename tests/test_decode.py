@@ -115,19 +115,28 @@ def test_draws_follow_the_distribution_top_k_and_top_p_leave():
 
 
 def test_the_torch_engine_decodes_with_it_unless_a_rollout_is_partial(monkeypatch):
-    """sample_with takes this loop in batches of sampling.batch_size rows; a partial rollout (`refresh`)
-    or the producer's `on_groups` takes Hugging Face's forward, one call per token (torch_engine.sample)."""
+    """sample_with takes this loop in batches of sampling.batch_size rows, the rollout producer's `on_groups`
+    included: each group handed over once, at the step that ends its last row, with the completions the
+    call returns; a partial rollout (`refresh`) takes Hugging Face's forward (torch_engine.sample)."""
     from rlpipe.engines import torch_engine
 
     calls = []
-    monkeypatch.setattr(torch_engine, "decode", lambda *a: calls.append(len(a[1])) or decode(*a))
+    monkeypatch.setattr(torch_engine, "decode", lambda *a, **k: calls.append(len(a[1])) or decode(*a, **k))
     loaded = LoadedModel(tiny("qwen2"), Tokens())
     sampling = Sampling(2, 4, batch_size=4)
     done = torch_engine.sample_with(loaded, PROMPTS, sampling, torch.Generator().manual_seed(0))
     assert calls == [2, 1] and len(done.token_ids) == 6  # two prompts' groups a batch
     published = []
-    torch_engine.sample_with(loaded, PROMPTS, sampling, None, on_groups=lambda g, c: published.append(g))
-    assert calls == [2, 1] and sorted(g for groups in published for g in groups) == [0, 1, 2]
+    handed = torch_engine.sample_with(
+        loaded, PROMPTS, sampling, torch.Generator().manual_seed(0), on_groups=lambda g, c: published.append((g, c))
+    )
+    assert calls == [2, 1, 2, 1] and (handed.token_ids, handed.logprobs) == (done.token_ids, done.logprobs)
+    assert sorted(g for groups, _ in published for g in groups) == [0, 1, 2]
+    for groups, completions in published:
+        rows = [g * 2 + k for g in groups for k in range(2)]
+        assert completions.token_ids == [done.token_ids[r] for r in rows]
+        assert completions.logprobs == [done.logprobs[r] for r in rows]
+        assert completions.finish_reasons == [done.finish_reasons[r] for r in rows]
 
 
 class Tokens:

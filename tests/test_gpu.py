@@ -1,7 +1,8 @@
 """The same training code on a CUDA GPU (marker `gpu`): CI has no GPU, so these skip there with that
 reason; they run wherever torch sees one (`pytest -m gpu`). The update on the GPU equals the CPU's,
-micro-batches still give the one-pass update, bf16 keeps fp32 masters on the device, a whole
-iteration of the step functions runs there, and LoRA's reference is the base there too."""
+micro-batches still give the one-pass update, packed rows (varlen flash attention) the padded update,
+bf16 keeps fp32 masters on the device, a whole iteration of the step functions runs there, and LoRA's
+reference is the base there too."""
 
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rlpipe.spec import parse_spec
-from rlpipe.training.trainer import train_on_batch
+from rlpipe.training.trainer import packs_rows, train_on_batch
 
 from .conftest import initialize, tiny_spec_dict
 from .test_precision_and_memory import _batch, _make, _params, _trainer
@@ -50,6 +51,24 @@ def test_gradient_accumulation_on_the_gpu_equals_the_one_pass_update(tmp_path: P
     assert parts["policy/loss"] == pytest.approx(full["policy/loss"], rel=1e-5, abs=1e-7)
     for name, value in _params(one_pass).items():
         torch.testing.assert_close(_params(accumulated)[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_packed_update_on_the_gpu_is_the_padded_update(tmp_path: Path, dtype: str):
+    """trainer.padding_free on CUDA: bf16 autocast attends through torch's varlen flash attention, fp32 through
+    SDPA over the rows of each length; either way the padded update, within the precision's rounding."""
+    batch = _batch(tmp_path)
+    found = {}
+    for padding_free in (False, True):
+        trainer = _trainer(tmp_path, device="cuda", dtype=dtype, padding_free=padding_free, micro_batch_tokens=None)
+        trainer.packed = packs_rows(trainer)
+        found[padding_free] = train_on_batch(trainer, batch, 1), _params(trainer)
+    (padded, padded_weights), (packed, packed_weights) = found[False], found[True]
+    assert packed["policy/padding_share"] == 0 < padded["policy/padding_share"]
+    rel, atol = (1e-4, 1e-5) if dtype == "float32" else (2e-2, 2e-3)
+    assert packed["policy/loss"] == pytest.approx(padded["policy/loss"], rel=rel, abs=atol)
+    for name, weight in padded_weights.items():
+        torch.testing.assert_close(packed_weights[name], weight, rtol=rel, atol=atol, msg=name)
 
 
 def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_path: Path):

@@ -158,6 +158,7 @@ def test_torch_sampling_log_probs_are_the_updates(name: str, family_dir, tmp_pat
     soft-capped head) within 1e-4, for each family's attention (sliding windows, soft-capping, q/k norms, MoE)."""
     from rlpipe.spec import TrainerSpec
     from rlpipe.training.logprobs import completion_logprobs
+    from rlpipe.training.packed_attention import packable, use_packed_attention
 
     model, tokenizer, rows = sampled_rows(name, family_dir(name), tmp_path)
     assert len(rows) == 32 and all(row["completion_token_ids"] for row in rows)
@@ -166,6 +167,14 @@ def test_torch_sampling_log_probs_are_the_updates(name: str, family_dir, tmp_pat
         recomputed = completion_logprobs(model, rows, tokenizer.pad_token_id, TEMPERATURE, chunk_tokens=chunk_tokens)
         for row, expected in zip(rows, recomputed, strict=True):
             torch.testing.assert_close(torch.tensor(expected), torch.tensor(row["logprobs"]), atol=1e-4, rtol=0)
+    # padding-free (trainer.padding_free): rows packed end to end, where the family's attention allows it
+    if packable(model) is None:
+        use_packed_attention(model)
+        packed = completion_logprobs(model, rows, tokenizer.pad_token_id, TEMPERATURE, chunk_tokens=5, packed=True)
+        for row, expected in zip(rows, packed, strict=True):
+            torch.testing.assert_close(torch.tensor(expected), torch.tensor(row["logprobs"]), atol=1e-4, rtol=0)
+    else:
+        assert FAMILIES[name].config.get("attn_logit_softcapping"), packable(model)  # Gemma 2 only
 
 
 @pytest.mark.parametrize("name", NAMES)

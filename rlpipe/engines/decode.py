@@ -212,13 +212,20 @@ def static_step(
 
 @torch.no_grad()
 def decode(
-    decoder: Decoder, prompts: list[list[int]], sampling: Sampling, pick: Pick, static: bool | None = None
+    decoder: Decoder,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    pick: Pick,
+    static: bool | None = None,
+    on_groups: Callable[[list[int], Completions], None] | None = None,
 ) -> Completions:
     """`sampling.samples` completions per prompt (prompt-major), each through its first end id or
     sampling.max_new_tokens: the prompts left-padded and prefilled once, their cache rows repeated per
     sample, then one forward per new token over the rows still running; `pick` chooses each token
     (next_tokens with the sampling's temperature, top-k, top-p, or greedy). `static` (default: on a
-    GPU): the steps at fixed shapes, every row to the batch's end (`static_step`; a CUDA graph there)."""
+    GPU): the steps at fixed shapes, every row to the batch's end (`static_step`; a CUDA graph there).
+    `on_groups` (the rollout producer's): each group (its prompt's index) and its completions, handed
+    over at the step that ends its last row."""
     samples, max_new_tokens, bf16, pad_id = sampling.samples, sampling.max_new_tokens, sampling.bf16, decoder.pad_id
     device = next(decoder.model.parameters()).device
     static = device.type == "cuda" if static is None else static
@@ -249,6 +256,8 @@ def decode(
     logprobs = torch.zeros((rows, max_new_tokens), device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     step_logits = static_step(decoder, cache, valid, bf16, graph=device.type == "cuda") if static else None
+    ended_rows = torch.zeros(rows, dtype=torch.bool, device=device)  # of every row: ended
+    published = torch.zeros(rows // samples, dtype=torch.bool, device=device)  # of every group: handed over
     for step in range(max_new_tokens):
         token, logprob = pick(logits)
         tokens[running, step] = token.masked_fill(finished, pad_id)  # no host sync: an ended row writes pad
@@ -256,6 +265,15 @@ def decode(
         ended = ~finished & torch.isin(token, ends)
         lengths[running] = torch.where(ended, step + 1, lengths[running])
         finished |= ended
+        if on_groups is not None:
+            ended_rows[running] |= finished
+            ended_rows |= step == max_new_tokens - 1  # the rest ran to the token budget
+            ready = ended_rows.view(-1, samples).all(-1) & ~published
+            if bool(ready.any()):
+                groups = ready.nonzero().flatten().tolist()
+                picked = torch.tensor([g * samples + k for g in groups for k in range(samples)], device=device)
+                on_groups(groups, completions_of(tokens[picked], logprobs[picked], lengths[picked], decoder.end_ids))
+                published |= ready
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         if not static and 8 * int(finished.sum()) >= len(finished):  # an eighth has ended: they leave the batch

@@ -203,9 +203,18 @@ def sample_in_batches(
     result = Completions([], [], [], [] if refresh is not None else None)
     for start in range(0, len(prompts), per_batch):
         current = refresh.model if refresh is not None else model
-        offset = (lambda s: lambda groups, done: on_groups([s + g for g in groups], done))(start) if on_groups else None
-        result.extend(sample(current, prompts[start : start + per_batch], samples=samples, on_groups=offset, **kwargs))
+        batch = prompts[start : start + per_batch]
+        result.extend(sample(current, batch, samples=samples, on_groups=batch_on_groups(on_groups, start), **kwargs))
     return result
+
+
+def batch_on_groups(
+    on_groups: Callable[[list[int], Completions], None] | None, start: int
+) -> Callable[[list[int], Completions], None] | None:
+    """`on_groups` for a batch whose first prompt is prompt `start` of the call's: its group indices shifted."""
+    if on_groups is None:
+        return None
+    return lambda groups, done: on_groups([start + g for g in groups], done)
 
 
 def sample_with(
@@ -218,13 +227,15 @@ def sample_with(
     **partial: Any,
 ) -> Completions:
     """`sampling.samples` completions per prompt, ending at the tokenizer's eos, the model's generation end ids
-    and `stop_ids`: a Llama-family model over a preallocated KV cache (rlpipe.engines.decode), other models,
-    and partial rollouts (`partial`: their `refresh` and `on_groups`), with `sample_in_batches`."""
+    and `stop_ids`: a Llama-family model over a preallocated KV cache (rlpipe.engines.decode), its groups
+    handed to the rollout producer's `on_groups` as they end; other models, and partial rollouts (`refresh`:
+    a newer version mid-batch), with `sample_in_batches`."""
     model, tokenizer = loaded.model, loaded.tokenizer
     stop_ids = set(stop_ids) | generation_end_ids(model)
     length = max(map(len, prompts)) + sampling.max_new_tokens
     ends, pad_id = {tokenizer.eos_token_id, *stop_ids}, tokenizer.pad_token_id
-    if all(value is None for value in partial.values()) and (fast := decoder_of(model, length, ends, pad_id)):
+    on_groups = partial.get("on_groups")
+    if partial.get("refresh") is None and (fast := decoder_of(model, length, ends, pad_id)):
 
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return next_tokens(logits, sampling.temperature, greedy, sampling.top_k, sampling.top_p, generator)
@@ -232,7 +243,8 @@ def sample_with(
         per_batch = max(sampling.batch_size // sampling.samples, 1)  # a group larger than a batch: one batch
         result = Completions([], [], [], None)
         for start in range(0, len(prompts), per_batch):
-            result.extend(decode(fast, prompts[start : start + per_batch], sampling, pick))
+            batch_groups = batch_on_groups(on_groups, start)
+            result.extend(decode(fast, prompts[start : start + per_batch], sampling, pick, on_groups=batch_groups))
         return result
     return sample_in_batches(
         model,

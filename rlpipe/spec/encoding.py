@@ -117,6 +117,7 @@ RESUMABLE_KEYS = (
     "trainer.threads",
     "trainer.micro_batch_tokens",  # the same update, accumulated in parts
     "trainer.gradient_checkpointing",
+    "trainer.padding_free",  # the same update, its rows packed (to float rounding)
     "trainer.logit_chunk_tokens",  # the same log-probs, computed in parts
     "trainer.gpus",  # the same update, sharded (to float rounding)
     "trainer.nodes",

@@ -2,10 +2,9 @@
 sections that say what a run computes: the model, its data and rewards, how it samples (rollout,
 samplers), what it optimizes (algorithm, preferences, trainer) and for how long (loop).
 
-Each section is a frozen dataclass (`section`, as CleanRL's and TRL's configs are) whose fields carry
-their default, the bounds `parse_spec` checks and their doc (`setting`); a section's `__post_init__`
-holds its rules across fields. Where a run runs and stores is in rlpipe.spec.placement, the whole
-spec (RunSpec) in rlpipe.spec.run_spec.
+Each section is a frozen dataclass (`section`, as CleanRL's and TRL's configs are) whose fields carry their default,
+the bounds `parse_spec` checks and their doc (`setting`); a section's `__post_init__` holds its rules across fields.
+Where a run runs and stores is in rlpipe.spec.placement, the whole spec (RunSpec) in rlpipe.spec.run_spec.
 """
 
 from __future__ import annotations
@@ -406,6 +405,9 @@ class TrainerSpec:
         doc="Token budget (padded rows x width) of one forward/backward; a mini-batch is split into micro-batches of "
         "rows sorted by length within it and their gradients accumulated (the same update, less memory and padding). "
         "auto: 1024 on a CPU (activations stay in cache: ~1.2x faster), one pass on a GPU. null: one pass",
+    )
+    padding_free: bool = setting(
+        False, doc="Rows packed end to end with position ids, no padding (varlen attention on a GPU): the same update"
     )
     gradient_checkpointing: bool = setting(
         False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"

@@ -31,6 +31,7 @@ from rlpipe.store.run_root import filesystem, is_local, move, optimizer_uri
 from rlpipe.store.weights import WeightRef, local_path, publish, read_weight_ref, seal, staging_uri
 from rlpipe.training.batching import MicroBatch, micro_batches, pack, token_budget, window_column
 from rlpipe.training.distributed import full_model_state, full_optimizer_state, load_optimizer_state, shard, world
+from rlpipe.training.logprobs import model_inputs, window_of
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -111,7 +112,7 @@ def load_critic(
 def token_values(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """V at each position of `mb`'s window: [B, T], aligned with the policy's log-probs (position p
     holds the value of the prefix up to p, before token p + 1 is chosen)."""
-    return model(input_ids=mb.input_ids, attention_mask=mb.attention).logits[:, mb.start : -1, 0].float()
+    return window_of(model(**model_inputs(mb)).logits[..., 0], mb).float()
 
 
 def value_step(

@@ -44,11 +44,29 @@ def token_logprobs_and_entropy(
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
+def model_inputs(mb: MicroBatch) -> dict:
+    """A forward pass's inputs for `mb`: ids and attention mask, or packed ids, their positions and row ends."""
+    if not mb.packed:
+        return {"input_ids": mb.input_ids, "attention_mask": mb.attention}
+    from rlpipe.training.packed_attention import packed_attention_kwargs
+
+    return {"input_ids": mb.input_ids, "position_ids": mb.positions, **packed_attention_kwargs(mb.row_ends)}
+
+
+def window_of(outputs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """[B, T, ...]: a forward pass's per-position outputs ([B, L, ...] padded, [1, N, ...] packed) at `mb`'s
+    window: column j of row i holds the output at the row's position start + j."""
+    return outputs[0, mb.window_index] if mb.packed else outputs[:, mb.start : -1]
+
+
 def completion_logits(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """[B, T, V]: the logits of `mb`'s window (positions start .. L - 2). transformers'
-    logits_to_keep applies the LM head (hidden x vocabulary) to the last L - start positions only."""
+    logits_to_keep applies the LM head (hidden x vocabulary) to the last L - start positions only
+    (packed: every position's, then the window's)."""
+    if mb.packed:
+        return window_of(model(**model_inputs(mb)).logits, mb)
     keep = mb.input_ids.shape[1] - mb.start
-    return model(input_ids=mb.input_ids, attention_mask=mb.attention, logits_to_keep=keep).logits[:, :-1]
+    return model(**model_inputs(mb), logits_to_keep=keep).logits[:, :-1]
 
 
 def chunks_head_on_hidden(model: PreTrainedModel) -> bool:
@@ -90,9 +108,12 @@ def completion_logprobs_and_entropy(
             logits = completion_logits(model, mb)
         return token_logprobs_and_entropy(logits, mb.targets, temperature, entropy_grad)
     with precision:
-        hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention).last_hidden_state
+        hidden = model.get_decoder()(**model_inputs(mb)).last_hidden_state
     on_completion = mb.completion_mask.bool()
-    hidden = hidden[:, mb.start : -1][on_completion]  # [n, H], n = completion tokens
+    if mb.packed:  # [n, H], n = completion tokens
+        hidden = hidden[0, mb.window_index[on_completion]]
+    else:
+        hidden = hidden[:, mb.start : -1][on_completion]
     targets = mb.targets[on_completion]
     head = model.get_output_embeddings()
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -124,10 +145,12 @@ def completion_logprobs(
     temperature: float,
     bf16: bool = False,
     chunk_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[list[float]]:
     """log pi(token | prefix) of each row's completion tokens after its prompt (rows with prompt_token_ids
-    and completion_token_ids); one no-grad forward pass over `rows`, the head in chunks of chunk_tokens."""
-    mb = pack(rows, pad_id).to(model.device)
+    and completion_token_ids); one no-grad forward pass over `rows` (padded, or `packed`: the model must
+    have rlpipe.training.packed_attention's attention), the head in chunks of chunk_tokens."""
+    mb = pack(rows, pad_id, packed).to(model.device)
     precision = torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16)
     logprobs = completion_logprobs_and_entropy(model, mb, temperature, chunk_tokens, precision=precision)[0].cpu()
     found = []

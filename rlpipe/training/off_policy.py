@@ -58,7 +58,8 @@ def policy_logprobs(trainer: Trainer, rows: list[dict]) -> list[list[float]]:
     spec = trainer.spec
     bf16 = spec.trainer.dtype == "bfloat16"
     pad_id, chunk_tokens = trainer.tokenizer.pad_token_id, spec.trainer.logit_chunk_tokens
-    return completion_logprobs(trainer.policy, rows, pad_id, spec.rollout.temperature, bf16, chunk_tokens)
+    temperature = spec.rollout.temperature
+    return completion_logprobs(trainer.policy, rows, pad_id, temperature, bf16, chunk_tokens, trainer.packed)
 
 
 def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float:
@@ -71,7 +72,7 @@ def attach_proximal_logprobs(trainer: Trainer, minis: list[list[dict]]) -> float
     known = cache.get("logprobs", {}) if cache.get("sha256") == trainer.weights["sha256"] and world()[1] == 1 else {}
     reused = total = 0
     for mini in minis:
-        for part, _ in rank_parts(mini, budget):
+        for part, _ in rank_parts(mini, budget, packed=trainer.packed):
             missing = [row for row in part if sequence_key(row) not in known]
             computed = dict(zip(map(sequence_key, missing), policy_logprobs(trainer, missing))) if missing else {}
             for row in part:

@@ -50,3 +50,4 @@ class Trainer:
     served: Served | None = None  # the stored tensors of `weights`, when the next version may be a delta
     checkpoint_writer: threading.Thread | None = None  # the resident trainer's checkpoint, written in the background
     replayed: dict[str, float] = field(default_factory=dict)  # trainer/replayed_updates, trainer/replay_exact
+    packed: bool = False  # micro-batches packed without padding (trainer.padding_free)

@@ -144,7 +144,28 @@ def load_checkpoint(
     critic = None
     if needs_critic(spec):
         critic = load_critic(spec, run_root, weights["version"], cache_root, trainable=True, sharded=sharded)
-    return Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic, served=served)
+    trainer = Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic, served=served)
+    trainer.packed = packs_rows(trainer)
+    return trainer
+
+
+def packs_rows(trainer: Trainer) -> bool:
+    """trainer.padding_free for this trainer: when asked, every model (policy, reference, critic) gets
+    rlpipe.training.packed_attention's attention. Raises ValueError when one cannot attend within packed rows."""
+    from rlpipe.training.packed_attention import packable, use_packed_attention
+
+    if not trainer.spec.trainer.padding_free:
+        return False
+    models = [trainer.policy, trainer.reference, trainer.critic.model if trainer.critic else None]
+    models = [m for m in models if m is not None]
+    for model in models:
+        if (why := packable(model)) is not None:
+            raise ValueError(
+                f"trainer.padding_free: true, but the model cannot attend within packed rows: {why}; "
+                "set trainer.padding_free to false"
+            )
+        use_packed_attention(model)
+    return True
 
 
 def autocast(trainer: Trainer) -> torch.autocast:
@@ -246,9 +267,9 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
         trainer.critic.optimizer.zero_grad(set_to_none=True)
     stats = OptimizerStepStats()
     budget = token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type)
-    for j, (part, present) in enumerate(rank_parts(mini, budget, objective.unit)):
+    for j, (part, present) in enumerate(rank_parts(mini, budget, objective.unit, trainer.packed)):
         use_reference = (trainer.reference is not None and objective.reference_each_step) or (tracked and j == 0)
-        mb = pack(part, trainer.tokenizer.pad_token_id).to(trainer.policy.device.type)
+        mb = pack(part, trainer.tokenizer.pad_token_id, trainer.packed).to(trainer.policy.device.type)
         weight = present * micro_batch_weight(mb, len(mini), completion_tokens, objective.aggregation)
         share = present * float(mb.completion_mask.sum()) / max(completion_tokens, 1.0)  # of token means
         # before the first optimizer step the policy is the weights that sampled this iteration's rows (all
@@ -257,8 +278,8 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
         if tally.optimizer_steps == 0 and present and mb.old_logprobs is not None:
             measure = sampled_by(part, trainer.weights["version"])
         stats += micro_step(trainer, objective, mb, weight, share, use_reference, measure, tally.mismatch)
-        tally.tokens += int(present * mb.attention.sum())
-        tally.padded += int(present * mb.attention.numel())
+        tally.tokens += int(present * mb.tokens)
+        tally.padded += int(present * mb.input_ids.numel())
         tally.micro_batches += 1
     return stats.summed(trainer.policy.device.type)
 
