@@ -257,7 +257,7 @@ def decode(
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     step_logits = static_step(decoder, cache, valid, bf16, graph=device.type == "cuda") if static else None
     ended_rows = torch.zeros(rows, dtype=torch.bool, device=device)  # of every row: ended
-    published = torch.zeros(rows // samples, dtype=torch.bool, device=device)  # of every group: handed over
+    publish = GroupPublisher(on_groups, samples, rows) if on_groups is not None else None
     for step in range(max_new_tokens):
         token, logprob = pick(logits)
         tokens[running, step] = token.masked_fill(finished, pad_id)  # no host sync: an ended row writes pad
@@ -265,15 +265,10 @@ def decode(
         ended = ~finished & torch.isin(token, ends)
         lengths[running] = torch.where(ended, step + 1, lengths[running])
         finished |= ended
-        if on_groups is not None:
+        if publish is not None:
             ended_rows[running] |= finished
             ended_rows |= step == max_new_tokens - 1  # the rest ran to the token budget
-            ready = ended_rows.view(-1, samples).all(-1) & ~published
-            if bool(ready.any()):
-                groups = ready.nonzero().flatten().tolist()
-                picked = torch.tensor([g * samples + k for g in groups for k in range(samples)], device=device)
-                on_groups(groups, completions_of(tokens[picked], logprobs[picked], lengths[picked], decoder.end_ids))
-                published |= ready
+            publish(ended_rows, lambda at: completions_of(tokens[at], logprobs[at], lengths[at], decoder.end_ids))
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         if not static and 8 * int(finished.sum()) >= len(finished):  # an eighth has ended: they leave the batch
@@ -290,6 +285,26 @@ def decode(
                 logits = forward(decoder, token[:, None], next_position, cache, width + step, step_mask)
         next_position = next_position + 1
     return completions_of(tokens, logprobs, lengths, decoder.end_ids)
+
+
+class GroupPublisher:
+    """Hands `on_groups` the groups (`samples` consecutive rows) all of whose rows have ended, at the
+    decode step that ends the last of them: their indices and completions (the rollout producer writes
+    each to the buffer at once while the batch decodes on). Both decode loops use it: this module's and
+    rlpipe.engines.torch_engine.sample."""
+
+    def __init__(self, on_groups: Callable[[list[int], Completions], None], samples: int, rows: int) -> None:
+        self.on_groups, self.samples = on_groups, samples
+        self.published = torch.zeros(rows // samples, dtype=torch.bool)
+
+    def __call__(self, finished: torch.Tensor, completions: Callable[[torch.Tensor], Completions]) -> None:
+        """`finished`: [rows] bool, every row's; `completions`: the completions of the rows indexed."""
+        done = finished.view(-1, self.samples).all(-1).cpu() & ~self.published
+        if bool(done.any()):
+            groups = done.nonzero().flatten().tolist()
+            rows = torch.tensor([g * self.samples + k for g in groups for k in range(self.samples)])
+            self.on_groups(groups, completions(rows.to(finished.device)))
+            self.published |= done
 
 
 def completions_of(

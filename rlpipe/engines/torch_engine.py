@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from rlpipe.engines import LoadedModel, Sampled, SampleRequest, Sampling, sampled_trajectories
-from rlpipe.engines.decode import decode, decoder_of, filter_logits, left_padded, next_tokens
+from rlpipe.engines.decode import GroupPublisher, decode, decoder_of, filter_logits, left_padded, next_tokens
 from rlpipe.environments import Codec, environment_factory, run_trajectories
 from rlpipe.rollouts import Completions
 
@@ -77,10 +77,10 @@ def sample(
     ends_set = {eos_id, *stop_ids}
     ends = torch.tensor(sorted(ends_set), device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens, logprobs = [], []  # per decode step: [rows]
     version = refresh.version if refresh is not None else 0
-    step_versions: list[int] = []  # the version that sampled each decode step's tokens
-    publish = GroupPublisher(on_groups, samples, ends_set, finished) if on_groups is not None else None
+    tokens, logprobs, step_versions = [], [], []  # per decode step: [rows] tokens, log-probs; the version sampling
+    versions = step_versions if refresh else None  # recorded for partial rollouts only
+    publish = GroupPublisher(on_groups, samples, rows) if on_groups is not None else None
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
@@ -94,7 +94,7 @@ def sample(
         step_versions.append(version)
         finished |= torch.isin(token, ends)
         if publish is not None:
-            publish(finished, tokens, logprobs, step_versions if refresh else None)
+            publish(finished, steps_completions(tokens, logprobs, ends_set, versions))
         if bool(finished.all()):
             break
         attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=-1)
@@ -109,43 +109,8 @@ def sample(
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
     if publish is not None:  # the groups that ran to max_new_tokens
-        publish(torch.ones_like(finished), tokens, logprobs, step_versions if refresh else None)
-    return completions_through_end(tokens, logprobs, ends_set, step_versions if refresh else None)
-
-
-class GroupPublisher:
-    """Hands `on_groups` the groups (`samples` consecutive rows) all of whose rows have ended, at the
-    decode step that ends the last of them: their indices and completions (the rollout producer writes
-    each to the buffer at once while the batch decodes on)."""
-
-    def __init__(
-        self,
-        on_groups: Callable[[list[int], Completions], None],
-        samples: int,
-        end_ids: set[int],
-        finished: torch.Tensor,
-    ) -> None:
-        self.on_groups, self.samples, self.end_ids = on_groups, samples, end_ids
-        self.published = torch.zeros(len(finished) // samples, dtype=torch.bool, device=finished.device)
-
-    def __call__(
-        self,
-        finished: torch.Tensor,
-        tokens: list[torch.Tensor],
-        logprobs: list[torch.Tensor],
-        versions: list[int] | None,
-    ) -> None:
-        done = finished.view(-1, self.samples).all(-1) & ~self.published
-        if bool(done.any()):
-            groups = done.nonzero().flatten().tolist()
-            rows = torch.tensor(
-                [g * self.samples + k for g in groups for k in range(self.samples)], device=finished.device
-            )
-            picked = completions_through_end(
-                [t[rows] for t in tokens], [lp[rows] for lp in logprobs], self.end_ids, versions
-            )
-            self.on_groups(groups, picked)
-            self.published |= done
+        publish(torch.ones_like(finished), steps_completions(tokens, logprobs, ends_set, versions))
+    return completions_through_end(tokens, logprobs, ends_set, versions)
 
 
 def prefilled_again(
@@ -157,6 +122,15 @@ def prefilled_again(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return model(
         input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+
+
+def steps_completions(
+    tokens: list[torch.Tensor], logprobs: list[torch.Tensor], end_ids: set[int], step_versions: list[int] | None
+) -> Callable[[torch.Tensor], Completions]:
+    """The completions of the rows indexed, from the decode steps so far (what GroupPublisher hands over)."""
+    return lambda at: completions_through_end(
+        [t[at] for t in tokens], [lp[at] for lp in logprobs], end_ids, step_versions
     )
 
 

@@ -54,7 +54,7 @@ class MicroBatch:
     """
 
     input_ids: torch.Tensor
-    attention: torch.Tensor
+    attention: torch.Tensor | None
     start: int
     completion_mask: torch.Tensor
     advantages: torch.Tensor
