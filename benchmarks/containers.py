@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import yaml
-from machine import describe_machine
+from machine import describe_machine, how_steps_ran
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = ("loop.iterations", "loop.iterations_per_run", "loop.eval_every")  # this benchmark's own (`run`)
@@ -75,7 +75,7 @@ def run(name: str, root: Path, iterations: int, per_run: int, sizes: list[str]) 
             "period_median_s": statistics.median(periods),
             "compute_median_s": statistics.median(compute[i] for i in steady),
             "orchestration_share": statistics.median(1 - compute[i] / p for i, p in zip(steady, periods)),
-            "weights_sha256": state["weights_sha256"]}  # fmt: skip
+            "weights_sha256": state["weights_sha256"], "tasks": how_steps_ran(run_root)}  # fmt: skip
 
 
 def main() -> None:
@@ -110,14 +110,16 @@ def main() -> None:
         "iteration's own clock (generate's entry to the commit); period: commit to commit; orchestration: "
         "1 - the steps' compute / the period.",
         "",
-        "| runner | steps | iteration wall | period | steps' compute | orchestration | whole run | final weights |",
-        "|---|---|---|---|---|---|---|---|",
+        "| runner | steps | how the tasks started | iteration wall | period | steps' compute | orchestration "
+        "| whole run | final weights |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
         runner, mode = (name.split("-") + ["forks"])[:2]
         steps = STEPS[mode]
-        lines.append(f"| {runner} | {steps} | {result['steady_median_s']:.2f} s | {result['period_median_s']:.2f} s | "
-                     f"{result['compute_median_s']:.2f} s | {result['orchestration_share']:.1%} | "
+        lines.append(f"| {runner} | {steps} | {result['tasks']} | {result['steady_median_s']:.2f} s | "
+                     f"{result['period_median_s']:.2f} s | {result['compute_median_s']:.2f} s | "
+                     f"{result['orchestration_share']:.1%} | "
                      f"{result['run_s']:.0f} s | {result['weights_sha256'][:12]} |")  # fmt: skip
     lines += ["", f"containers / processes: **{ratio:.2f}x** the period (a task a step); same weights: {same}"]
     text = "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import yaml
-from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+from machine import describe_machine, how_steps_ran  # benchmarks/ is on sys.path when run as a script
 
 from rlpipe.spec import load_spec
 
@@ -71,6 +71,7 @@ def seed_result(seed: int, run_dir: Path, wall_s: float | None) -> dict:
         "warm_start_steps": int(start.get("warm_start/steps", 0)),
         **held_out_curve(recorded),
         "wall_s": None if wall_s is None else round(wall_s),
+        "steps": how_steps_ran(run_dir),
     }
     if "eval/tool_call_rate" in recorded[min(recorded)]:  # a multi-turn run: how it used the tool
         iterations = sorted(int(p.stem.split("_")[1]) for p in (run_dir / "metrics").glob("iter_*.json"))
@@ -145,6 +146,7 @@ def main() -> None:
         lines.append(f"| {row['seed']} | {row['warm_start_steps']} | {curve} | {row['gain_points']:+.1f} | {wall} |")
     gains = [row["gain_points"] for row in rows]
     lines += ["", f"gain over the warm start: min {min(gains)}, mean {sum(gains) / len(gains):.1f} points"]
+    lines += ["", f"KFP tasks: {'; '.join(dict.fromkeys(row['steps'] for row in rows))}, run by {sys.executable}"]
     if "eval_tool_call_rate" in rows[0]:
         lines += [
             "",

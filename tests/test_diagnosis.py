@@ -133,6 +133,7 @@ def test_a_degenerate_start_stops_the_loop_at_iteration_0_and_the_report_and_sta
     from rlpipe.pipelines.local_run import how_it_ended
     from rlpipe.reports import eval_report
     from rlpipe.run.status import describe, run_status
+    from rlpipe.services.step_forks import StepLaunches
     from rlpipe.store.run_root import read_eval_samples, read_state
     from rlpipe.store.weights import read_weight_ref
 
@@ -150,7 +151,7 @@ def test_a_degenerate_start_stops_the_loop_at_iteration_0_and_the_report_and_sta
     said = describe(run_status(run_root))
     assert "stopped     at iteration 0: every held-out answer at iteration 0 is the same string" in said
     assert "likely causes: the prompt's tokenization" in said and "start a new run" in said
-    ended = "\n".join(how_it_ended(spec, run_root, read_state(run_root)))
+    ended = "\n".join(how_it_ended(spec, run_root, read_state(run_root), StepLaunches()))
     assert ended.startswith("rlpipe stopped the loop at iteration 0") and f"or delete {run_root}" in ended
 
 

@@ -208,12 +208,14 @@ WRITE_OUTSIDE = "open('/tmp/rlpipe-sandbox-escape.txt', 'w').write('x')\nprint(3
 CORRECT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 WRONG = "a, b = map(int, input().split())\nprint(a - b)"
 LOCAL_WRITE = "open('scratch.txt', 'w').write('ok')\na, b = map(int, input().split())\nprint(a + b)"
+# a correct program whose stderr reads like a limit: judged by what happened, not by what it printed
+SAYS_LIMITS = "import sys\nsys.stderr.write('MemoryError SIGXCPU')\na, b = map(int, input().split())\nprint(a + b)"
 
 
 def test_the_sandbox_contains_bad_programs_and_the_step_goes_on(tmp_path: Path):
     escape = Path("/tmp/rlpipe-sandbox-escape.txt")
     escape.unlink(missing_ok=True)
-    programs = [CORRECT, WRONG, LOOP, ALLOC, SOCKET, FORK, SUBPROCESS, WRITE_OUTSIDE, LOCAL_WRITE]
+    programs = [CORRECT, WRONG, LOOP, ALLOC, SOCKET, FORK, SUBPROCESS, WRITE_OUTSIDE, LOCAL_WRITE, SAYS_LIMITS]
     tests = [{"input": "1 2", "output": "3"}, {"input": "5 5", "output": "10"}]
     rows = len(programs)
     table = {name: [None] * rows for name in ROLLOUT_SCHEMA.names}
@@ -240,19 +242,20 @@ def test_the_sandbox_contains_bad_programs_and_the_step_goes_on(tmp_path: Path):
     scored = pa.parquet.read_table(tmp_path / "s.parquet").to_pydict()
     rewards = dict(
         zip(
-            ["correct", "wrong", "loop", "alloc", "socket", "fork", "subprocess", "write", "local"],
+            ["correct", "wrong", "loop", "alloc", "socket", "fork", "subprocess", "write", "local", "says_limits"],
             zip(scored["reward"], scored["reward/code_sandbox/reason"], strict=True),
             strict=True,
         )
     )
     assert rewards["correct"] == (1.0, "passed") and rewards["local"] == (1.0, "passed")
+    assert rewards["says_limits"] == (1.0, "passed")
     assert rewards["wrong"] == (0.0, "wrong output on case 0")
     assert rewards["loop"][0] == 0.0 and rewards["loop"][1].startswith(("wall", "cpu"))
-    assert rewards["alloc"][0] == 0.0 and "memory" in rewards["alloc"][1].lower()
+    assert rewards["alloc"] == (0.0, "memory limit (256 MB)")
     for name in ("socket", "fork", "subprocess", "write"):
         assert rewards[name][0] == 0.0 and rewards[name][1].startswith("blocked"), (name, rewards[name])
     assert not escape.exists()
-    assert stats["reward/code_sandbox/mean"] == pytest.approx(2 / 9)
+    assert stats["reward/code_sandbox/mean"] == pytest.approx(3 / 10)
     # the network is also cut off by a namespace where the kernel lets us make one
     print("network namespace:", network_namespace() or "unavailable here; the audit hook blocks sockets")
 

@@ -160,7 +160,8 @@ class StandInHandler(BaseHTTPRequestHandler):
         reply_json(self, 200, body)
 
     def do_GET(self) -> None:  # noqa: N802
-        self.answer({"weight_version": self.server.label} if self.path == "/weight_info" else {})
+        loaded = {"/weight_info": {"weight_version": self.server.label}, "/v1/models": {"data": []}}
+        self.answer(loaded.get(self.path, {}))
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -171,10 +172,33 @@ class StandInHandler(BaseHTTPRequestHandler):
             s.die()
             self.connection.shutdown(socket.SHUT_RDWR)  # no answer: the process is gone
             return
+        if path == "/v1/load_lora_adapter" and s.mode == "no-lora":  # started without runtime LoRA: no such route
+            return reply_json(self, 404, {"detail": "Not Found"})
+        if path == "/v1/load_lora_adapter" and s.mode == "lora-missing":  # vLLM's own 404: no adapter there
+            error = {"message": f"no adapter at {body['lora_path']}", "type": "NotFoundError", "code": 404}
+            return reply_json(self, 404, {"error": error})
         if path == "/update_weight_version":
             s.label = body["new_version"]
         s.paused = {"/pause": True, "/resume": False}.get(path, s.paused)
         self.answer({})
+
+
+def test_a_sampler_without_runtime_lora_is_told_apart_from_an_adapter_it_cannot_find(tmp_path: Path):
+    """Both answer 404: a route the server does not have (FastAPI's own answer) names the flags to start
+    it with; vLLM's own error for an adapter it cannot load is passed on as it is."""
+    from rlpipe.services.samplers.client import swap_adapter
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    without, missing = StandInSampler(mode="no-lora"), StandInSampler(mode="lora-missing")
+    try:
+        with pytest.raises(SamplerError, match=r"answered 404 \(no such route\).*--enable-lora"):
+            swap_adapter(without.url, str(tmp_path), 3, 5.0)
+        with pytest.raises(SamplerError, match=r"answered 404: .*no adapter at") as raised:
+            swap_adapter(missing.url, str(tmp_path), 3, 5.0)
+        assert "--enable-lora" not in str(raised.value)
+    finally:
+        without.die()
+        missing.die()
 
 
 @pytest.mark.parametrize("failure", ["hang", "die"])

@@ -5,6 +5,8 @@ the context, tasks are KFP's fresh interpreters again. With --containers, under 
 driver's lifeline is open."""
 
 import concurrent.futures
+import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from kfp import dsl, local
 
-from rlpipe.services.step_forks import forked_steps, hold, preloaded, task_of
+from rlpipe.services.step_forks import StepLaunches, Task, forked_steps, hold, preloaded, task_of
 
 
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
@@ -49,11 +51,73 @@ def test_tasks_run_as_forks_of_the_warm_server_and_fail_as_processes_do(tmp_path
     assert one_task(fail=False).output == "False seen"  # KFP's own: a fresh interpreter
 
 
-def test_only_the_executor_alone_goes_to_the_server():
-    run = ["sh", "-c", 'program_path=$(mktemp -d)\npython3 -m kfp.dsl.executor_main "$@"', "SOURCE", "--x", "1"]
-    assert task_of(run) == ("SOURCE", ["--x", "1"])
-    installs = [run[0], run[1], "python3 -m pip install kfp && " + run[2], *run[3:]]
-    assert task_of(installs) is None and task_of(["python3", "-c", "pass"]) is None
+def command_of(component, interpreter: str) -> list[str]:
+    """The command kfp.local's runner gives a task of `component`: its `python3` replaced by `interpreter`."""
+    from kfp.local.subprocess_task_handler import replace_python_executable
+
+    container = component.component_spec.implementation.container
+    return replace_python_executable([*container.command, *container.args], interpreter)
+
+
+def test_a_task_is_forked_by_what_it_runs_from_any_path_and_otherwise_said_why():
+    """KFP's own command for a lightweight component goes to the server whatever the interpreter's path
+    (a checkout or venv named rlpipe: r-l-p-i-p-e); one that installs packages first, or runs another
+    interpreter, does not, and the reason names it."""
+    for interpreter in (sys.executable, "/home/me/rlpipe/.venv/bin/python3", "/opt/pip tools/bin/python"):
+        task = task_of(command_of(probe, interpreter), interpreter)
+        assert isinstance(task, Task) and "def probe(fail: bool)" in task.source
+        assert task.args[:2] == ["--executor_input", "{{$}}"] and task.args[-1] == "probe"
+    elsewhere = task_of(command_of(probe, "/usr/bin/python3.12"), sys.executable)
+    assert (
+        elsewhere
+        == f"it runs the executor with /usr/bin/python3.12, not the step server's interpreter {sys.executable}"
+    )
+    installs = dsl.component(
+        probe.python_func, base_image="python:3.11", packages_to_install=["six"], install_kfp_package=False
+    )
+    said = task_of(command_of(installs, sys.executable), sys.executable)
+    assert isinstance(said, str) and said.startswith("its command is not KFP's lightweight-component command alone")
+    assert isinstance(task_of(command_of(probe, "python3"), "python3"), Task)  # in a container: the image's python3
+
+
+def test_a_task_that_cannot_be_forked_runs_as_kfp_runs_it_and_says_why(capsys):
+    """Counted in the run's StepLaunches (the progress display's `steps` row, summary.json) and said in the
+    task's log."""
+    from kfp.local import subprocess_task_handler
+
+    launches = StepLaunches()
+    with forked_steps((), launches):
+        assert subprocess_task_handler.run_local_subprocess(["sh", "-c", "echo ran"], {}) == 0
+    assert launches.as_dict() == {"forked": 0, "fresh": 1, "why": {next(iter(launches.fresh)): 1}}
+    out = capsys.readouterr().out
+    assert "not as a fork of the warm step server: its command is not KFP's lightweight-component" in out
+    assert "ran" in out and "1 of 1 tasks not forked" in launches.summary()
+
+
+def test_rlpipe_run_forks_every_step_from_a_checkout_and_venv_named_rlpipe(tmp_path: Path):
+    """A clone into its default directory: the working directory and the interpreter's path both hold the
+    project's name (r-l-p-i-p-e holds "pip"). A plain `rlpipe run` forks every KFP task it runs (each
+    "Executing task" of its KFP log counted in summary.json's steps), none starts as a fresh process."""
+    import yaml
+
+    from .conftest import tiny_spec_dict
+
+    home = tmp_path / "rlpipe"
+    home.mkdir()
+    (home / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # this venv, at a path named after the project
+    python = str(home / ".venv" / "bin" / "python")
+    seen = subprocess.run([python, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    assert seen.stdout.strip() == python  # the path KFP writes into each task's script
+    spec = tiny_spec_dict(home, loop={"iterations": 1, "iterations_per_run": 1, "eval_every": 1})
+    (home / "spec.yaml").write_text(yaml.safe_dump(spec))
+    command = [python, "-m", "rlpipe.pipelines.cli", "run", "spec.yaml", "--run-dir", "runs/tiny"]
+    ran = subprocess.run(command, cwd=home, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    summary = json.loads((home / "runs" / "tiny" / "summary.json").read_text())
+    log = (home / "runs" / "tiny" / "logs" / "kfp-local.log").read_text()
+    tasks = re.findall(r"Executing task \x1b\[\d+m'([\w-]+)'", log)
+    assert len(tasks) >= 8 and summary["steps"] == {"forked": len(tasks), "fresh": 0, "why": {}}, summary["steps"]
+    assert "not as a fork of the warm step server" not in log + ran.stdout
 
 
 def test_the_server_imports_what_light_steps_compute_with_and_no_torch():

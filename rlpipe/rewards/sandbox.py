@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.rewards.registry import RewardError, RewardFunction, Rewards, register_reward_type
+from rlpipe.rewards.sandbox_guard import MEMORY_EXIT
 from rlpipe.rewards.shaping import options_of
 
 GUARD = Path(__file__).with_name("sandbox_guard.py")
@@ -114,9 +115,9 @@ def run_candidate(source: str, stdin: str, limits: Limits) -> Outcome:
         return Outcome(False, f"blocked: {violations[0]}")
     if timed_out:
         return Outcome(False, f"wall time limit ({limits.timeout_s:g} s)")
-    if code in (-signal.SIGXCPU, -signal.SIGKILL) or "SIGXCPU" in stderr:
+    if code in (-signal.SIGXCPU, -signal.SIGKILL):
         return Outcome(False, f"cpu time limit ({limits.cpu_s} s)")
-    if "MemoryError" in stderr or code == -signal.SIGSEGV:
+    if code in (MEMORY_EXIT, -signal.SIGSEGV):  # by its exit status: what it prints is the candidate's to choose
         return Outcome(False, f"memory limit ({limits.memory_mb} MB)")
     if code == -signal.SIGXFSZ:
         return Outcome(False, f"file size limit ({limits.file_mb} MB)")

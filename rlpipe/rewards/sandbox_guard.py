@@ -1,5 +1,5 @@
 """Runs one candidate program inside the sandbox: `python -I sandbox_guard.py LIMITS_JSON`, in the
-candidate's throwaway directory (rlpipe.rewards.sandbox starts it; nothing imports this module).
+candidate's throwaway directory (rlpipe.rewards.sandbox starts it and reads its MEMORY_EXIT).
 
 Before the candidate runs, it sets hard resource limits (address space, CPU seconds, file size, open
 files) and installs an audit hook (PEP 578), which cannot be removed, that refuses: creating or
@@ -27,6 +27,7 @@ PATH_EVENTS = {
     "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.chdir",
 }  # fmt: skip
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+MEMORY_EXIT = 99  # the exit code of an uncaught MemoryError: rlpipe.rewards.sandbox reads it as the memory limit
 
 
 def main() -> None:
@@ -75,7 +76,11 @@ def main() -> None:
 
     sys.addaudithook(audit)
     sys.argv = ["candidate.py"]
-    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    except MemoryError:  # the address-space limit: said by the exit code, not by the text on stderr
+        sys.stderr.write("MemoryError: the sandbox's memory limit\n")
+        os._exit(MEMORY_EXIT)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlpipe.services.local_servers import LocalServers, die_with_parent
-from rlpipe.services.step_forks import hold, run_forked, task_of
+from rlpipe.services.step_forks import StepLaunches, Task, hold, run_forked, task_of
 from rlpipe.spec import RunSpec
 from rlpipe.steps import iteration_modules
 from rlpipe.store.run_root import is_local
@@ -170,15 +170,19 @@ def run_task(handler, warm: WarmSteps | None) -> Any:  # -> kfp.local.status.Sta
 
 def forked_in(warm: WarmSteps, client, handler, volumes: dict, run_args: dict, env: dict[str, str]) -> int | None:
     """The task as a fork of its image's step server, to its exit status; None when it runs in a container
-    of its own instead: not a lightweight component's task, or no server to take it."""
-    task = task_of(handler.full_command)
-    server = warm.server_for(client, handler.image, volumes, run_args) if task is not None else None
-    if server is None:
+    of its own instead (counted in `warm.launches`, with why): not a lightweight component's task run by
+    the image's python3, or no server to take it."""
+    task = task_of(handler.full_command, "python3")
+    server = warm.server_for(client, handler.image, volumes, run_args) if isinstance(task, Task) else task
+    if isinstance(server, str):
+        warm.launches.ran_fresh(server)
         return None
     try:
         code = run_forked(server.path, *task, env, cwd=run_args.get("working_dir"), inherit_env=True)
     except ConnectionError:  # the server is gone, and the task was not sent
+        warm.launches.ran_fresh(f"the step server in {handler.image} has ended")
         return None
+    warm.launches.forked += 1
     if code is None:  # the server's container stopped while the step ran
         code = exit_status(server.container) or 1  # never a success: the step did not finish
         say_stopped(code)
@@ -198,12 +202,13 @@ class WarmSteps:
     alive by a lifeline from this process, so a driver killed with -9 takes them down."""
 
     modules: tuple[str, ...] = ()  # what each server imports besides its light steps' (step_forks.serve)
+    launches: StepLaunches = field(default_factory=StepLaunches)  # how each task started, and why
     folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rlpipe-steps-"))
-    servers: dict[str, StepServer | None] = field(default_factory=dict)  # by image
+    servers: dict[str, StepServer | str] = field(default_factory=dict)  # by image; why not, when it did not start
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def server_for(self, client, image: str, volumes: dict, run_args: dict) -> StepServer | None:
-        """`image`'s server, started on its first task; None when it could not start."""
+    def server_for(self, client, image: str, volumes: dict, run_args: dict) -> StepServer | str:
+        """`image`'s server, started on its first task; why not, when it could not start."""
         with self.lock:
             if image not in self.servers:
                 path = os.path.join(self.folder, f"{len(self.servers)}.sock")
@@ -214,7 +219,7 @@ class WarmSteps:
         """Close the lifelines: each server ends, and its container with it."""
         with self.lock:
             for server in self.servers.values():
-                if server:
+                if isinstance(server, StepServer):
                     server.lifeline.close()
             self.servers.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -222,10 +227,10 @@ class WarmSteps:
 
 def start_step_server(
     client, image: str, path: str, modules: tuple[str, ...], volumes: dict, run_args: dict
-) -> StepServer | None:
-    """A container of `image` serving steps at `path` and a lifeline to it, or None (each step then gets a
+) -> StepServer | str:
+    """A container of `image` serving steps at `path` and a lifeline to it, or why not (each step then gets a
     container, as KFP runs it) when it does not listen within a minute: an image built before step
-    servers, or one that cannot start; what it printed goes to the step's log."""
+    servers, or one that cannot start."""
     import docker
 
     folder = os.path.dirname(path)
@@ -234,16 +239,14 @@ def start_step_server(
     try:
         container = client.containers.run(image, command, detach=True, init=True, volumes=mounted, **run_args)
     except docker.errors.DockerException as error:  # the task's own container will say what is wrong
-        print(f"the step server in {image} did not start ({error}): a container a step")
-        return None
+        return f"the step server in {image} did not start ({error})"
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
         container.reload()
         if container.status not in ("created", "running") or time.monotonic() > deadline:
             said = container.logs().decode(errors="replace").strip()
             container.remove(force=True)
-            print(f"the step server in {image} did not start ({said[-500:] or container.status}): a container a step")
-            return None
+            return f"the step server in {image} did not start ({said[-500:] or container.status})"
         time.sleep(0.05)
     return StepServer(path, hold(path), container)
 
@@ -341,11 +344,9 @@ def container_workdir(spec: RunSpec, run_root: str) -> str:
     return str(workdir)
 
 
-def start_containers(
-    spec: RunSpec, run_root: str, step_env: dict[str, str], fresh_steps: bool = False
-) -> LocalContainers:
+def start_containers(spec: RunSpec, run_root: str, step_env: dict[str, str], launches: StepLaunches) -> LocalContainers:
     """The engine for this run, with its images checked; a clear ContainersUnavailable otherwise.
-    `fresh_steps`: a container a step, not forks of a step server per image."""
+    `launches.asked_fresh`: a container a step, not forks of a step server per image."""
     mounts = container_mounts(spec, run_root)
     workdir = container_workdir(spec, run_root)
     forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
@@ -387,7 +388,7 @@ def start_containers(
     except ContainersUnavailable:
         containers.stop()
         raise
-    containers.warm = None if fresh_steps else WarmSteps(iteration_modules(spec))
+    containers.warm = None if launches.asked_fresh else WarmSteps(iteration_modules(spec), launches)
     return containers
 
 
@@ -404,10 +405,7 @@ def check_images(containers: LocalContainers, images: list[str]) -> None:
     missing = [
         image
         for image in dict.fromkeys(images)
-        if subprocess.run(
-            [containers.cli, "image", "exists" if "podman" in containers.cli else "inspect", image], capture_output=True
-        ).returncode
-        != 0
+        if subprocess.run([containers.cli, "image", "inspect", image], capture_output=True).returncode != 0
     ]
     if missing:
         raise ContainersUnavailable(

@@ -7,9 +7,10 @@ steps' environment, imports them once; each task is a fork of it that runs the s
 same arguments, its output streamed to the driver and its exit status returned as the subprocess's were.
 
     driver  replaces kfp.local.subprocess_task_handler.run_local_subprocess (kfp==2.17.0) while
-            `forked_steps` lasts: a task of KFP's lightweight-component shape goes to the server once
-            it listens; any other (one that pip-installs, or one before the server is up) runs as KFP
-            runs it
+            `forked_steps` lasts: a task whose command is exactly KFP's lightweight-component command
+            for this interpreter (`task_of`) waits for the server to listen and goes to it; any other
+            (one that pip-installs first, another interpreter's) runs as KFP runs it, and `StepLaunches`
+            says why in the task's log and the run's progress display
     server  `python -m rlpipe.services.step_forks SOCKET`, single-threaded (a fork copies no lock that
             another thread holds): accepts a task, forks, answers each fork's exit status as it ends
             (SIGCHLD wakes it); dies with the driver (PR_SET_PDEATHSIG), its tasks with it
@@ -26,7 +27,9 @@ same arguments, its output streamed to the driver and its exit status returned a
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -38,40 +41,88 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from rlpipe.services.local_servers import die_with_parent
 
 HEADER = 8  # a request: its length in these many bytes (with the output's file descriptor), then its JSON
 
 
+class Task(NamedTuple):
+    """A lightweight component's task as the server runs it: the component's source, the executor's arguments."""
+
+    source: str
+    args: list[str]
+
+
+@dataclass
+class StepLaunches:
+    """How a run's KFP tasks started: as forks of a warm step server, or as KFP starts them (a fresh
+    process or container), with why; what the progress display and summary.json say."""
+
+    forked: int = 0
+    fresh: Counter[str] = field(default_factory=Counter)  # why -> tasks
+    asked_fresh: bool = False  # rlpipe run --fresh-steps
+
+    def ran_fresh(self, why: str) -> None:
+        """Count a task started as KFP starts it, and say why in its log."""
+        self.fresh[why] += 1
+        print(f"rlpipe: this task starts as KFP starts it, not as a fork of the warm step server: {why}")
+
+    def summary(self) -> str:
+        if self.asked_fresh:
+            return "each a fresh process or container (--fresh-steps)"
+        if not self.fresh:
+            return f"forks of a warm step server ({self.forked} tasks)"
+        whys = "; ".join(f"{count}: {why}" for why, count in self.fresh.items())
+        return f"{sum(self.fresh.values())} of {self.forked + sum(self.fresh.values())} tasks not forked ({whys})"
+
+    def as_dict(self) -> dict:
+        return {"forked": self.forked, "fresh": sum(self.fresh.values()), "why": dict(self.fresh)} | (
+            {"fresh_steps": True} if self.asked_fresh else {}
+        )
+
+
 @contextlib.contextmanager
-def forked_steps(modules: Sequence[str] = ()) -> Iterator[str]:
+def forked_steps(
+    modules: Sequence[str] = (), launches: StepLaunches | None = None, log: Path | None = None
+) -> Iterator[str]:
     """kfp.local's lightweight tasks run as forks of a server started with this process's environment
     (the steps' settings already in it) while the context lasts; as KFP runs them after. The server
-    imports `modules` too (the spec's torch steps' own: rlpipe.steps.iteration_modules), once it listens.
-    Yields the server's socket path, there once it listens."""
+    imports `modules` too (the spec's torch steps' own: rlpipe.steps.iteration_modules), once it listens;
+    what it prints goes to `log`. Each task is counted in `launches`. Yields the server's socket path,
+    there once it listens."""
     from kfp.local import subprocess_task_handler
 
+    launches = launches if launches is not None else StepLaunches()
     folder = tempfile.mkdtemp(prefix="rlpipe-steps-")
     path = os.path.join(folder, "forks.sock")
     argv = [sys.executable, "-m", "rlpipe.services.step_forks", path, *modules]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    output = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(argv, stdout=output, stderr=output, preexec_fn=die_with_parent)
     as_kfp = subprocess_task_handler.run_local_subprocess
 
     def run_local_subprocess(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
-        task = task_of(full_command)
-        if task is not None and os.path.exists(path):  # else not listening yet: as KFP runs it
+        task = task_of(full_command, sys.executable)
+        why = task if isinstance(task, str) else listening(path, server, log)
+        if not why:
             try:
                 code = run_forked(path, *task, {**os.environ, **(env_vars or {})})
             except ConnectionError:  # the server is gone, and the task was not sent
-                return as_kfp(full_command, env_vars)
-            if code is None:
-                print("StepServerError: the step server (rlpipe.services.step_forks) ended while the step ran")
-                return 1
-            return code
+                why = "the step server (rlpipe.services.step_forks) has ended" + (f" (its log: {log})" if log else "")
+            else:
+                launches.forked += 1
+                if code is None:
+                    print("StepServerError: the step server (rlpipe.services.step_forks) ended while the step ran")
+                    return 1
+                return code
+        launches.ran_fresh(why)
         return as_kfp(full_command, env_vars)
 
     subprocess_task_handler.run_local_subprocess = run_local_subprocess
@@ -81,7 +132,24 @@ def forked_steps(modules: Sequence[str] = ()) -> Iterator[str]:
         subprocess_task_handler.run_local_subprocess = as_kfp
         server.terminate()
         server.wait()
+        if log is not None:
+            output.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def listening(path: str, server: subprocess.Popen, log: Path | None, timeout_s: float = 120.0) -> str:
+    """Wait for the server at `path` to listen: "" once it does, else why it will not (it ended, or it
+    did not listen within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if server.poll() is not None:
+            return f"the step server ended with code {server.returncode} before it listened" + (
+                f" (its log: {log})" if log else ""
+            )
+        if time.monotonic() > deadline:
+            return f"the step server did not listen within {timeout_s:.0f} s"
+        time.sleep(0.01)
+    return ""
 
 
 def preloaded() -> list[str]:
@@ -98,15 +166,37 @@ def preloaded() -> list[str]:
     return [*executor, "rlpipe.loop", *dict.fromkeys(light), *clients]
 
 
-def task_of(full_command: list[str]) -> tuple[str, list[str]] | None:
-    """(the component's source, the executor's arguments) of KFP's lightweight-component command
-    `sh -ec SCRIPT SOURCE ARGS...` (kfp.dsl.component_factory), when its script only runs the executor."""
-    if full_command[:2] not in (["sh", "-ec"], ["sh", "-c"]) or len(full_command) < 4:
-        return None
-    script = full_command[2]
-    if "kfp.dsl.executor_main" not in script or "pip" in script:
-        return None
-    return full_command[3], full_command[4:]
+@functools.cache
+def executor_script(interpreter: str) -> str:
+    """The script of this KFP's lightweight-component command (kfp.dsl.component_factory: `sh -ec SCRIPT
+    SOURCE ARGS...`) with its `python3` replaced by `interpreter`, as the local runner replaces it
+    (kfp.local.subprocess_task_handler.replace_python_executable; the DockerRunner keeps `python3`)."""
+    from kfp import dsl
+
+    def component():  # noqa: ANN202 (under `from __future__ import annotations` KFP reads "None" as a type name)
+        pass
+
+    made = dsl.component(component, base_image="python:3.11", install_kfp_package=False)
+    script = made.component_spec.implementation.container.command[2]
+    return script.replace("python3", interpreter)
+
+
+def task_of(full_command: list[str], interpreter: str) -> Task | str:
+    """The task a command runs, when the command is exactly KFP's lightweight-component command with
+    `interpreter` (the server's) running the executor; else why it is not, as a sentence for the log."""
+    if full_command[:2] != ["sh", "-ec"] or len(full_command) < 4:
+        return (
+            "its command is not KFP's lightweight-component command alone (packages_to_install, "
+            f"install_kfp_package or a container component run first: {' '.join(full_command)[:120]!r})"
+        )
+    script, expected = full_command[2], executor_script(interpreter)
+    if script != expected:
+        before, _, after = executor_script("python3").partition("python3")
+        if script.startswith(before) and script.endswith(after):
+            other = script[len(before) : len(script) - len(after)]
+            return f"it runs the executor with {other}, not the step server's interpreter {interpreter}"
+        return f"its script is not kfp {importlib.metadata.version('kfp')}'s lightweight-component script"
+    return Task(full_command[3], full_command[4:])
 
 
 def run_forked(

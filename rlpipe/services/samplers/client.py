@@ -144,15 +144,25 @@ def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> 
     name = adapter_name(weights_dir, version)
     if name is None:
         return
-    try:
-        _post(url, "/v1/load_lora_adapter", timeout_s, json={"lora_name": name, "lora_path": weights_dir})
-    except SamplerError as err:
-        if '"detail":"Not Found"' not in str(err):  # FastAPI's answer for a route it does not have
-            raise
+    body = {"lora_name": name, "lora_path": weights_dir}
+    response = requests.post(f"{url}/v1/load_lora_adapter", timeout=timeout_s, json=body)
+    if response.status_code == 404 and not is_vllm_error(response):  # no such route: FastAPI's own 404
         raise SamplerError(
-            f"{err}: the sampler does not load adapters at run time; start it with --enable-lora "
-            "--max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-        ) from None
+            f"{url}/v1/load_lora_adapter answered 404 (no such route): the sampler does not load adapters at run "
+            "time; start it with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+        )
+    if response.status_code != 200:
+        raise SamplerError(f"{url}/v1/load_lora_adapter answered {response.status_code}: {response.text[:300]}")
+
+
+def is_vllm_error(response: requests.Response) -> bool:
+    """Whether an answer is one of vLLM's own errors (its ErrorResponse: {"error": {"message", "type", "code"}}),
+    as a route it serves answers; a route it does not have answers FastAPI's {"detail": ...}."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
 
 
 def reload_call(weights_dir: str) -> dict:
