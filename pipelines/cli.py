@@ -53,6 +53,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
 
 
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from rlpipe.pipelines.local_run import RunStopped, run_locally
+    from rlpipe.pipelines.rehearse import load_compiled, local_spec
+
+    pipeline, compiled = load_compiled(args.pipeline)
+    run_root = str(Path(args.run_dir or Path("runs") / compiled.get("name", "rlpipe")).resolve())
+    spec = local_spec(compiled, run_root, _overrides(args), args.pipeline)
+    print(f"rlpipe rehearse {args.pipeline}: its spec, with storage, tracking and services on this machine")
+    try:
+        state = run_locally(spec, run_root, containers=args.containers, fresh_steps=args.fresh_steps, compiled=pipeline)
+    except RunStopped as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 128 + err.signum
+    from rlpipe.evaluation.cadence import stopped_by_gate
+
+    return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from rlpipe.run.preflight import PreflightError, preflight
     from rlpipe.store.run_root import run_root_for
@@ -300,6 +318,21 @@ def _cluster_commands(sub: argparse._SubParsersAction) -> None:
     schedule.set_defaults(func=cmd_schedule)
 
 
+def _where_steps_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--containers",
+        action="store_true",
+        help="every step and service in the image the cluster runs it in (KFP's DockerRunner over Docker or Podman; "
+        "build the images with images/build.sh)",
+    )
+    parser.add_argument(
+        "--fresh-steps",
+        action="store_true",
+        help="each step a fresh process (or container) as KFP's runners start it, not a fork of a warm one "
+        "(one a step image): slower by its interpreter's start and imports (and the container's)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description="RL post-training for LLMs as Kubeflow Pipelines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -309,19 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="run root (default <storage.root>/<name>)")
     run.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec value, e.g. trainer.lr=3e-4")
-    run.add_argument(
-        "--containers",
-        action="store_true",
-        help="every step and service in the image the cluster runs it in (KFP's DockerRunner over Docker or Podman; "
-        "build the images with images/build.sh)",
-    )
-    run.add_argument(
-        "--fresh-steps",
-        action="store_true",
-        help="each step a fresh process (or container) as KFP's runners start it, not a fork of a warm one "
-        "(one a step image): slower by its interpreter's start and imports (and the container's)",
-    )
+    _where_steps_run(run)
     run.set_defaults(func=cmd_run)
+
+    rehearse = sub.add_parser(
+        "rehearse", help="run a pipeline file `rlpipe compile` wrote on this machine, as it is (before a cluster does)"
+    )
+    rehearse.add_argument("pipeline", help="the compiled pipeline YAML, e.g. addition-gke.yaml")
+    rehearse.add_argument("--run-dir", help="run root on this machine (default runs/<name>)")
+    rehearse.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
+    rehearse.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the file's spec")
+    _where_steps_run(rehearse)
+    rehearse.set_defaults(func=cmd_rehearse)
 
     check = sub.add_parser("check", help="pre-flight: check the spec, model, data, rewards, tracking and storage")
     check.add_argument("spec")

@@ -17,32 +17,16 @@ import re
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from rlpipe.evaluation.cadence import stopped_by_gate
-from rlpipe.evaluation.diagnosis import collapse_signs, stop_message, stopped_by_sign
-from rlpipe.metric_keys import (
-    CLIP_FRACTION,
-    ENTROPY,
-    EVAL_ACCURACY,
-    GENERATE_TOKENS_PER_S,
-    ITERATION_OVERHEAD,
-    ITERATION_WALL,
-    KL_MEAN,
-    POLICY_LOSS,
-    REWARD_MEAN,
-    REWARD_STD,
-    ZERO_VARIANCE_GROUPS,
-)
+from rlpipe.evaluation.diagnosis import stop_message, stopped_by_sign
+from rlpipe.pipelines.progress import Progress
 from rlpipe.run.preflight import preflight
 from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
 from rlpipe.services.local_servers import LocalServers
@@ -53,7 +37,6 @@ from rlpipe.store.run_root import (
     data_uri,
     filesystem,
     join,
-    list_metrics,
     read_json,
     read_state,
     run_root_for,
@@ -147,95 +130,6 @@ def stop_step_processes(services: list[LocalServers], grace_s: float = 5.0) -> N
             process.kill()
 
 
-@dataclass
-class Progress:
-    """What the display shows, refreshed from the run root's metrics files."""
-
-    total: int
-    iteration: int = 0
-    task: str = "starting"
-    latest: dict[str, float] = field(default_factory=dict)
-    iterations: dict[int, dict[str, float]] = field(default_factory=dict)
-    evals: dict[int, float] = field(default_factory=dict)
-    launches: StepLaunches = field(default_factory=StepLaunches)  # how the KFP tasks started
-    started: float = field(default_factory=time.time)
-
-    def refresh(self, run_root: str, log_path: Path) -> None:
-        state = read_state(run_root) or {}
-        self.iteration = state.get("iteration", 0)
-        self.iterations = {i: m for i, m in list_metrics(run_root, "iter").items() if i <= self.iteration}
-        if self.iterations:
-            self.latest = self.iterations[max(self.iterations)]
-        self.evals = {i: m[EVAL_ACCURACY] for i, m in list_metrics(run_root, "eval").items()}
-        if log_path.exists():
-            with log_path.open("rb") as f:
-                f.seek(max(0, log_path.stat().st_size - 8192))
-                tasks = re.findall(rb"Executing task \x1b\[\d+m'([\w-]+)'", f.read())
-            if tasks:
-                self.task = tasks[-1].decode()
-
-    def render(self) -> Table:
-        table = Table.grid(padding=(0, 2))
-        done = self.iteration / max(self.total, 1)
-        bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
-        table.add_row("iteration", f"[{bar}] {self.iteration}/{self.total}   step: {self.task}")
-        m = self.latest
-        if m:
-            table.add_row(
-                "reward",
-                f"mean {m.get(REWARD_MEAN, 0):.3f}  std {m.get(REWARD_STD, 0):.3f}  "
-                f"zero-variance groups {m.get(ZERO_VARIANCE_GROUPS, 0):.2f}",
-            )
-            table.add_row(
-                "policy",
-                f"loss {m.get(POLICY_LOSS, 0):+.4f}  kl {m.get(KL_MEAN, 0):.4f}  "
-                f"entropy {m.get(ENTROPY, 0):.3f}  clip {m.get(CLIP_FRACTION, 0):.3f}",
-            )
-            table.add_row(
-                "time",
-                f"iteration {m.get(ITERATION_WALL, 0):.1f}s (orchestration "
-                f"{m.get(ITERATION_OVERHEAD, 0):.1f}s)  "
-                f"generate {m.get(GENERATE_TOKENS_PER_S, 0):.0f} tok/s",
-            )
-        if self.evals:
-            first, last = min(self.evals), max(self.evals)
-            table.add_row(
-                "eval",
-                f"greedy accuracy {self.evals[first]:.3f} (iteration {first}) -> "
-                f"{self.evals[last]:.3f} (iteration {last})",
-            )
-        for sign in collapse_signs(self.iterations, self.evals):  # named, the loop goes on
-            table.add_row("sign", Text(f"{sign.seen}\ntry: {sign.remedy}"))
-        steps = self.launches.summary()
-        table.add_row("steps", Text(steps, style="yellow" if self.launches.fresh else ""))
-        table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
-        return table
-
-    def new_lines(self, printed: dict[str, int]) -> list[str]:
-        """The plain-text display (no terminal): a line per newly committed iteration, one per new held-out
-        eval, and each collapse sign (rlpipe.evaluation.diagnosis) with what to try; `printed` remembers what
-        was said, so each is said once; and, once, that tasks start as KFP starts them, with why."""
-        lines = []
-        for i in sorted(i for i in self.iterations if i > printed.get("iteration", -1)):
-            printed["iteration"] = i
-            m = self.iterations[i]
-            text = f"iteration {i}/{self.total}"
-            if i > 0:
-                text += f"  reward {m.get(REWARD_MEAN, 0):.3f}  {m.get(ITERATION_WALL, 0):.1f}s"
-            lines.append(text)
-        for i in sorted(i for i in self.evals if i > printed.get("eval", -1)):
-            printed["eval"] = i
-            lines.append(f"  held-out greedy accuracy {self.evals[i]:.3f} (iteration {i})")
-        for sign in collapse_signs(self.iterations, self.evals):
-            if sign.name not in printed:  # each sign said once, when first seen
-                printed[sign.name] = sign.iteration
-                lines += [f"  sign at iteration {sign.iteration}: {sign.seen}", f"    try: {sign.remedy}"]
-        if self.launches.fresh and "steps" not in printed:
-            printed["steps"] = 1
-            lines.append(f"  steps: {self.launches.summary()}")
-        return lines
-
-
 def check_spec_unchanged(spec: RunSpec, run_root: str) -> None:
     """A resumed run keeps its spec once something was committed, except the settings in
     rlpipe.spec.RESUMABLE_KEYS: how far it goes (loop), where it stores and tracks to (storage, the
@@ -268,11 +162,15 @@ def run_locally(
     console: Console | None = None,
     containers: bool = False,
     fresh_steps: bool = False,
+    compiled: Callable[..., Any] | None = None,
 ) -> dict:
     """Drive the loop to `spec.loop.iterations`; returns the final state. `containers`: every step and
     service in its image (rlpipe.services.containers), else each step a process. Steps are forks of a warm
     process (one a step image in containers: rlpipe.services.step_forks); `fresh_steps`: each a fresh
-    process or container, as KFP's runners start them."""
+    process or container, as KFP's runners start them. `compiled`: the pipeline a compiled file holds, as
+    KFP loads it (rlpipe.pipelines.rehearse), instead of the one built from `spec`."""
+    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
+
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
     run_root = str(Path(run_dir).resolve()) if run_dir else run_root_for(spec.storage.root, spec.name)
     preflight(spec, run_root)
@@ -292,7 +190,9 @@ def run_locally(
             stack.callback(engine.stop)
         elif not fresh_steps:  # each step a fork of one process that has imported what the steps import
             stack.enter_context(forked_steps(iteration_modules(spec), launches, log_path.with_name("step-server.log")))
-        return _drive(spec, run_root, log_path, console, engine, launches)
+        # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
+        pipeline = compiled or build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
+        return _drive(spec, run_root, log_path, console, engine, launches, pipeline)
 
 
 def containers_placement(spec: RunSpec) -> RunSpec:
@@ -357,15 +257,12 @@ def _drive(
     console: Console,
     engine: LocalContainers | None,
     launches: StepLaunches,
+    pipeline: Callable[..., Any],
 ) -> dict:
     from kfp import local
 
-    from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
-
     runner = engine.step_runner() if engine else local.SubprocessRunner(use_venv=False)
     local.init(runner=runner, pipeline_root=str(Path(run_root) / "kfp"))
-    # offline DPO's pipeline, or the RL loop's; in containers, each task on its image as the cluster places it
-    pipeline = build_pipeline_for(spec, placement=containers_placement(spec) if engine else None)
     progress = Progress(total=spec.loop.iterations, launches=launches)
 
     def say(text: str) -> None:  # paths must not wrap or be read as markup
@@ -405,21 +302,7 @@ def _drive(
         tracker = threading.Thread(target=flush_as_it_commits, args=(served, run_root, stop), daemon=True)
         tracker.start()  # MLflow as each iteration commits; the pipeline runs' track steps find it done
         try:
-            while True:
-                offset = log_path.stat().st_size if log_path.exists() else 0
-                with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    try:
-                        pipeline(spec=spec_arg, run_root=run_root)
-                    except RuntimeError as err:
-                        failure = err
-                    else:
-                        failure = None
-                state = read_state(run_root) or {}
-                stopped = stopped_by_sign(state)  # a degenerate start or no reward: the next generate refuses
-                if failure is not None and not stopped:
-                    raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
-                if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) or stopped:
-                    break
+            run_chunks(spec, pipeline, spec_arg, run_root, log_path)
         finally:
             stop.set()
             watcher.join()
@@ -436,6 +319,27 @@ def _drive(
     summary = {"run_root": run_root, "state": state, "evals": progress.evals, "steps": launches.as_dict()}
     (Path(run_root) / "summary.json").write_text(json.dumps(summary, indent=2))
     return state
+
+
+def run_chunks(spec: RunSpec, pipeline: Callable[..., Any], spec_arg: str, run_root: str, log_path: Path) -> None:
+    """One pipeline run after another, each advancing the loop by up to loop.iterations_per_run, until
+    state.json says the loop is done (or a gate or a sign stopped it); KFP's output goes to `log_path`.
+    PipelineRunFailed, naming the failed task and its exception, when a run fails."""
+    while True:
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                pipeline(spec=spec_arg, run_root=run_root)
+            except RuntimeError as err:
+                failure = err
+            else:
+                failure = None
+        state = read_state(run_root) or {}
+        stopped = stopped_by_sign(state)  # a degenerate start or no reward: the next generate refuses
+        if failure is not None and not stopped:
+            raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
+        if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) or stopped:
+            return
 
 
 def how_it_ended(spec: RunSpec, run_root: str, state: dict, launches: StepLaunches) -> list[str]:

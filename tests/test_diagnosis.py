@@ -111,7 +111,7 @@ def test_the_demo_names_nothing():
 
 
 def test_the_progress_display_says_each_collapse_sign_once_with_what_to_try():
-    from rlpipe.pipelines.local_run import Progress
+    from rlpipe.pipelines.progress import Progress
 
     progress = Progress(total=10)
     progress.iterations = {

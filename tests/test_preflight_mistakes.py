@@ -3,7 +3,9 @@ key (issue 43, items 9-15): each is named at pre-flight, in seconds, with what t
 
 import json
 import os
+import re
 import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -273,3 +275,103 @@ def test_prompts_past_the_models_context_are_named_with_the_limit_and_max_prompt
     assert "is 7 tokens; with rollout.max_new_tokens 12 that is 19, over the model's context of 16" in message
     assert "set data.max_prompt_tokens: 4 to drop longer prompts, or lower rollout.max_new_tokens to 9" in message
     assert check_data(parse_spec(tiny_spec_dict(tmp_path, model=model, rollout={"max_new_tokens": 9})))
+
+
+# --- issue 58, item 4: a file named .gguf that is not one; an OpenEnv server that is not there -------------------
+
+NOT_GGUF = "is not a GGUF file ({}): point model.path at a GGUF file from llama.cpp's converter, or at a Hugging Face"
+
+
+def _gguf_header(version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<I", version) + bytes(24)
+
+
+def test_a_file_named_gguf_that_is_not_one_is_named_at_preflight_with_model_path(tmp_path: Path):
+    """gguf's reader said "Sorry, file appears to be version 0 which we cannot handle" at conversion, naming
+    neither the file nor the key; pre-flight reads the first 8 bytes of every piece."""
+    text = tmp_path / "model.gguf"
+    text.write_text("hello, I am a text file\n")
+    started = time.monotonic()
+    message = _fails_clearly(
+        _rlpipe("run", str(_spec(tmp_path, model={"path": str(text)})), "--run-dir", str(tmp_path / "run")),
+        f"model.path {text} " + NOT_GGUF.format("it starts with b'hell', not b'GGUF'"),
+    )
+    assert time.monotonic() - started < 20, message
+    assert not (tmp_path / "run" / "state.json").exists()
+
+    def refused(path: Path) -> str:
+        spec = parse_spec(tiny_spec_dict(tmp_path, model={"path": str(path)}))
+        started = time.monotonic()
+        with pytest.raises(CheckFailed) as failed:
+            check_model(spec)
+        assert time.monotonic() - started < 2
+        return str(failed.value)
+
+    empty, noise, zero = tmp_path / "empty.gguf", tmp_path / "noise.gguf", tmp_path / "zero.gguf"
+    empty.write_bytes(b"")
+    noise.write_bytes(bytes(range(200, 256)) * 100)
+    zero.write_bytes(_gguf_header(version=0))
+    assert refused(empty) == f"model.path {empty} {NOT_GGUF.format('it is empty')} model directory"
+    assert f"model.path {noise} " + NOT_GGUF.format(f"it starts with {bytes(range(200, 204))!r}, not b'GGUF'") in (
+        refused(noise)
+    )
+    assert refused(zero).startswith(f"model.path {zero} is GGUF version 0, which the gguf reader does not read")
+    pieces = tmp_path / "pieces"
+    pieces.mkdir()
+    (pieces / "m-00001-of-00002.gguf").write_bytes(_gguf_header())
+    (pieces / "m-00002-of-00002.gguf").write_text("not the second piece")
+    assert f"model.path {pieces / 'm-00002-of-00002.gguf'} is not a GGUF file" in refused(pieces)
+    (pieces / "m-00002-of-00002.gguf").write_bytes(_gguf_header(version=2))
+    assert check_model(parse_spec(tiny_spec_dict(tmp_path, model={"path": str(pieces)}))).startswith("model: GGUF")
+
+
+def test_a_step_converting_a_file_that_is_not_gguf_names_it_too(tmp_path: Path):
+    """A step that skipped pre-flight: the conversion checks the header against the installed gguf reader."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    from rlpipe.models.files import resolve_model_source
+    from rlpipe.models.gguf import MAGIC, VERSIONS
+
+    assert MAGIC == struct.pack("<I", gguf.GGUF_MAGIC) and VERSIONS == tuple(READER_SUPPORTED_VERSIONS)
+    text = tmp_path / "model.gguf"
+    text.write_text("hello, I am a text file\n")
+    with pytest.raises(ValueError, match=re.escape(f"model.path {text} is not a GGUF file (it starts with b'hell'")):
+        resolve_model_source(str(text), tmp_path / "cache")
+    for index, content in ((1, _gguf_header()), (2, b"GGUF\x03")):
+        (tmp_path / f"m-0000{index}-of-00002.gguf").write_bytes(content)
+    with pytest.raises(ValueError, match=r"m-00002-of-00002.gguf is not a GGUF file \(it ends after 5 bytes\)"):
+        resolve_model_source(str(tmp_path / "m-00001-of-00002.gguf"), tmp_path / "cache")
+
+
+def _openenv(tmp_path: Path, url: str):
+    environment = {"type": "openenv", "options": {"url": url, "stop": ["="]}}
+    return parse_spec(tiny_spec_dict(tmp_path, rollout={"environment": environment}))
+
+
+def test_an_unreachable_openenv_server_is_named_at_preflight_in_seconds(tmp_path: Path):
+    """The run named it after options.timeout_s (30 s) and its retries; pre-flight asks GET /health, as
+    openenv-core's create_app answers it, with a short timeout."""
+    url = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(CheckFailed) as failed:
+        check_environment(_openenv(tmp_path, url))
+    assert time.monotonic() - started < 2
+    assert str(failed.value).startswith(f"rollout.environment.options.url {url}: no OpenEnv server answers there (")
+    assert "Connection refused" in str(failed.value)
+    assert str(failed.value).endswith("; start the environment server or fix rollout.environment.options.url")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers 501: not an OpenEnv server
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        other = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(CheckFailed, match=re.escape(f"(GET {other}/health answered HTTP 501)")):
+            check_environment(_openenv(tmp_path, other))
+    finally:
+        server.shutdown()
+
+    pytest.importorskip("openenv")
+    from .test_openenv_env import SERVER, serving
+
+    with serving(SERVER, tmp_path / "server.log") as url:
+        assert check_environment(_openenv(tmp_path, url + "/")).endswith(f", OpenEnv server {url} answers")

@@ -104,7 +104,7 @@ def test_the_log_probs_check_tells_log_probs_at_the_temperature_from_log_probs_a
     import math
     import random
 
-    from rlpipe.services.samplers.client import at_temperature, logprob_gaps
+    from rlpipe.services.samplers.logprobs_check import at_temperature, logprob_gaps
 
     def log_softmax(z: list[float]) -> list[float]:
         top = max(z)

@@ -25,12 +25,12 @@ def sample_prompts(request: SampleRequest) -> Sampled:
 
     from rlpipe.services.samplers.client import (
         adapter_name,
-        check_logprobs,
         ensure_version,
         generate_groups,
         ready_replicas,
         sampler_weights_dir,
     )
+    from rlpipe.services.samplers.logprobs_check import check_logprobs
     from rlpipe.services.samplers.vllm_settings import serves_adapters
 
     spec, run_root, weights, cache_root = request.spec, request.run_root, request.weights, request.cache_root

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import struct
 from pathlib import Path
 from unittest import mock
 
@@ -32,6 +33,10 @@ CONVERTED_MARKER = "gguf_source.txt"  # written last: a directory without it is 
 # In the cache key: a conversion by older code (c1, unnamed: no BOS, no end-of-turn ids) is not reused.
 CONVERSION = "c2"
 PIECE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-split's names
+MAGIC = b"GGUF"  # gguf.constants.GGUF_MAGIC, little-endian
+# gguf's GGUFReader's (READER_SUPPORTED_VERSIONS) and llama.cpp's; not read from gguf here: importing it
+# is a second of pre-flight. convert_gguf checks against the installed reader's own list.
+VERSIONS = (2, 3)
 
 
 def find_gguf(source: str) -> Path | None:
@@ -80,11 +85,56 @@ def pieces_of(gguf_file: Path) -> list[Path]:
     return pieces
 
 
+def check_header(gguf_file: Path, versions: tuple[int, ...] = VERSIONS) -> None:
+    """Raise ValueError naming model.path and the file unless `gguf_file` starts as a GGUF file of one of
+    `versions` does: the magic b"GGUF", then the version as a uint32 (little-endian, or big-endian
+    in a file written for such a machine). Reads those 8 bytes only: a GGUF can be gigabytes."""
+    with gguf_file.open("rb") as f:
+        head = f.read(8)
+    fix = "point model.path at a GGUF file from llama.cpp's converter, or at a Hugging Face model directory"
+    if not head.startswith(MAGIC):
+        found = "it is empty" if not head else f"it starts with {head[:4]!r}, not {MAGIC!r}"
+        raise ValueError(f"model.path {gguf_file} is not a GGUF file ({found}): {fix}")
+    if len(head) < 8:
+        raise ValueError(f"model.path {gguf_file} is not a GGUF file (it ends after {len(head)} bytes): {fix}")
+    (version,) = struct.unpack("<I", head[4:])
+    if version & 0xFFFF == 0:  # written for a big-endian machine, as GGUFReader reads it
+        (version,) = struct.unpack(">I", head[4:])
+    if version not in versions:
+        known = " and ".join(map(str, versions))
+        raise ValueError(
+            f"model.path {gguf_file} is GGUF version {version}, which the gguf reader does not read (it reads "
+            f"versions {known}): convert the model again with a current llama.cpp, or point model.path at a "
+            "Hugging Face model directory"
+        )
+
+
+def checked_gguf(source: str) -> Path | None:
+    """find_gguf's file, every piece of it with a GGUF header (check_header): what pre-flight reads, so that
+    a text file named .gguf is named there and not at its conversion."""
+    gguf = find_gguf(source)
+    for piece in pieces_of(gguf) if gguf is not None else []:
+        check_header(piece)
+    return gguf
+
+
+def reader_versions() -> tuple[int, ...]:
+    """The GGUF versions the installed gguf package's reader reads (VERSIONS where it is not installed or
+    does not say)."""
+    try:
+        from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+    except ImportError:
+        return VERSIONS
+    return tuple(READER_SUPPORTED_VERSIONS)
+
+
 def join_pieces(pieces: list[Path], out: Path) -> Path:
     """One GGUF file at `out` holding the pieces' tensors (quantized bytes copied as they are) and the
     first piece's metadata, less gguf-split's own keys: what llama.cpp's `gguf-split --merge` writes."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
 
+    for piece in pieces:
+        check_header(piece, reader_versions())
     readers = [GGUFReader(piece) for piece in pieces]
     first = readers[0]
     writer = GGUFWriter(out, str(first.fields[Keys.General.ARCHITECTURE].contents()), endianess=first.endianess)
@@ -196,6 +246,7 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     transformers loads GGUF weights dequantized but marks the model quantized, so save_pretrained
     refuses it; a model built from the same config (without the quantization entry) takes its
     state dict and saves as a plain model."""
+    check_header(gguf_file, reader_versions())  # else gguf's reader fails naming neither the file nor the key
     try:
         import gguf  # noqa: F401  (transformers' GGUF reader)
         import torch

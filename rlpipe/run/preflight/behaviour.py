@@ -97,7 +97,7 @@ def check_rewards(spec: RunSpec) -> str:
 
 def check_environment(spec: RunSpec) -> str:
     """rollout.environment builds, each of its stop strings is one token of the model's tokenizer, a
-    remote one's service answers, and an MCP server starts and lists its tools."""
+    remote one's service and an OpenEnv server answer, and an MCP server starts and lists its tools."""
     environment = spec.rollout.environment
     if environment is None:
         return "environment: none (single-turn rollouts)"
@@ -126,6 +126,8 @@ def check_environment(spec: RunSpec) -> str:
                 "service (rlpipe serve-environment) or fix the URL"
             ) from None
         service = f", service {url} answers"
+    if environment.type == "openenv":
+        service = f", OpenEnv server {openenv_answers(environment.options['url'].rstrip('/'))} answers"
     if environment.type == "tools" and "mcp" in environment.options:  # the server starts and lists its tools
         from rlpipe.environments import EnvironmentFailure
         from rlpipe.environments.mcp_tools import listed_tools, mcp_server
@@ -137,6 +139,29 @@ def check_environment(spec: RunSpec) -> str:
         service = f", MCP tools {', '.join(names)}"
     stops = list(built.stop)
     return f"environment {environment.type}: turns end at eos or {stops}, at most {environment.max_turns}{service}"
+
+
+OPENENV_PROBE_S = 3.0  # for connecting, and for the answer: not the run's options.timeout_s (30 s, retried)
+
+
+def openenv_answers(url: str) -> str:
+    """`url` when an OpenEnv server (openenv-core's create_app) answers GET {url}/health with 200 within
+    OPENENV_PROBE_S; else CheckFailed naming rollout.environment.options.url."""
+    from rlpipe.http_json import Unreachable, request_json
+
+    try:
+        status, _ = request_json(
+            "GET", f"{url}/health", connect_timeout_s=OPENENV_PROBE_S, read_timeout_s=OPENENV_PROBE_S
+        )
+        reason = "" if status == 200 else f"GET {url}/health answered HTTP {status}"
+    except Unreachable as err:
+        reason = str(err)
+    if reason:
+        raise CheckFailed(
+            f"rollout.environment.options.url {url}: no OpenEnv server answers there ({reason}); start the "
+            "environment server or fix rollout.environment.options.url"
+        )
+    return url
 
 
 def check_evaluation(spec: RunSpec) -> str:

@@ -42,10 +42,10 @@ def check_model(spec: RunSpec) -> str:
         if not found:
             raise CheckFailed(f"model.path {source} has no config.json; point it at a save_pretrained directory")
         return f"model: {source}"
-    from rlpipe.models.gguf import find_gguf
+    from rlpipe.models.gguf import checked_gguf
 
     try:
-        gguf = find_gguf(source)
+        gguf = checked_gguf(source)
     except (ValueError, FileNotFoundError) as err:
         raise CheckFailed(str(err)) from None
     if gguf is not None:
@@ -342,12 +342,12 @@ def model_context(spec: RunSpec) -> tuple[int, str] | None:
 def tokenizer_is_local(spec: RunSpec) -> bool:
     """The model's tokenizer can be read without network: the tiny model's, a directory, a URI or a
     GGUF file (converted into the cache here, once, if no step has yet)."""
-    from rlpipe.models.gguf import find_gguf
+    from rlpipe.models.gguf import checked_gguf
 
     path = spec.model.path
-    if path is None or "://" in path or Path(path).expanduser().is_dir():
+    if path is None or "://" in path:
         return True
     try:
-        return find_gguf(path) is not None
+        return checked_gguf(path) is not None or Path(path).expanduser().is_dir()
     except (ValueError, FileNotFoundError):
-        return False  # check_model says why
+        return False  # check_model says why (a file named .gguf that is not one, ...)

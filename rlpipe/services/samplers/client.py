@@ -42,7 +42,7 @@ import requests
 from rlpipe.http_json import is_healthy
 from rlpipe.rollouts import Completions
 from rlpipe.services.samplers.vllm_settings import serves_adapters
-from rlpipe.store.run_root import failed_services, join, read_json, write_json
+from rlpipe.store.run_root import failed_services
 from rlpipe.store.weights import ADAPTER_CONFIG, MANIFEST, adapter_base, version_chain
 
 if TYPE_CHECKING:
@@ -54,8 +54,6 @@ MERGE_METHOD = "reload_merged"  # an adapter version merged into its base
 VERSION_METHOD = "reload_version"  # a serving-copy version, whole or a delta (storage.weights_dtype)
 BASE_MODEL = "policy"  # the servers' --served-model-name
 # the log-probs check's sampling request: every position reports the sampled token and its top alternatives
-PROBE = {"n": 4, "max_tokens": 8, "logprobs": 2, "seed": 0, "detokenize": False}
-LOGPROBS_CHECKED = "logprobs_checked.json"  # <run root>/samplers/: {replica URL: the temperature it passed at}
 
 
 class SamplerError(RuntimeError):
@@ -114,7 +112,7 @@ def ready_replicas(endpoints: list[str], timeout_s: float, run_root: str) -> lis
     return wait_ready(replica_urls(endpoints), timeout_s, run_root)
 
 
-def _post(url: str, path: str, timeout: float, **kwargs) -> requests.Response:
+def post(url: str, path: str, timeout: float, **kwargs) -> requests.Response:
     response = requests.post(f"{url}{path}", timeout=timeout, **kwargs)
     if response.status_code != 200:
         raise SamplerError(f"{url}{path} answered {response.status_code}: {response.text[:300]}")
@@ -140,7 +138,7 @@ def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> 
     loaded = requests.get(f"{url}/v1/models", timeout=min(30, timeout_s)).json()["data"]
     for model in loaded:
         if model.get("parent"):
-            _post(url, "/v1/unload_lora_adapter", min(30, timeout_s), json={"lora_name": model["id"]})
+            post(url, "/v1/unload_lora_adapter", min(30, timeout_s), json={"lora_name": model["id"]})
     name = adapter_name(weights_dir, version)
     if name is None:
         return
@@ -210,7 +208,7 @@ def reload_replica(
     def call(path: str, cap: float, **kwargs) -> requests.Response:
         nonlocal doing
         doing = path
-        return _post(url, path, left(cap), **kwargs)
+        return post(url, path, left(cap), **kwargs)
 
     for attempt in range(attempts):
         if attempt:
@@ -281,7 +279,7 @@ def reload_samplers(spec: RunSpec, weights: WeightRef) -> dict[str, float]:
     return sync_replicas(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s, adapters)
 
 
-def _choices(
+def sampled_choices(
     url: str, session: requests.Session, prompt: list[int], params: dict, timeout: float, model: str | None
 ) -> list[dict]:
     body = {"token_ids": prompt, "sampling_params": params, "output_mode": "tokens"}
@@ -313,7 +311,7 @@ def _sample_prompt(
 ) -> Completions:
     """One prompt's completions from one replica; SamplerError when any was sampled, even in part, by
     weights other than `version` (vLLM's weight-version spans)."""
-    choices = _choices(url, session, prompt, params, timeout, model)
+    choices = sampled_choices(url, session, prompt, params, timeout, model)
     spans = {span["version"] for c in choices for span in c.get("weight_versions") or []}
     if spans != {str(version)}:
         raise SamplerError(f"{url} sampled with weights {sorted(spans)}, expected {version}")
@@ -399,78 +397,6 @@ def generate_groups(
         "samplers/lost_replicas": float(len(state["lost_replicas"])),
         "time/sampler_requests_s": elapsed,
     }
-
-
-def logprob_gaps(choice: dict, prompt_logprobs: list[dict | None], prompt_length: int) -> list[tuple[float, float]]:
-    """At each completion position of `choice`, (reported gap, temperature-1 gap): the sampled token's log-prob
-    minus another token's, as the choice reports them and as the prompt log-probs of prompt + completion have
-    them. vLLM computes prompt log-probs from the raw logits whatever its --logprobs-mode: at temperature 1."""
-    gaps = []
-    for position, entry in enumerate(choice["logprobs"]["content"]):
-        listed = prompt_logprobs[prompt_length + position] or {}
-        at_one = {int(token): value["logprob"] for token, value in listed.items()}
-        sampled = entry["token_id"]
-        for other in entry.get("top_logprobs") or []:
-            if other["token_id"] != sampled and {sampled, other["token_id"]} <= at_one.keys():
-                reported = entry["logprob"] - other["logprob"]
-                gaps.append((reported, at_one[sampled] - at_one[other["token_id"]]))
-    return gaps
-
-
-def at_temperature(gaps: list[tuple[float, float]], temperature: float) -> bool | None:
-    """Whether the reported log-probs are log softmax(z / T), as the trainer computes them, rather than log
-    softmax(z): the gap between two tokens is then (z_a - z_b) / T, the temperature-1 gap over T, where
-    temperature-1 log-probs report that gap itself. Judged by which of the two the gaps are nearer; None
-    without a gap to judge by."""
-    if not gaps:
-        return None
-    scaled = sum(abs(reported - at_one / temperature) for reported, at_one in gaps)
-    unscaled = sum(abs(reported - at_one) for reported, at_one in gaps)
-    return scaled < unscaled
-
-
-def probe_logprobs(url: str, prompt: list[int], temperature: float, timeout_s: float) -> bool | None:
-    """at_temperature for a few completions of `prompt` the replica samples at `temperature`."""
-    with requests.Session() as session:
-        choices = _choices(url, session, prompt, {**PROBE, "temperature": temperature}, timeout_s, None)
-    gaps = []
-    for choice in choices:
-        params = {"max_tokens": 1, "prompt_logprobs": PROBE["logprobs"], "detokenize": False}
-        body = {"token_ids": prompt + choice["token_ids"], "sampling_params": params, "output_mode": "tokens"}
-        response = _post(url, "/inference/v1/generate", timeout_s, json=body)
-        gaps += logprob_gaps(choice, response.json()["prompt_logprobs"], len(prompt))
-    return at_temperature(gaps, temperature)
-
-
-def check_logprobs(urls: list[str], run_root: str, prompt: list[int], temperature: float, timeout_s: float) -> None:
-    """Refuse replicas that report log-probs at temperature 1 rather than at rollout.temperature (a vLLM server
-    started without --logprobs-mode processed_logprobs): the trainer's importance ratios and mismatch/ metrics
-    would compare two distributions. Each replica is probed once per temperature, before it first samples for
-    the run (<run root>/samplers/logprobs_checked.json; a probe with no gap to judge by is repeated at the next
-    generate); at temperature 1 the two agree."""
-    if temperature == 1.0:
-        return
-    record = join(run_root, "samplers", LOGPROBS_CHECKED)
-    checked = read_json(record) or {}
-    wrong = []
-    for url in [u for u in urls if checked.get(u) != temperature]:
-        try:
-            verdict = probe_logprobs(url, prompt, temperature, timeout_s)
-        except (requests.RequestException, KeyError, TypeError) as err:
-            why = f"{type(err).__name__}: {err}"
-            raise SamplerError(f"sampler {url} failed the log-probs check ({why}); rerun to resume") from None
-        if verdict is False:
-            wrong.append(url)
-        elif verdict:
-            checked[url] = temperature
-            write_json(record, checked)
-    if wrong:
-        who = f"sampler {wrong[0]} reports" if len(wrong) == 1 else f"samplers {', '.join(wrong)} report"
-        raise SamplerError(
-            f"{who} log-probs at temperature 1, not at rollout.temperature "
-            f"{temperature:g}, so every importance ratio would be off: restart it with --logprobs-mode "
-            "processed_logprobs (vLLM's default, raw_logprobs, ignores the temperature), then rerun to resume."
-        )
 
 
 def ensure_version(
