@@ -175,3 +175,42 @@ def test_the_no_registry_recipe_builds_the_step_image(tmp_path: Path):
         env={**env, "CONTAINERS_CONF": str(REPO / "images" / "containers.conf")},
     )
     assert inspect.returncode == 0, inspect.stderr
+
+
+def rlpipe_lines() -> list[tuple[str, list[str]]]:
+    """(page, argv after `rlpipe`) of each `rlpipe ...` command the docs' and README's shell blocks show (in a
+    transcript, the `$ ` lines; each command of an `&&` chain)."""
+    found = []
+    for page in [*PAGES, REPO / "README.md"]:
+        for language, body in code_blocks(page.read_text()):
+            if language not in ("", "sh", "bash", "console"):
+                continue
+            lines = commands(body)
+            if any(line.startswith("$ ") for line in lines):  # a transcript: the rest is what the command printed
+                lines = [line[2:] for line in lines if line.startswith("$ ")]
+            for line in lines:
+                for part in line.split("&&"):
+                    if re.match(r"\s*(\.venv/bin/)?rlpipe \w", part):
+                        found.append((str(page.relative_to(REPO)), shlex.split(part, comments=True)[1:]))
+    return found
+
+
+@pytest.mark.parametrize(
+    "page,argv", rlpipe_lines(), ids=lambda value: " ".join(value) if isinstance(value, list) else value
+)
+def test_documented_rlpipe_commands_parse_and_their_specs_load(page: str, argv: list[str]):
+    """Each `rlpipe` command the docs show is one the CLI accepts, and a spec it names from this repository
+    loads with its `--set`s (what `rlpipe run` reads before its pre-flight); a user's own file (bad.yaml,
+    qwen-1.5b.yaml) is only parsed."""
+    from rlpipe.pipelines.cli import _overrides, build_parser
+    from rlpipe.spec import load_spec
+
+    args = build_parser().parse_args(argv)  # argparse exits (SystemExit) on what it does not accept
+    spec = getattr(args, "spec", None)
+    if spec is not None and (REPO / spec).is_file():
+        load_spec(REPO / spec, _overrides(args))
+
+
+def test_the_docs_show_rlpipe_commands():
+    commands_shown = {argv[0] for _, argv in rlpipe_lines()}
+    assert {"run", "compile", "rehearse", "submit", "schedule", "status"} <= commands_shown, commands_shown
