@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,34 +41,31 @@ def _spec(args: argparse.Namespace) -> RunSpec:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlpipe.pipelines.local_run import RunStopped, run_locally
-
-    spec = _spec(args)
-    try:
-        state = run_locally(spec, args.run_dir, containers=args.containers, fresh_steps=args.fresh_steps)
-    except RunStopped as err:
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 128 + err.signum
-    from rlpipe.evaluation.cadence import stopped_by_gate
-
-    return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
+    return _run_here(_spec(args), args)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from rlpipe.pipelines.local_run import RunStopped, run_locally
     from rlpipe.pipelines.rehearse import load_compiled, local_spec
 
     pipeline, compiled = load_compiled(args.pipeline)
-    run_root = str(Path(args.run_dir or Path("runs") / compiled.get("name", "rlpipe")).resolve())
-    spec = local_spec(compiled, run_root, _overrides(args), args.pipeline)
+    args.run_dir = str(Path(args.run_dir or Path("runs") / compiled.get("name", "rlpipe")).resolve())
+    spec = local_spec(compiled, args.run_dir, _overrides(args), args.pipeline)
     print(f"rlpipe rehearse {args.pipeline}: its spec, with storage, tracking and services on this machine")
+    return _run_here(spec, args, pipeline)
+
+
+def _run_here(spec: RunSpec, args: argparse.Namespace, compiled: Any = None) -> int:
+    """`rlpipe run` (or rehearse) to the end: 0 when the loop is done or its gate passed."""
+    from rlpipe.evaluation.cadence import stopped_by_gate
+    from rlpipe.pipelines.local_run import RunStopped, run_locally
+
     try:
-        state = run_locally(spec, run_root, containers=args.containers, fresh_steps=args.fresh_steps, compiled=pipeline)
+        state = run_locally(
+            spec, args.run_dir, containers=args.containers, fresh_steps=args.fresh_steps, compiled=compiled
+        )
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
-    from rlpipe.evaluation.cadence import stopped_by_gate
-
     return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
 
 
@@ -318,7 +316,11 @@ def _cluster_commands(sub: argparse._SubParsersAction) -> None:
     schedule.set_defaults(func=cmd_schedule)
 
 
-def _where_steps_run(parser: argparse.ArgumentParser) -> None:
+def _run_here_options(parser: argparse.ArgumentParser, run_dir: str, override: str) -> None:
+    """The options of a loop run on this machine (`rlpipe run`, `rlpipe rehearse`)."""
+    parser.add_argument("--run-dir", help=run_dir)
+    parser.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help=override)
     parser.add_argument(
         "--containers",
         action="store_true",
@@ -339,20 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the loop on KFP's local runner (resumes from state.json)")
     run.add_argument("spec", help="run spec YAML, e.g. examples/addition.yaml")
-    run.add_argument("--run-dir", help="run root (default <storage.root>/<name>)")
-    run.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec value, e.g. trainer.lr=3e-4")
-    _where_steps_run(run)
+    _run_here_options(run, "run root (default <storage.root>/<name>)", "override a spec value, e.g. trainer.lr=3e-4")
     run.set_defaults(func=cmd_run)
 
     rehearse = sub.add_parser(
         "rehearse", help="run a pipeline file `rlpipe compile` wrote on this machine, as it is (before a cluster does)"
     )
     rehearse.add_argument("pipeline", help="the compiled pipeline YAML, e.g. addition-gke.yaml")
-    rehearse.add_argument("--run-dir", help="run root on this machine (default runs/<name>)")
-    rehearse.add_argument("--iterations", type=int, help="total iterations (overrides loop.iterations)")
-    rehearse.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the file's spec")
-    _where_steps_run(rehearse)
+    _run_here_options(rehearse, "run root on this machine (default runs/<name>)", "override a value of the file's spec")
     rehearse.set_defaults(func=cmd_rehearse)
 
     check = sub.add_parser("check", help="pre-flight: check the spec, model, data, rewards, tracking and storage")
