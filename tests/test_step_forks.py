@@ -209,6 +209,8 @@ def test_steps_in_containers_are_forks_of_a_server_in_their_image(images, capsys
                 running.result(timeout=120)
         assert "StepContainerError: the step's container was stopped from outside (exit 137" in capsys.readouterr().out
         assert in_image(started=str(shared / "d"), sleep_s=0.0).output == "False seen 1 run"  # a fresh interpreter
+        assert dict(containers.warm.launches.fresh) == {f"the step server in {images['step']} has ended": 1}
+        assert "not as a fork of the warm step server: the step server in" in capsys.readouterr().out
     finally:
         containers.warm.stop()
         containers.remove_all()
