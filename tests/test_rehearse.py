@@ -60,6 +60,7 @@ def rehearsed_and_run(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
     return rehearsed, ran
 
 
+@pytest.mark.slow  # a minute: two whole runs
 def test_the_compiled_file_run_by_kfps_local_runner_commits_what_rlpipe_run_commits(tmp_path: Path):
     rehearsed, ran = rehearsed_and_run(tmp_path)
     iteration, sha256 = committed(rehearsed)

@@ -378,7 +378,7 @@ def test_a_replica_holding_the_parent_applies_a_delta_version_in_place(run, flee
     """A replica that loaded a serving-copy version keeps its tensors and moves to the next version by
     applying its delta (reloading only the tensors it changes); one that holds something else rebuilds
     the version from its chain on the store. Both then sample what torch samples from the whole version."""
-    from rlpipe.services.samplers.client import _post, reload_call, reload_replica
+    from rlpipe.services.samplers.client import post, reload_call, reload_replica
     from rlpipe.store.weights import local_path
 
     spec, run_root, cache = run
@@ -391,13 +391,13 @@ def test_a_replica_holding_the_parent_applies_a_delta_version_in_place(run, flee
     assert expected != torch_greedy(local_path(whole, cache), prompt, 6)
     url = fleet.urls[0]
     reload_replica(url, whole["uri"], 7, 120)
-    answer = _post(url, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
+    answer = post(url, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
     assert "delta" in json.dumps(answer) and "rebuilt" not in json.dumps(answer), answer
-    _post(url, "/update_weight_version", 30, json={"new_version": "8"})
-    _post(url, "/reset_prefix_cache", 30)
+    post(url, "/update_weight_version", 30, json={"new_version": "8"})
+    post(url, "/reset_prefix_cache", 30)
     assert service_greedy(url, prompt, 6) == (expected, "8")
     other = fleet.urls[1]  # holds another version: the chain is rebuilt from v7's whole files
-    answer = _post(other, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
+    answer = post(other, "/collective_rpc", 120, json=reload_call(delta["uri"])).json()
     assert "rebuilt" in json.dumps(answer), answer
     reload_replica(other, delta["uri"], 8, 120)
     assert service_greedy(other, prompt, 6) == (expected, "8")
@@ -536,7 +536,7 @@ def test_a_sampler_that_hangs_or_dies_mid_reload_ends_sync_weights_in_time_and_t
 
     from rlpipe import loop
     from rlpipe.data import prepare_data
-    from rlpipe.services.samplers.client import SamplerError, _post, wait_ready, weight_version
+    from rlpipe.services.samplers.client import SamplerError, post, wait_ready, weight_version
     from rlpipe.store.run_root import read_state
     from rlpipe.training.warm_start import warm_start
 
@@ -605,4 +605,4 @@ def test_a_sampler_that_hangs_or_dies_mid_reload_ends_sync_weights_in_time_and_t
     finally:  # the fleet serves this test's weights under the module run's version numbers: no label vouches
         wait_ready(fleet.urls, 300)
         for url in fleet.urls:
-            _post(url, "/update_weight_version", 30, json={"new_version": "default"})
+            post(url, "/update_weight_version", 30, json={"new_version": "default"})
