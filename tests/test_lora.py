@@ -12,7 +12,8 @@ import torch
 from rlpipe.models.loading import is_adapted, load_weights
 from rlpipe.spec import parse_spec
 from rlpipe.store.weights import BASE_FILE, publish, read_weight_ref
-from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+from rlpipe.training.loading import open_trainer, save_version
+from rlpipe.training.trainer import train_on_batch
 
 from .conftest import RLPIPE, tiny_spec_dict
 from .test_precision_and_memory import _batch
@@ -29,7 +30,7 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     _, run_root, cache = initialized_run
     lora_spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": LORA}, algorithm={"kl_coef": 0.1}))
     base_ref = read_weight_ref(run_root, 0)
-    trainer = load_trainer(lora_spec, run_root, base_ref, cache)
+    trainer = open_trainer(lora_spec, run_root, base_ref, cache)
     assert is_adapted(trainer.policy) and trainer.reference is trainer.policy  # no second copy
     trained = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
@@ -45,7 +46,7 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     with trainer.policy.disable_adapter():
         torch.testing.assert_close(_logits(trainer.policy, ids), _logits(base, ids))  # the reference = v0
     # v1 holds adapters (and the base's ref), not a model
-    ref = save_trained(trainer, 1, cache)
+    ref = save_version(trainer, 1, cache)
     folder = Path(ref["uri"])
     names = {p.name for p in folder.iterdir()}
     assert names == {
@@ -65,7 +66,7 @@ def test_lora_reference_is_the_base_and_versions_hold_only_adapters(initialized_
     merged, _ = load_weights(read_weight_ref(run_root, 1), cache, threads=1)
     assert not is_adapted(merged)
     torch.testing.assert_close(_logits(merged, ids), adapted, rtol=1e-5, atol=1e-5)
-    resumed = load_trainer(lora_spec, run_root, read_weight_ref(run_root, 1), cache)
+    resumed = open_trainer(lora_spec, run_root, read_weight_ref(run_root, 1), cache)
     assert is_adapted(resumed.policy) and resumed.optimizer.state_dict()["state"]
     resumed.policy.eval()
     torch.testing.assert_close(_logits(resumed.policy, ids), adapted, rtol=1e-6, atol=1e-6)
@@ -118,12 +119,12 @@ def test_lora_runs_the_loop_on_kfp_local(tmp_path: Path, resident: bool):
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_the_sampler_merges_an_adapter_as_peft_does(tmp_path: Path, rslora: bool):
-    """rlpipe.services.samplers.worker.merged_lora_weights (what a CPU sampler loads for a LoRA
+    """rlpipe.engines.vllm_worker.merged_lora_weights (what a CPU sampler loads for a LoRA
     version) equals peft's merge_and_unload, module for module."""
     from peft import LoraConfig, get_peft_model
 
+    from rlpipe.engines.vllm_worker import merged_lora_weights
     from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
-    from rlpipe.services.samplers.worker import merged_lora_weights
     from rlpipe.spec import TinyModelSpec
 
     model = build_tiny_model(TinyModelSpec(), build_char_tokenizer(), seed=0)
@@ -152,7 +153,7 @@ def test_the_update_compares_the_policy_with_itself_not_two_dropout_samples(
     _, run_root, cache = initialized_run
     lora = LORA | {"dropout": 0.5}
     spec = parse_spec(tiny_spec_dict(tmp_path, model={"lora": lora}, trainer={"disable_dropout": disable}))
-    trainer = load_trainer(spec, run_root, read_weight_ref(run_root, 0), cache)
+    trainer = open_trainer(spec, run_root, read_weight_ref(run_root, 0), cache)
     assert trainer.policy.training
     with torch.no_grad():
         for name, parameter in trainer.policy.named_parameters():

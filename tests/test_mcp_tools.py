@@ -163,7 +163,7 @@ def test_failures_name_the_server_and_what_to_change():
 
 
 def test_rlpipe_check_starts_the_server_and_names_its_tools(tmp_path: Path):
-    from rlpipe.run.preflight import CheckFailed, check_environment
+    from rlpipe.preflight import CheckFailed, check_environment
     from rlpipe.spec import parse_spec
 
     from .conftest import tiny_spec_dict

@@ -112,7 +112,7 @@ def test_preflight_passes_with_text_and_chat_prompts(name: str, family_dir, tmp_
     """`rlpipe check`'s checks pass on a spec whose model.path is the family's directory, text prompts and chat
     prompts with a system message alike, except Gemma 2's template, which refuses a system role: pre-flight
     names it before any step runs."""
-    from rlpipe.run.preflight import PreflightError, preflight
+    from rlpipe.preflight import PreflightError, preflight
     from rlpipe.spec import parse_spec
 
     folder = family_dir(name)

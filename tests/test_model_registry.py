@@ -10,11 +10,12 @@ import pytest
 from kubeflow.hub import ModelRegistryClient
 from mlflow.tracking import MlflowClient
 
-from rlpipe.run.kubeflow_registry import RegistryError, model_format
-from rlpipe.run.tracking import flush, tracking_uri
 from rlpipe.spec import parse_spec
 from rlpipe.store.run_root import eval_metrics_uri, tracked_uri, write_json
 from rlpipe.store.weights import publish, read_weight_ref, seal, staging_uri
+from rlpipe.tracking.kubeflow_registry import RegistryError, model_format
+from rlpipe.tracking.mlflow_runs import flush
+from rlpipe.tracking.uri import tracking_uri
 
 from .conftest import set_state, tiny_spec_dict
 from .model_registry_stub import API, ModelRegistryStub
@@ -160,7 +161,7 @@ def test_an_unreachable_registry_names_the_key_and_mlflow_keeps_its_record(tmp_p
 def test_rlpipe_check_asks_the_registry_and_names_what_to_fix(tmp_path, run_root, monkeypatch):
     """`rlpipe check`: the registry answers the SDK's client; unreachable, or token_env unset, is a
     failure naming tracking.model_registry and what to change."""
-    from rlpipe.run.preflight import CheckFailed, check_model_registry
+    from rlpipe.preflight import CheckFailed, check_model_registry
 
     with ModelRegistryStub() as stub:
         line = check_model_registry(registry_spec(tmp_path, stub.address, stub.port))
@@ -208,7 +209,7 @@ def test_model_format_says_whole_weights_adapters_and_deltas(tmp_path):
 
 def test_rlpipe_export_says_where_the_serving_team_finds_the_version(tmp_path, run_root):
     """`rlpipe export` names the registry, the model, the version and the client call that gives the URI."""
-    from rlpipe.pipelines.cli import _model_registry_lines
+    from rlpipe.pipelines.commands.run_roots import _model_registry_lines
     from rlpipe.spec import spec_to_dict
 
     evaluated(run_root, 0, 0.30)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.run.preflight import gpus_problem, tracking_store_problem
+from rlpipe.preflight import gpus_problem, tracking_store_problem
 
 from .conftest import REPO
 from .test_failures import _fails_clearly, _rlpipe, _spec
@@ -48,10 +48,10 @@ def test_auto_on_a_machine_without_gpu_devices_is_the_cpu_without_importing_torc
     import subprocess
     import sys
 
-    from rlpipe.run.preflight.machine import gpu_device_nodes
+    from rlpipe.preflight.machine import gpu_device_nodes
 
     code = (
-        "import sys\nfrom rlpipe.run.preflight import check_device\nfrom rlpipe.spec import parse_spec\n"
+        "import sys\nfrom rlpipe.preflight import check_device\nfrom rlpipe.spec import parse_spec\n"
         "from tests.conftest import tiny_spec_dict\nfrom pathlib import Path\n"
         f"print(check_device(parse_spec(tiny_spec_dict(Path({str(tmp_path)!r})))))\n"
         "print('torch imported:', 'torch' in sys.modules)"

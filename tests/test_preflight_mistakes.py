@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlpipe.run.preflight import CheckFailed, check_data, check_environment, check_evaluation, check_model
+from rlpipe.preflight import CheckFailed, check_data, check_environment, check_evaluation, check_model
 from rlpipe.spec import SpecError, parse_spec, with_overrides
 
 from .conftest import RLPIPE, tiny_spec_dict
@@ -167,7 +167,7 @@ def test_an_unreachable_bucket_is_named_in_seconds_without_library_tracebacks(tm
     pytest.importorskip("gcsfs")
     import fsspec
 
-    from rlpipe.run.preflight import storage
+    from rlpipe.preflight import storage
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{_closed_port()}")  # gcsfs retries it for ~1 min
     monkeypatch.setitem(fsspec.config.conf, "gcs", {"token": "anon"})
@@ -183,7 +183,7 @@ def test_an_unreachable_bucket_is_named_in_seconds_without_library_tracebacks(tm
 def test_library_messages_during_preflight_go_to_its_log(tmp_path: Path):
     import logging
 
-    from rlpipe.run.preflight import library_logs_to
+    from rlpipe.preflight import library_logs_to
 
     with library_logs_to(tmp_path / "logs" / "preflight.log") as logged:
         assert not logged()
@@ -230,7 +230,7 @@ def test_an_unreachable_remote_environment_is_named_at_preflight(tmp_path: Path)
 def test_the_terminal_carries_the_exception_of_a_failed_step_whatever_its_name(tmp_path: Path):
     """EnvironmentFailure ends in neither Error nor Exception: it was "cause: see the log". The exit handler's
     task runs after the failed one; what it logs is not the cause."""
-    from rlpipe.pipelines.local_run import _failure_message
+    from rlpipe.pipelines.local_runner.driver import _failure_message
 
     failed = RuntimeError("Pipeline 'rlpipe-run' finished with status FAILURE. Inner task failed: 'warm-start'.")
     log = tmp_path / "kfp-local.log"
@@ -245,7 +245,7 @@ def test_the_terminal_carries_the_exception_of_a_failed_step_whatever_its_name(t
         "17:33:33.947 - ERROR - Task 'warm-start' finished with status FAILURE\n"
         "17:33:33.948 - INFO - Executing task 'track'\n"
         "    Traceback (most recent call last):\n"
-        '      File "/work/main/rlpipe/run/tracking.py", line 1, in flush\n'
+        '      File "/work/main/rlpipe/tracking/mlflow_runs.py", line 1, in flush\n'
         "    mlflow.exceptions.MlflowException: no run to flush\n"
         "17:33:36.195 - INFO - Task 'track' finished with status SUCCESS\n"
     )

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rlpipe.engines.sampler_requests import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
 from rlpipe.http_json import reply_json
-from rlpipe.services.samplers.client import SamplerError, generate_groups, replica_urls, sampler_weights_dir, wait_ready
 from rlpipe.services.samplers.fleet import serve
 
 
@@ -33,7 +33,7 @@ def test_entrypoint_waits_for_published_weights_then_execs_vllm(tmp_path: Path, 
     assert argv[1:3] == ["-m", "rlpipe.services.samplers.server"]
     flags = dict(zip(argv[3::1], argv[4::1]))
     assert flags["--model"] == str(run_root / "weights" / "v000000")
-    assert flags["--worker-extension-cls"] == "rlpipe.services.samplers.worker.PolicyReload"
+    assert flags["--worker-extension-cls"] == "rlpipe.engines.vllm_worker.PolicyReload"
     assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in argv
     assert flags["--max-num-seqs"] == "512"  # extra args go to vLLM
 
@@ -104,7 +104,7 @@ def test_the_log_probs_check_tells_log_probs_at_the_temperature_from_log_probs_a
     import math
     import random
 
-    from rlpipe.services.samplers.logprobs_check import at_temperature, logprob_gaps
+    from rlpipe.engines.logprobs_check import at_temperature, logprob_gaps
 
     def log_softmax(z: list[float]) -> list[float]:
         top = max(z)

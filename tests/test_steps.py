@@ -21,7 +21,8 @@ from rlpipe.store.run_root import read_state
 from rlpipe.store.weights import latest_version, local_path, read_weight_ref
 from rlpipe.training.batching import pack
 from rlpipe.training.logprobs import completion_logits, token_logprobs
-from rlpipe.training.trainer import NonFiniteLossError, update_policy
+from rlpipe.training.session import update_policy
+from rlpipe.training.trainer import NonFiniteLossError
 
 
 def bad_reward(prompts, completions, **_):
@@ -37,7 +38,7 @@ def test_light_steps_do_not_import_torch():
         "import sys\n"
         "import rlpipe.rewards, rlpipe.algorithms\n"
         "import rlpipe.store.commit, rlpipe.loop, rlpipe.data\n"
-        "import rlpipe.evaluation.accuracy, rlpipe.run.tracking\n"
+        "import rlpipe.evaluation.accuracy, rlpipe.tracking.mlflow_runs\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,8 +20,8 @@ from rlpipe.evaluation.accuracy import greedy_texts
 from rlpipe.models.files import char_tokenizer, load_prompt_tokenizer, resolve_model_source
 from rlpipe.models.gguf import CONVERSION
 from rlpipe.models.loading import PreTrainedTokenizerFast, build_char_tokenizer, build_tiny_model, load_tokenizer
+from rlpipe.preflight import CheckFailed, check_data
 from rlpipe.rewards.reward_model import encoded_for_scoring
-from rlpipe.run.preflight import CheckFailed, check_data
 from rlpipe.spec import RunSpec, TinyModelSpec, parse_spec
 from rlpipe.training.warm_start import sft_example
 
@@ -214,7 +214,7 @@ def test_the_policy_tokenizers_answer_is_kept_by_the_model_folders_content(tmp_p
         check_data(spec)
     assert len(list((Path(spec.cache_root) / "preflight").glob("tokenized-*.json"))) == 1
     code = (
-        "import sys\nfrom rlpipe.run.preflight import CheckFailed, check_data\nfrom rlpipe.spec import spec_from_json\n"
+        "import sys\nfrom rlpipe.preflight import CheckFailed, check_data\nfrom rlpipe.spec import spec_from_json\n"
         f"try:\n    check_data(spec_from_json({spec_to_json(spec)!r}))\nexcept CheckFailed as err:\n    print(err)\n"
         "print('transformers imported:', 'transformers' in sys.modules)"
     )

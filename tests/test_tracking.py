@@ -7,9 +7,10 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from rlpipe.run.tracking import flush_metrics, tracking_uri
 from rlpipe.spec import parse_spec
 from rlpipe.store.run_root import eval_metrics_uri, iteration_metrics_uri, tracked_uri, write_json
+from rlpipe.tracking.mlflow_runs import flush_metrics
+from rlpipe.tracking.uri import tracking_uri
 
 from .conftest import set_state, tiny_spec_dict
 
@@ -46,8 +47,8 @@ def test_a_flush_with_nothing_new_returns_without_mlflow_and_the_next_commit_log
     import subprocess
     import sys
 
-    from rlpipe.run.tracking import flush
     from rlpipe.spec import spec_to_json
+    from rlpipe.tracking.mlflow_runs import flush
 
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
@@ -56,7 +57,7 @@ def test_a_flush_with_nothing_new_returns_without_mlflow_and_the_next_commit_log
     first = flush(spec, run_root)
     assert first["points"] == 0 and Path(tracked_uri(run_root)).exists()
     code = (
-        "import json, sys\nfrom rlpipe.run.tracking import flush\nfrom rlpipe.spec import spec_from_json\n"
+        "import json, sys\nfrom rlpipe.tracking.mlflow_runs import flush\nfrom rlpipe.spec import spec_from_json\n"
         f"done = flush(spec_from_json({spec_to_json(spec)!r}), {run_root!r})\n"
         "print(json.dumps([done, 'mlflow' in sys.modules]))"
     )
@@ -77,7 +78,7 @@ def test_rlpipe_run_flushes_as_each_iteration_commits(tmp_path: Path):
     import threading
     import time
 
-    from rlpipe.run.tracking import flush, flush_as_it_commits
+    from rlpipe.tracking.mlflow_runs import flush, flush_as_it_commits
 
     spec = parse_spec(tiny_spec_dict(tmp_path))
     run_root = str(tmp_path / "run")
@@ -120,9 +121,10 @@ def test_registry_alias_follows_the_best_eval_and_the_store_keeps_its_weights(in
     sealed version in the weight store (no copy), tagged with iteration, accuracy and sha256; the alias
     'best' moves with it, and pruning keeps the versions the registry points at."""
     from rlpipe import loop
-    from rlpipe.run.tracking import flush, versions_to_register
     from rlpipe.spec import spec_to_dict
     from rlpipe.store.weights import read_weight_ref
+    from rlpipe.tracking.mlflow_runs import flush
+    from rlpipe.tracking.registration import versions_to_register
 
     spec, run_root, cache = initialized_run
     data = spec_to_dict(spec)
@@ -181,8 +183,8 @@ def test_each_eval_logs_its_held_out_samples_as_an_mlflow_table(initialized_run)
     import json
 
     from rlpipe.evaluation.accuracy import evaluate_policy
-    from rlpipe.run.tracking import flush
     from rlpipe.store.weights import read_weight_ref
+    from rlpipe.tracking.mlflow_runs import flush
 
     spec, run_root, cache = initialized_run
     accuracy = evaluate_policy(spec, run_root, read_weight_ref(run_root, 0), 0, cache)["eval/accuracy_greedy"]

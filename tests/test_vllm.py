@@ -46,7 +46,7 @@ def run(tmp_path_factory) -> tuple[RunSpec, str, str]:
 
 def running_fleet(spec: RunSpec, run_root: str):
     """The spec's local sampler fleet, every replica ready; stopped after, with every process it started."""
-    from rlpipe.services.samplers.client import wait_ready
+    from rlpipe.engines.sampler_requests import wait_ready
     from rlpipe.services.samplers.fleet import LocalFleet
 
     fleet = LocalFleet(spec, run_root)
@@ -271,7 +271,7 @@ def _served_requests(url: str) -> float:
 def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
     from tokenizers import Tokenizer
 
-    from rlpipe.services.samplers.client import generate_groups, wait_ready
+    from rlpipe.engines.sampler_requests import generate_groups, wait_ready
 
     spec, run_root, _ = run
     tokenizer = Tokenizer.from_file(str(Path(run_root) / "weights" / "v000000" / "tokenizer.json"))
@@ -301,13 +301,8 @@ def test_a_replica_killed_mid_batch_loses_no_prompt(run, fleet):
 def test_reload_swaps_weights_in_place_and_a_failed_reload_is_recovered(run, fleet):
     """sync_weights' reload: greedy output becomes the new version's torch greedy output on every
     replica; a reload that fails (half-loaded engine) or finds its replica dead recovers."""
-    from rlpipe.services.samplers.client import (
-        SamplerError,
-        reload_replica,
-        reload_samplers,
-        wait_ready,
-        weight_version,
-    )
+    from rlpipe.engines.sampler_requests import SamplerError, wait_ready, weight_version
+    from rlpipe.services.samplers.client import reload_replica, reload_samplers
 
     spec, run_root, _ = run
     spec = service_spec(spec, fleet)
@@ -378,7 +373,8 @@ def test_a_replica_holding_the_parent_applies_a_delta_version_in_place(run, flee
     """A replica that loaded a serving-copy version keeps its tensors and moves to the next version by
     applying its delta (reloading only the tensors it changes); one that holds something else rebuilds
     the version from its chain on the store. Both then sample what torch samples from the whole version."""
-    from rlpipe.services.samplers.client import post, reload_call, reload_replica
+    from rlpipe.engines.sampler_requests import post
+    from rlpipe.services.samplers.client import reload_call, reload_replica
     from rlpipe.store.weights import local_path
 
     spec, run_root, cache = run
@@ -490,7 +486,7 @@ def test_a_sampler_without_processed_log_probs_is_refused_before_it_samples(run,
     """rollout.temperature 0.7: the fleet's samplers (--logprobs-mode processed_logprobs) pass the check
     once and are recorded; a server started with vLLM's default (raw_logprobs, log-probs at temperature 1)
     in samplers.endpoints is refused by the generate step before anything is sampled, naming it and the flag."""
-    from rlpipe.services.samplers.client import SamplerError, wait_ready
+    from rlpipe.engines.sampler_requests import SamplerError, wait_ready
     from rlpipe.services.samplers.fleet import LocalFleet
     from rlpipe.store.weights import read_weight_ref
 
@@ -536,7 +532,7 @@ def test_a_sampler_that_hangs_or_dies_mid_reload_ends_sync_weights_in_time_and_t
 
     from rlpipe import loop
     from rlpipe.data import prepare_data
-    from rlpipe.services.samplers.client import SamplerError, post, wait_ready, weight_version
+    from rlpipe.engines.sampler_requests import SamplerError, post, wait_ready, weight_version
     from rlpipe.store.run_root import read_state
     from rlpipe.training.warm_start import warm_start
 

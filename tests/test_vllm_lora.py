@@ -129,14 +129,8 @@ def fleet(run):
 
 
 def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_path: Path):
-    from rlpipe.services.samplers.client import (
-        SamplerError,
-        ensure_version,
-        generate_groups,
-        reload_replica,
-        sync_replicas,
-        weight_version,
-    )
+    from rlpipe.engines.sampler_requests import SamplerError, generate_groups, weight_version
+    from rlpipe.services.samplers.client import ensure_version, reload_replica, sync_replicas
     from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run
@@ -184,9 +178,10 @@ def test_a_replica_hot_loads_adapters_and_a_stale_one_is_caught(run, fleet, tmp_
 def test_a_cpu_replica_serves_each_adapter_merged_into_its_base(run, tmp_path: Path):
     """The CPU default: no LoRA in the engine; each version's adapter is merged into the base in
     place (W + alpha/r B A), so plain requests get the version's answers and log-probs."""
-    from rlpipe.services.samplers.client import ensure_version, reload_replica, sync_replicas, weight_version
-    from rlpipe.services.samplers.vllm_settings import local_samplers, serves_adapters
-    from rlpipe.services.samplers.worker import merged_lora_weights
+    from rlpipe.engines.sampler_requests import weight_version
+    from rlpipe.engines.vllm_settings import local_samplers, serves_adapters
+    from rlpipe.engines.vllm_worker import merged_lora_weights
+    from rlpipe.services.samplers.client import ensure_version, reload_replica, sync_replicas
     from rlpipe.store.weights import read_weight_ref
 
     spec, run_root, cache = run

@@ -9,8 +9,8 @@ def track(spec: str, run_root: str, status: dsl.PipelineTaskFinalStatus) -> str:
     even when an iteration failed (what was committed is kept). Returns the MLflow run id."""
     import os
 
-    from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush
     from rlpipe.spec import spec_from_json
+    from rlpipe.tracking.mlflow_runs import LIVE_TRACKING_ENV, flush
 
     done = flush(spec_from_json(spec), run_root, driver_s=10.0 if os.environ.get(LIVE_TRACKING_ENV) else 0.0)
     print(f"MLflow run {done['run_id']}: {done}; pipeline {status.state}")

@@ -1,5 +1,6 @@
-"""The sampler engine: long-lived vLLM servers (rlpipe.services.samplers.client); the generate
-step is an HTTP client and imports no torch."""
+"""The sampler engine: long-lived vLLM servers, asked over HTTP (rlpipe.engines.sampler_requests); the
+generate step imports no torch. The servers already serve the version to sample: sync_weights reloads them, and
+a replica that restarted since catches up first (rlpipe.services.samplers.client.serve_version)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,15 @@ if TYPE_CHECKING:
 
 
 def sample_prompts(request: SampleRequest) -> Sampled:
-    """rollout.samples_per_prompt completions per prompt from the samplers, after making sure every
-    ready replica serves `weights` (reloaded in place when it does not; an adapter version's
-    requests name its adapter where the samplers serve adapters) and reports log-probs at
-    rollout.temperature (checked once per replica: check_logprobs); with rollout.environment,
+    """rollout.samples_per_prompt completions per prompt from the ready replicas, which serve `weights`
+    (an adapter version's requests name its adapter where the samplers serve adapters) and report log-probs
+    at rollout.temperature (checked once per replica: check_logprobs); with rollout.environment,
     multi-turn trajectories of `rows`, each turn one request per sequence."""
     from tokenizers import Tokenizer
 
-    from rlpipe.services.samplers.client import (
-        adapter_name,
-        ensure_version,
-        generate_groups,
-        ready_replicas,
-        sampler_weights_dir,
-    )
-    from rlpipe.services.samplers.logprobs_check import check_logprobs
-    from rlpipe.services.samplers.vllm_settings import serves_adapters
+    from rlpipe.engines.logprobs_check import check_logprobs
+    from rlpipe.engines.sampler_requests import adapter_name, generate_groups, ready_replicas, sampler_weights_dir
+    from rlpipe.engines.vllm_settings import serves_adapters
 
     spec, run_root, weights, cache_root = request.spec, request.run_root, request.weights, request.cache_root
     prompt_ids, iteration, rows = request.prompt_ids, request.stream, request.rows
@@ -39,7 +33,7 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
     weights_dir = sampler_weights_dir(weights["uri"])
     adapters = serves_adapters(spec)
-    metrics = ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
+    metrics: dict[str, float] = {}
     check_logprobs(urls, run_root, prompt_ids[0], spec.rollout.temperature, s.request_timeout_s)
     tokenizer = Tokenizer.from_file(str(Path(stored_path(weights, cache_root)) / "tokenizer.json"))  # a delta's too
     loaded = time.time()
@@ -80,8 +74,8 @@ def sample_trajectories(
     (rlpipe.environments.run_trajectories), each turn's sequences fanned across the samplers as
     generate_groups fans prompts; request k of the n-th sequence drawn is seeded seed + n."""
     from rlpipe.engines import sampled_trajectories
+    from rlpipe.engines.sampler_requests import generate_groups
     from rlpipe.environments import Codec, environment_factory, run_trajectories
-    from rlpipe.services.samplers.client import generate_groups
 
     r, s = spec.rollout, spec.samplers
     drawn = 0

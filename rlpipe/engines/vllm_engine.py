@@ -24,7 +24,7 @@ IN_STEP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 def load_engine(model_dir: str, seed: int, gpu: bool):
     """A vllm.LLM on `model_dir` with rlpipe's in-place reload extension."""
-    from rlpipe.services.samplers.vllm_settings import (
+    from rlpipe.engines.vllm_settings import (
         VLLM_CPU_ENGINE_OPTIONS,
         VLLM_CPU_ENV,
         VLLM_ENV,
@@ -44,7 +44,7 @@ def load_engine(model_dir: str, seed: int, gpu: bool):
         model=model_dir,
         seed=seed,
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="rlpipe.services.samplers.worker.PolicyReload",
+        worker_extension_cls="rlpipe.engines.vllm_worker.PolicyReload",
         **options,
     )
 
@@ -116,8 +116,8 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     adapter version: its base, with the adapter merged in); with rollout.environment, multi-turn
     trajectories of `rows` (rlpipe.environments.run_trajectories)."""
     from rlpipe.engines import sample_seed
+    from rlpipe.engines.vllm_settings import MERGE_METHOD
     from rlpipe.models.loading import load_tokenizer
-    from rlpipe.services.samplers.client import MERGE_METHOD
     from rlpipe.store.weights import adapter_base, local_path
 
     spec, weights, cache_root = request.spec, request.weights, request.cache_root
@@ -128,7 +128,7 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     llm = load_engine(model_dir, spec.seed, gpu=False)
     if (
         base is not None
-    ):  # on CPU the adapter is merged into the base (rlpipe.services.samplers.vllm_settings.serves_adapters)
+    ):  # on CPU the adapter is merged into the base (rlpipe.engines.vllm_settings.serves_adapters)
         llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": model_dir, "adapter_path": weights_dir})
     # rlpipe's loader, not vLLM's AutoTokenizer: that one reads the tiny model's character tokenizer as
     # Qwen2's, which drops spaces, and observations must be tokenized as the policy's tokenizer does

@@ -116,11 +116,11 @@ def run_harness(spec: RunSpec, model: Any, tokenizer: Any) -> dict[str, float]:
 def harness_version(spec: RunSpec, run_root: str, version: int, cache_root: str) -> dict[str, float]:
     """evaluation.harness's tasks on the run's weights version N (registered or not), outside the loop:
     recorded in metrics/harness_vN.json, logged to the RL run's MLflow run at step N and set as tags of
-    the model versions registered from vN (rlpipe.run.tracking.record_harness)."""
+    the model versions registered from vN (rlpipe.tracking.mlflow_runs.record_harness)."""
     from rlpipe.models.loading import load_weights
-    from rlpipe.run.tracking import record_harness
     from rlpipe.store.run_root import join, write_json
     from rlpipe.store.weights import read_weight_ref
+    from rlpipe.tracking.mlflow_runs import record_harness
 
     if spec.evaluation.harness is None:
         raise ValueError("evaluation.harness names no tasks: --set 'evaluation.harness={tasks: [...]}'")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rlpipe.spec.schema import section, setting
+from rlpipe.spec.section import section, setting
 
 
 @section
@@ -42,7 +42,7 @@ class StorageSpec:
 @section
 class ModelRegistrySpec:
     """A Kubeflow Model Registry (Kubeflow Hub) that gets each version the MLflow registry gets, through the
-    Kubeflow SDK's ModelRegistryClient (`pip install 'rlpipe[kubeflow-hub]'`; rlpipe.run.kubeflow_registry)."""
+    Kubeflow SDK's ModelRegistryClient (`pip install 'rlpipe[kubeflow-hub]'`; rlpipe.tracking.kubeflow_registry)."""
 
     server_address: str = setting(
         doc="The registry's REST address with its scheme, e.g. https://model-registry-service.kubeflow.svc.cluster.local"

@@ -7,9 +7,9 @@ from the rollout buffer, and a fork's parent. Every change replaces the whole fi
 callers say what changed through the functions here:
     commit_iteration     iteration N+1 with v(N+1) (rlpipe.loop.sync_weights: after publishing the
                          weights and writing the iteration's metrics, before pruning)   <- the commit point
-    record_tracking_run  the MLflow run this RL run logs to (rlpipe.run.tracking)
+    record_tracking_run  the MLflow run this RL run logs to (rlpipe.tracking.mlflow_runs)
     record_stopped       the loop stopped by loop.stop_when (rlpipe.loop.evaluate)
-    commit_fork          a forked run's first state (rlpipe.run.fork)
+    commit_fork          a forked run's first state (rlpipe.commands.fork)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def record_stopped(run_root: str, stopped: dict[str, Any]) -> dict[str, Any]:
 
 
 def commit_fork(run_root: str, iteration: int, weights_sha256: str, forked_from: dict[str, Any]) -> dict[str, Any]:
-    """A fork's first state: at its parent's iteration N, with v(N) (rlpipe.run.fork)."""
+    """A fork's first state: at its parent's iteration N, with v(N) (rlpipe.commands.fork)."""
     return _write_state(
         run_root, iteration=iteration, weights_version=iteration, weights_sha256=weights_sha256, forked_from=forked_from
     )

@@ -199,7 +199,7 @@ def list_metrics(run_root: str, kind: str) -> dict[int, dict[str, float]]:
 
 
 def tracked_uri(run_root: str) -> str:
-    """What the last complete MLflow flush logged from (rlpipe.run.tracking.flush): a later flush with
+    """What the last complete MLflow flush logged from (rlpipe.tracking.mlflow_runs.flush): a later flush with
     nothing new returns without importing MLflow. Delete it to make the next flush ask MLflow again."""
     return join(run_root, "tracked.json")
 

@@ -69,7 +69,7 @@ def next_groups(spec: RunSpec, run_root: str, state: dict[str, Any], slices: Sli
     return todo[:limit]
 
 
-def generate_groups(
+def sample_to_buffer(
     spec: RunSpec, run_root: str, weights: WeightRef, groups: list[Group], slices: Slices, cache_root: str, loaded: Any
 ) -> None:
     """Sample `groups` with `weights` (`loaded`: the producer's model at them) and write each to the buffer
@@ -80,6 +80,10 @@ def generate_groups(
     from rlpipe.engines import read_train_rows, rollout_table, sample_rows
     from rlpipe.store.run_root import move
 
+    if spec.rollout.engine == "sampler":  # the samplers reload the version the producer pulled
+        from rlpipe.services.samplers.client import serve_version
+
+        serve_version(spec, run_root, weights)
     table = read_train_rows(run_root)
     order = [slices(home)[position] for home, position in groups]
     samples = spec.rollout.samples_per_prompt
@@ -191,7 +195,7 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
             if latest.version < weights["version"]:  # a partial rollout may have loaded a newer one already
                 latest.load(weights)
             weights, loaded = latest.held, latest.loaded_model()
-        generate_groups(spec, run_root, weights, todo, slices, cache_root, loaded)
+        sample_to_buffer(spec, run_root, weights, todo, slices, cache_root, loaded)
         status["busy_s"], status["busy_since"] = status.get("busy_s", 0.0) + time.time() - started, None
         status["groups_written"] = status.get("groups_written", 0) + len(todo)
         status |= {"version": weights["version"], "group": list(todo[-1])}

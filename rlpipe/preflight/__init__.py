@@ -19,11 +19,11 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rlpipe.run.preflight.behaviour import check_algorithm, check_environment, check_evaluation, check_rewards
-from rlpipe.run.preflight.inputs import check_data, check_model
-from rlpipe.run.preflight.machine import check_device, check_installed, cuda_builds_beside_cpu_torch, gpus_problem
-from rlpipe.run.preflight.probe import CheckFailed
-from rlpipe.run.preflight.storage import check_model_registry, check_run_root, check_tracking, tracking_store_problem
+from rlpipe.preflight.behaviour import check_algorithm, check_environment, check_evaluation, check_rewards
+from rlpipe.preflight.inputs import check_data, check_model
+from rlpipe.preflight.machine import check_device, check_installed, cuda_builds_beside_cpu_torch, gpus_problem
+from rlpipe.preflight.probe import CheckFailed
+from rlpipe.preflight.storage import check_model_registry, check_run_root, check_tracking, tracking_store_problem
 from rlpipe.spec import RunSpec
 
 

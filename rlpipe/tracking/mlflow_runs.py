@@ -4,7 +4,7 @@ evaluated weight versions in the Model Registry; the spec and the eval samples a
 Metrics are first written to the run root (metrics/*.json, by sync_weights and evaluate);
 `flush` copies every committed point MLflow does not yet have, registers the evaluated versions
 tracking.register asks for (and, with tracking.model_registry, in the Kubeflow Model Registry too:
-rlpipe.run.kubeflow_registry), and logs what the run's artifacts lack. MLflow is the record of what
+rlpipe.tracking.kubeflow_registry), and logs what the run's artifacts lack. MLflow is the record of what
 was logged, so a flush killed halfway is simply repeated; a complete one records what it logged from in
 tracked.json, and a flush finding the same returns without importing MLflow. The track step flushes at the
 end of each pipeline run; `rlpipe run` also flushes as each iteration commits (`flush_as_it_commits`).
@@ -23,15 +23,12 @@ import contextlib
 import itertools
 import json
 import logging
-import os
-import socket
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlpipe.metric_keys import EVAL_ACCURACY, EVAL_WEIGHTS_VERSION, REWARD_MEAN
+from rlpipe.metric_keys import EVAL_ACCURACY, REWARD_MEAN
 from rlpipe.spec import RunSpec, flatten, spec_to_dict
 from rlpipe.store.commit import record_tracking_run
 from rlpipe.store.run_root import (
@@ -46,47 +43,16 @@ from rlpipe.store.run_root import (
     tracked_uri,
     write_json,
 )
+from rlpipe.tracking.registration import RUN_TAG, kubeflow_records, register_versions, registered_model_name
+from rlpipe.tracking.uri import kfp_mlflow, tracking_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-RUN_TAG = "rlpipe.run_uid"
-ITERATION_TAG = "rlpipe.iteration"
-BEST_ALIAS = "best"  # follows the best held-out eval
-GATE_ALIAS = "gate_passed"  # the version that passed loop.stop_when
 SPEC_ARTIFACT = "spec.yaml"
 # the MLflow 3 UI files an experiment under GenAI unless told otherwise: this tag says model training
 # (the UI's own toggle, ?workflowType=machine_learning in its URL, overrides it)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-
-
-KFP_MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
-
-
-def kfp_mlflow() -> dict[str, str] | None:
-    """What KFP 2.17's MLflow integration injects into this task (its API server's
-    settings.injectUserEnvVars: true): the server, the experiment of the pipeline run's MLflow run and
-    this task's run nested under it; None outside it. The MLflow client reads MLFLOW_WORKSPACE and the
-    auth variables (MLFLOW_TRACKING_TOKEN, ...) itself."""
-    if all(os.environ.get(name) for name in KFP_MLFLOW_VARIABLES):
-        return {name: os.environ[name] for name in KFP_MLFLOW_VARIABLES}
-    return None
-
-
-def tracking_uri(spec: RunSpec, run_root: str) -> str:
-    """The spec's URI, else the server KFP's MLflow integration names (`kfp_mlflow`), else
-    sqlite:///<run root>/mlflow.db (MLflow 3 has no file store)."""
-    if spec.tracking.uri:
-        return spec.tracking.uri
-    if kfp := kfp_mlflow():
-        return kfp["MLFLOW_TRACKING_URI"]
-    if not is_local(run_root):
-        raise ValueError("tracking.uri must be set when storage.root is remote (sqlite needs a local file)")
-    return f"sqlite:///{Path(run_root.removeprefix('file://')) / 'mlflow.db'}"
-
-
-def registered_model_name(spec: RunSpec) -> str:
-    return spec.tracking.registered_model or spec.name
 
 
 def ensure_run(spec: RunSpec, run_root: str) -> str:
@@ -226,7 +192,7 @@ def flush_everything(spec: RunSpec, run_root: str) -> dict[str, Any]:
     if kfp_mlflow():
         done["pipeline_run"] = link_pipeline_run(spec, run_root, run_id, iterations, client)
     if spec.tracking.model_registry:  # last: a registry that fails leaves every MLflow record in place
-        from rlpipe.run.kubeflow_registry import register
+        from rlpipe.tracking.kubeflow_registry import register
 
         records = kubeflow_records(spec, run_root, run_id)
         done["model_registry"] = register(spec.tracking.model_registry, registered_model_name(spec), records)
@@ -340,37 +306,6 @@ def log_table(client: MlflowClient, run_id: str, columns: list[str], rows: list[
         client.set_tag(run_id, "mlflow.loggedArtifacts", json.dumps([*listed, {"path": path, "type": "table"}]))
 
 
-def versions_to_register(spec: RunSpec, run_root: str) -> dict[int, dict[str, Any]]:
-    """{iteration: its eval metrics} for the committed evals tracking.register keeps: each new best
-    held-out accuracy ('best'; ties keep the earlier), or every eval; and the one that passed
-    loop.stop_when. The weight store keeps these versions (rlpipe.store.weights.prune)."""
-    if spec.tracking.register == "none":
-        return {}
-    state = read_state(run_root) or {}
-    evals = {n: m for n, m in sorted(list_metrics(run_root, "eval").items()) if n <= state.get("iteration", -1)}
-    chosen, best = {}, None
-    for iteration, metrics in evals.items():
-        if best is None or metrics[EVAL_ACCURACY] > best:
-            best = metrics[EVAL_ACCURACY]
-            chosen[iteration] = metrics
-        elif spec.tracking.register == "every_eval":
-            chosen[iteration] = metrics
-    stopped = state.get("stopped")
-    if stopped and "when" in stopped and stopped["iteration"] in evals:  # the eval gate's (a sign's names no `when`)
-        chosen[stopped["iteration"]] = evals[stopped["iteration"]]
-    return dict(sorted(chosen.items()))
-
-
-def eval_weights_version(iteration: int, metrics: dict[str, float]) -> int:
-    """The weights version an eval measured (iteration N's eval: vN, unless its metrics say otherwise)."""
-    return int(metrics.get(EVAL_WEIGHTS_VERSION, iteration))
-
-
-def registered_versions(spec: RunSpec, run_root: str) -> frozenset[int]:
-    """The weight versions `versions_to_register` names: the store keeps them (rlpipe.store.commit)."""
-    return frozenset(eval_weights_version(n, m) for n, m in versions_to_register(spec, run_root).items())
-
-
 def record_harness(spec: RunSpec, run_root: str, version: int, metrics: dict[str, float]) -> list[str]:
     """A harness run on version N outside the loop (rlpipe.evaluation.harness.harness_version): its metrics on the RL
     run at step N, and as tags of each model version registered from vN. Returns those model versions."""
@@ -390,111 +325,3 @@ def record_harness(spec: RunSpec, run_root: str, version: int, metrics: dict[str
                 client.set_model_version_tag(name, model_version.version, key, f"{value:.4f}")
             tagged.append(model_version.version)
     return tagged
-
-
-def registry_source(spec: RunSpec, weights_uri: str, tracking: str) -> str:
-    """A model version's source: the sealed version's URI in the weight store. A tracking server refuses a
-    local path (to the server it names its own files), so with one a run root on the cluster's volume
-    registers pvc://<cluster.pvc>/<path under cluster.mount_path>, any other local path
-    rlpipe-local://<host>/<path> (tag rlpipe.weights_uri keeps the path as the steps see it)."""
-    if urllib.parse.urlparse(weights_uri).scheme not in ("", "file") or not tracking.startswith(("http:", "https:")):
-        return weights_uri
-    path = weights_uri.removeprefix("file://")
-    mount = spec.cluster.mount_path.rstrip("/")
-    if spec.cluster.pvc and path.startswith(f"{mount}/"):
-        return f"pvc://{spec.cluster.pvc}{path[len(mount) :]}"
-    return f"rlpipe-local://{socket.gethostname()}{path}"
-
-
-def register_versions(spec: RunSpec, run_root: str, run_id: str, client: MlflowClient) -> list[int]:
-    """Register each version `versions_to_register` names that the registry lacks (a model version whose
-    source is the sealed version in the weight store: nothing is copied; tags: iteration, eval accuracy,
-    sha256), then point the alias 'best' at the best eval's and 'gate_passed' at the stop gate's.
-    Returns the iterations registered now."""
-    from mlflow.exceptions import MlflowException
-
-    from rlpipe.store.weights import read_weight_ref
-
-    chosen = versions_to_register(spec, run_root)
-    if not chosen:
-        return []
-    name = registered_model_name(spec)
-    try:
-        client.create_registered_model(name, description=f"rlpipe run {spec.name}: evaluated policy versions")
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    state = read_state(run_root) or {}
-    mine = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(RUN_TAG) == state["run_uid"]]
-    model_version = {int(v.tags[ITERATION_TAG]): v.version for v in mine}
-    registered = []
-    for iteration, metrics in chosen.items():
-        if iteration in model_version:
-            continue
-        version = eval_weights_version(iteration, metrics)
-        try:
-            published = read_weight_ref(run_root, version)
-        except FileNotFoundError:  # pruned before this flush (a run from before registration kept it)
-            continue
-        tags = {
-            RUN_TAG: state["run_uid"],
-            ITERATION_TAG: str(iteration),
-            "rlpipe.weights_version": str(version),
-            "rlpipe.sha256": published["sha256"],
-            EVAL_ACCURACY: f"{metrics[EVAL_ACCURACY]:.4f}",
-        } | {key: f"{value:.4f}" for key, value in metrics.items() if key.startswith("harness/")}
-        source = registry_source(spec, published["uri"], tracking_uri(spec, run_root))
-        tags |= {} if source == published["uri"] else {"rlpipe.weights_uri": published["uri"]}
-        created = client.create_model_version(
-            name, source=source, run_id=run_id, tags=tags, description=f"iteration {iteration}"
-        )
-        model_version[iteration] = created.version
-        registered.append(iteration)
-    best = max(chosen, key=lambda n: (chosen[n][EVAL_ACCURACY], -n))
-    if best in model_version:
-        client.set_registered_model_alias(name, BEST_ALIAS, model_version[best])
-    stopped = state.get("stopped")
-    if stopped and "when" in stopped and stopped["iteration"] in model_version:  # the eval gate passed there
-        client.set_registered_model_alias(name, GATE_ALIAS, model_version[stopped["iteration"]])
-    return registered
-
-
-def kubeflow_records(spec: RunSpec, run_root: str, run_id: str) -> list[dict[str, Any]]:
-    """What the Kubeflow Model Registry gets of each version `register_versions` registers (one the store
-    still has): the weights version, its source (`registry_source`, as a server sees it), its URI in the
-    store, a description and the metadata: run, MLflow run, iteration, sha256 and eval metrics."""
-    from rlpipe.store.weights import read_weight_ref
-
-    state = read_state(run_root) or {}
-    records = []
-    for iteration, metrics in versions_to_register(spec, run_root).items():
-        version = eval_weights_version(iteration, metrics)
-        try:
-            published = read_weight_ref(run_root, version)
-        except FileNotFoundError:  # pruned before registration was asked for: MLflow skips it too
-            continue
-        source = registry_source(spec, published["uri"], spec.tracking.model_registry.server_address)
-        metadata = {
-            RUN_TAG: state["run_uid"],
-            "rlpipe.run_name": spec.name,
-            "rlpipe.run_root": run_root,
-            "mlflow.run_id": run_id,
-            ITERATION_TAG: iteration,
-            "rlpipe.weights_version": version,
-            "rlpipe.sha256": published["sha256"],
-            "rlpipe.weights_uri": published["uri"],
-        } | {key: float(value) for key, value in sorted(metrics.items()) if key != EVAL_WEIGHTS_VERSION}
-        description = f"rlpipe run {spec.name}, iteration {iteration}: {EVAL_ACCURACY} {metrics[EVAL_ACCURACY]:.4f}"
-        record = {"version": version, "uri": source, "weights_uri": published["uri"], "description": description}
-        records.append(record | {"metadata": metadata})
-    return records
-
-
-def run_url(spec: RunSpec, run_root: str, run_id: str) -> str:
-    """Where a person finds the run: the UI command for sqlite, the server URL otherwise (in the
-    model-training view of the MLflow 3 UI)."""
-    uri = tracking_uri(spec, run_root)
-    if uri.startswith("sqlite:"):
-        experiment = spec.tracking.experiment
-        return f"mlflow ui --backend-store-uri {uri}   (then open the '{experiment}' experiment, run {run_id})"
-    return f"{uri.rstrip('/')}/#/experiments/runs/{run_id}?workflowType=machine_learning"

@@ -6,7 +6,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from rlpipe.run.preflight.probe import CheckFailed
+from rlpipe.preflight.probe import CheckFailed
 from rlpipe.spec import RunSpec
 
 

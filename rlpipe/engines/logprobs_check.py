@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import requests
 
-from rlpipe.services.samplers.client import SamplerError, post, sampled_choices
+from rlpipe.engines.sampler_requests import SamplerError, post, sampled_choices
 from rlpipe.store.run_root import join, read_json, write_json
 
 PROBE = {"n": 4, "max_tokens": 8, "logprobs": 2, "seed": 0, "detokenize": False}
