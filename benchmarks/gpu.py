@@ -10,7 +10,7 @@
 Models are random-init configs of the real sizes (Qwen2.5: vocab 151,936; SmolLM2-135M, the real-model
 example's LlamaForCausalLM: vocab 49,152); the batch is synthetic
 (prompt and completion tokens, advantages, sampling log-probs). Per shape, through rlpipe's own
-functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.sample):
+functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.hf_decode):
   - update: tokens/s over `--steps` optimizer steps (micro-batches of `--micro-batch-tokens`,
     gradient checkpointing, trainer.dtype), model FLOPs utilisation
         MFU = (6 P + 12 L h T) tokens/s / peak FLOP/s      (P parameters, L layers, h hidden, T tokens

@@ -83,7 +83,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
 
     from rlpipe.engines import Sampling
     from rlpipe.engines.sampler_requests import generate_groups
-    from rlpipe.engines.torch_engine import sample_in_batches
+    from rlpipe.engines.torch_engine import hf_decode_in_batches
     from rlpipe.engines.vllm_engine import sample_groups
     from rlpipe.models.loading import load_policy
 
@@ -92,7 +92,7 @@ def throughput(model_dir: Path, llm, prompts: list[str], samples: int, new_token
     result: dict[str, float] = {}
 
     t = time.time()
-    out = sample_in_batches(
+    out = hf_decode_in_batches(
         model,
         [p for p in ids for _ in range(samples)],
         batch_size=4096,

@@ -151,7 +151,7 @@ def test_a_partial_rollout_goes_on_under_the_new_version_token_by_token(tmp_path
     version recorded; the correction weights pi_prox / pi_behaviour per token are 1 where the version
     the trainer holds sampled the token, not where the old one did."""
     from rlpipe.algorithms.policy_gradient import behaviour_weights
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
     from rlpipe.services.producer.buffer import partial_metrics
     from rlpipe.training.off_policy import sampled_by
@@ -172,7 +172,7 @@ def test_a_partial_rollout_goes_on_under_the_new_version_token_by_token(tmp_path
 
     prompts = [tokenizer(text)["input_ids"] for text in ("12+34=", "5+6=")]
     generator = torch.Generator().manual_seed(0)
-    out = sample(old, prompts, 8, -1, tokenizer.pad_token_id, generator=generator, samples=3, refresh=Published())
+    out = hf_decode(old, prompts, 8, -1, tokenizer.pad_token_id, generator=generator, samples=3, refresh=Published())
     assert out.token_versions == [[0, 0, 0, 1, 1, 1, 1, 1]] * 6  # eos -1: every row runs 8 tokens
 
     for row, (tokens, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
@@ -205,7 +205,7 @@ def test_the_engine_hands_over_each_group_at_the_decode_step_it_finishes(tmp_pat
     """The rollout producer's torch engine publishes a group the step its last completion ends (those that
     reach max_new_tokens at the end): each group once, in the order they finish, with the completions the
     batch returns; the decoding is the same as without the callback."""
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer()
@@ -215,7 +215,7 @@ def test_the_engine_hands_over_each_group_at_the_decode_step_it_finishes(tmp_pat
 
     def run(**kwargs):
         generator = torch.Generator().manual_seed(0)
-        return sample(
+        return hf_decode(
             model, prompts, 30, tokenizer.eos_token_id, tokenizer.pad_token_id, generator=generator, samples=3, **kwargs
         )
 

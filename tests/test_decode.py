@@ -115,19 +115,19 @@ def test_draws_follow_the_distribution_top_k_and_top_p_leave():
 
 
 def test_the_torch_engine_decodes_with_it_unless_a_rollout_is_partial(monkeypatch):
-    """sample_with takes this loop in batches of sampling.batch_size rows, the rollout producer's `on_groups`
+    """complete takes this loop in batches of sampling.batch_size rows, the rollout producer's `on_groups`
     included: each group handed over once, at the step that ends its last row, with the completions the
-    call returns; a partial rollout (`refresh`) takes Hugging Face's forward (torch_engine.sample)."""
+    call returns; a partial rollout (`refresh`) takes Hugging Face's forward (torch_engine.hf_decode)."""
     from rlpipe.engines import torch_engine
 
     calls = []
     monkeypatch.setattr(torch_engine, "decode", lambda *a, **k: calls.append(len(a[1])) or decode(*a, **k))
     loaded = LoadedModel(tiny("qwen2"), Tokens())
     sampling = Sampling(2, 4, batch_size=4)
-    done = torch_engine.sample_with(loaded, PROMPTS, sampling, torch.Generator().manual_seed(0))
+    done = torch_engine.complete(loaded, PROMPTS, sampling, torch.Generator().manual_seed(0))
     assert calls == [2, 1] and len(done.token_ids) == 6  # two prompts' groups a batch
     published = []
-    handed = torch_engine.sample_with(
+    handed = torch_engine.complete(
         loaded, PROMPTS, sampling, torch.Generator().manual_seed(0), on_groups=lambda g, c: published.append((g, c))
     )
     assert calls == [2, 1, 2, 1] and (handed.token_ids, handed.logprobs) == (done.token_ids, done.logprobs)

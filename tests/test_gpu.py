@@ -72,7 +72,7 @@ def test_a_packed_update_on_the_gpu_is_the_padded_update(tmp_path: Path, dtype: 
 
 
 def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_path: Path):
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.training.batching import pack
     from rlpipe.training.logprobs import completion_logits, token_logprobs
 
@@ -86,7 +86,7 @@ def test_bf16_on_the_gpu_keeps_fp32_masters_and_samples_what_it_trains_on(tmp_pa
 
     model = bf16.policy.eval()
     prompts = [[1, 5, 6, 14, 7, 8, 16], [1, 9, 14, 4, 16]] * 3
-    out = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator("cuda").manual_seed(0), bf16=True)
+    out = hf_decode(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator("cuda").manual_seed(0), bf16=True)
     rows = [
         {"prompt_token_ids": p, "completion_token_ids": c, "logprobs": lp, "advantage": 0.0}
         for p, c, lp in zip(prompts, out.token_ids, out.logprobs, strict=True)

@@ -136,14 +136,14 @@ def sampled_rows(name: str, folder: Path, cache: Path, samples: int = 4) -> tupl
     """(model, tokenizer, rows): `samples` torch-engine completions of each of 8 prompts of different lengths
     (left-padded, one shared prefill per prompt), with the log-probs the engine recorded."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import sample_groups
+    from rlpipe.engines.torch_engine import complete_groups
     from rlpipe.models.loading import load_policy
 
     model, tokenizer = load_policy(str(folder))
     prompts = [row["prompt_token_ids"] for row in encoded(str(folder), cache)]
     assert len({len(p) for p in prompts}) > 1, "prompts of one length would not exercise left padding"
     sampling = Sampling(samples=samples, max_new_tokens=8, temperature=TEMPERATURE)
-    done = sample_groups(LoadedModel(model, tokenizer), prompts, sampling, seed=3)
+    done = complete_groups(LoadedModel(model, tokenizer), prompts, sampling, seed=3)
     rows = [
         {"prompt_token_ids": prompts[i // samples], "completion_token_ids": ids, "logprobs": logprobs}
         for i, (ids, logprobs) in enumerate(zip(done.token_ids, done.logprobs, strict=True))

@@ -61,21 +61,21 @@ def test_hub_id_offline_gives_a_clear_error(monkeypatch):
 def test_a_group_sampled_from_one_prefill_equals_its_prompt_repeated(greedy: bool):
     import torch
 
-    from rlpipe.engines.torch_engine import sample, sample_in_batches
+    from rlpipe.engines.torch_engine import hf_decode, hf_decode_in_batches
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(TinyModelSpec(), tokenizer, seed=0).eval()
     prompts = [tokenizer(q)["input_ids"] for q in ("12+34=", "5+6=", "123+4=")]
     pads = {"eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "greedy": greedy}
-    shared = sample(model, prompts, 8, generator=torch.Generator().manual_seed(3), samples=4, **pads)
+    shared = hf_decode(model, prompts, 8, generator=torch.Generator().manual_seed(3), samples=4, **pads)
     repeated = [ids for ids in prompts for _ in range(4)]
-    alone = sample(model, repeated, 8, generator=torch.Generator().manual_seed(3), **pads)
+    alone = hf_decode(model, repeated, 8, generator=torch.Generator().manual_seed(3), **pads)
     assert shared.token_ids == alone.token_ids and shared.finish_reasons == alone.finish_reasons
     for a, b in zip(shared.logprobs, alone.logprobs, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
     assert len({tuple(t) for t in shared.token_ids[:4]}) > (0 if greedy else 1)  # sampled rows differ
     # a batch smaller than a group repeats the prompts: the same rows, one batch of 3 at a time
-    small = sample_in_batches(
+    small = hf_decode_in_batches(
         model, prompts, 3, samples=4, max_new_tokens=8, generator=torch.Generator().manual_seed(3), **pads
     )
     assert len(small.token_ids) == 12 and (not greedy or small.token_ids == alone.token_ids)

@@ -325,7 +325,8 @@ from rlpipe.models.loading import build_char_tokenizer, build_tiny_model
 from rlpipe.spec import TinyModelSpec, parse_spec
 from rlpipe.training.distributed import init_from_torchrun, shard
 from rlpipe.training.state import Trainer
-from rlpipe.training.trainer import save_trained, train_on_batch
+from rlpipe.training.loading import save_version
+from rlpipe.training.trainer import train_on_batch
 
 batch, run_root, out = sys.argv[1:4]
 torch.set_num_threads(1)
@@ -343,7 +344,7 @@ if processes > 1:
 optimizer = torch.optim.AdamW(model.parameters(), lr=spec.trainer.lr, eps=1e-3)
 trainer = Trainer(spec, run_root, {"version": 0}, model, tokenizer, optimizer, reference)
 metrics = train_on_batch(trainer, batch, 1)
-ref = save_trained(trainer, 1, run_root + "/cache")
+ref = save_version(trainer, 1, run_root + "/cache")
 if rank == 0:
     json.dump({"metrics": metrics, "processes": processes, "uri": ref["uri"]}, open(out, "w"))
 """
@@ -404,7 +405,7 @@ def test_two_processes_give_the_one_process_update(tmp_path: Path):
 
 
 def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.training.batching import pack
     from rlpipe.training.logprobs import completion_logits, token_logprobs
 
@@ -412,7 +413,7 @@ def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     model = trainer.policy.eval()
     prompts = [[1, 5, 6, 14, 7, 8, 16], [1, 9, 14, 4, 16]] * 3
     generator = torch.Generator().manual_seed(0)
-    out = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=generator, bf16=True)
+    out = hf_decode(model, prompts, 6, eos_id=2, pad_id=0, generator=generator, bf16=True)
     rows = [
         {"prompt_token_ids": p, "completion_token_ids": c, "logprobs": lp, "advantage": 0.0}
         for p, c, lp in zip(prompts, out.token_ids, out.logprobs, strict=True)
@@ -424,5 +425,5 @@ def test_bf16_sampling_records_what_the_bf16_update_recomputes(tmp_path: Path):
     mask = mb.completion_mask.bool()
     gap = (recomputed[mask] - mb.old_logprobs[mask]).abs().max()
     assert gap < 0.05  # bf16 rounding of a cached vs a full forward, not another distribution
-    fp32 = sample(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(0))
+    fp32 = hf_decode(model, prompts, 6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(0))
     assert fp32.logprobs != out.logprobs  # bf16 really ran

@@ -95,11 +95,11 @@ def publish_random_version(run, version: int, seed: int) -> dict:
 
 
 def torch_greedy(weights_dir: str, prompt_ids: list[int], tokens: int) -> list[int]:
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.models.loading import load_policy
 
     model, tokenizer = load_policy(weights_dir)
-    out = sample(model, [prompt_ids], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
+    out = hf_decode(model, [prompt_ids], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
     return out.token_ids[0]
 
 

@@ -80,13 +80,13 @@ def merged_logprobs(run, version: int, rows: list[dict]) -> list[torch.Tensor]:
 
 
 def merged_greedy(run, version: int, tokens: int = 6) -> list[int]:
-    from rlpipe.engines.torch_engine import sample
+    from rlpipe.engines.torch_engine import hf_decode
     from rlpipe.models.loading import load_weights
     from rlpipe.store.weights import read_weight_ref
 
     _, run_root, cache = run
     model, tokenizer = load_weights(read_weight_ref(run_root, version), cache, threads=1)
-    out = sample(model, [PROMPT], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
+    out = hf_decode(model, [PROMPT], tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
     return out.token_ids[0]
 
 

@@ -291,7 +291,7 @@ class GroupPublisher:
     """Hands `on_groups` the groups (`samples` consecutive rows) all of whose rows have ended, at the
     decode step that ends the last of them: their indices and completions (the rollout producer writes
     each to the buffer at once while the batch decodes on). Both decode loops use it: this module's and
-    rlpipe.engines.torch_engine.sample."""
+    rlpipe.engines.torch_engine.hf_decode."""
 
     def __init__(self, on_groups: Callable[[list[int], Completions], None], samples: int, rows: int) -> None:
         self.on_groups, self.samples = on_groups, samples

@@ -31,7 +31,7 @@ def generation_end_ids(model: PreTrainedModel) -> set[int]:
 
 
 @torch.no_grad()
-def sample(
+def hf_decode(
     model: PreTrainedModel,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -162,10 +162,10 @@ class Refresh(Protocol):
     def newer(self) -> tuple[PreTrainedModel, int] | None: ...
 
 
-def sample_in_batches(
+def hf_decode_in_batches(
     model: PreTrainedModel, prompts: list[list[int]], batch_size: int, samples: int = 1, **kwargs
 ) -> Completions:
-    """`samples` completions per prompt (prompt-major), `sample` over chunks of at most `batch_size`
+    """`samples` completions per prompt (prompt-major), `hf_decode` over chunks of at most `batch_size`
     rows (bounds activation and KV-cache memory): whole groups when a batch holds one, else the
     prompts repeated (and `on_groups` is not called: the caller takes the groups at the end). A batch
     after a `refresh` swapped the weights starts with the new model."""
@@ -178,7 +178,7 @@ def sample_in_batches(
     for start in range(0, len(prompts), per_batch):
         current = refresh.model if refresh is not None else model
         batch = prompts[start : start + per_batch]
-        result.extend(sample(current, batch, samples=samples, on_groups=batch_on_groups(on_groups, start), **kwargs))
+        result.extend(hf_decode(current, batch, samples=samples, on_groups=batch_on_groups(on_groups, start), **kwargs))
     return result
 
 
@@ -191,7 +191,7 @@ def batch_on_groups(
     return lambda groups, done: on_groups([start + g for g in groups], done)
 
 
-def sample_with(
+def complete(
     loaded: LoadedModel,
     prompts: list[list[int]],
     sampling: Sampling,
@@ -203,7 +203,7 @@ def sample_with(
     """`sampling.samples` completions per prompt, ending at the tokenizer's eos, the model's generation end ids
     and `stop_ids`: a Llama-family model over a preallocated KV cache (rlpipe.engines.decode), its groups
     handed to the rollout producer's `on_groups` as they end; other models, and partial rollouts (`refresh`:
-    a newer version mid-batch), with `sample_in_batches`."""
+    a newer version mid-batch), with `hf_decode_in_batches`."""
     model, tokenizer = loaded.model, loaded.tokenizer
     stop_ids = set(stop_ids) | generation_end_ids(model)
     length = max(map(len, prompts)) + sampling.max_new_tokens
@@ -220,7 +220,7 @@ def sample_with(
             batch_groups = batch_on_groups(on_groups, start)
             result.extend(decode(fast, prompts[start : start + per_batch], sampling, pick, on_groups=batch_groups))
         return result
-    return sample_in_batches(
+    return hf_decode_in_batches(
         model,
         prompts,
         batch_size=sampling.batch_size,
@@ -239,11 +239,11 @@ def sample_with(
     )
 
 
-def sample_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
+def complete_groups(loaded: LoadedModel, prompt_ids: list[list[int]], sampling: Sampling, seed: int) -> Completions:
     """`sampling.samples` completions per prompt (prompt-major), drawn from a generator seeded `seed`
     (the generate step's, and offline DPO's preference sampling)."""
     generator = torch.Generator(device=loaded.model.device).manual_seed(seed)
-    return sample_with(loaded, prompt_ids, sampling, generator, refresh=loaded.refresh, on_groups=loaded.publish)
+    return complete(loaded, prompt_ids, sampling, generator, refresh=loaded.refresh, on_groups=loaded.publish)
 
 
 def sample_trajectories(
@@ -255,12 +255,12 @@ def sample_trajectories(
     greedy: bool = False,
 ) -> list[Trajectory]:
     """`sampling.samples` multi-turn trajectories per row (prompt-major) against `environment`, each
-    turn drawn with `sample` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
+    turn drawn with `hf_decode` from one generator seeded `seed` (rlpipe.environments.run_trajectories)."""
     generator = torch.Generator(device=loaded.model.device).manual_seed(seed)
 
     def sample_turn(sequences: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> Completions:
         turn = replace(sampling, samples=1, max_new_tokens=max_new_tokens)  # the rows are already repeated
-        return sample_with(loaded, sequences, turn, generator, greedy, stop_ids)
+        return complete(loaded, sequences, turn, generator, greedy, stop_ids)
 
     repeated = [row for row in rows for _ in range(sampling.samples)]
     prompts = [list(row["prompt_token_ids"]) for row in repeated]
@@ -295,7 +295,7 @@ def sample_prompts(request: SampleRequest) -> Sampled:
         trajectories = sample_trajectories(loaded, rows or [], Sampling.of(spec), seed, environment)
         model.train(was_training)
         return sampled_trajectories(trajectories, Codec.of(tokenizer), loaded_at)
-    completions = sample_groups(loaded, prompt_ids, Sampling.of(spec), seed)
+    completions = complete_groups(loaded, prompt_ids, Sampling.of(spec), seed)
     model.train(was_training)
     texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     if completions.token_versions is None:

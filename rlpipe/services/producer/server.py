@@ -127,7 +127,7 @@ class LatestVersion:
     """The producer's policy with the torch engine: the latest committed version, a delta written into the
     model held in place. With loop.partial_rollouts the engine asks `newer()` between decode steps (it reads
     state.json at most every CHECK_S seconds), so an unfinished completion goes on under a version
-    committed meanwhile (rlpipe.engines.torch_engine.sample)."""
+    committed meanwhile (rlpipe.engines.torch_engine.hf_decode)."""
 
     CHECK_S = 0.25
 
