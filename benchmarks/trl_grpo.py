@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from rlpipe.spec import RunSpec
 
-VERIFIER = "rlpipe.rewards.verifiers:exact_match"
+VERIFIER = "rlpipe.rewards.answer_checks:exact_match"
 VS_TRL = Path(__file__).with_name("vs_trl.py")  # its --run-trl mode runs `run_trl` in a child process
 
 TRL_LABELS = {"trl": "TRL", "trl_same_batch": "TRL same batch", "trl_micro": "TRL same batch, micro-batches"}
@@ -148,7 +148,7 @@ def run_trl(args: argparse.Namespace) -> None:
 
     from rlpipe.evaluation.accuracy import greedy_samples
     from rlpipe.models.loading import load_tokenizer
-    from rlpipe.rewards.verifiers import exact_match
+    from rlpipe.rewards.answer_checks import exact_match
 
     torch.set_num_threads(1)
     run_root, model_dir = args.run_root, args.model_dir

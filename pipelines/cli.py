@@ -56,7 +56,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 def _run_here(spec: RunSpec, args: argparse.Namespace, compiled: Any = None) -> int:
     """`rlpipe run` (or rehearse) to the end: 0 when the loop is done or its gate passed."""
-    from rlpipe.evaluation.cadence import stopped_by_gate
+    from rlpipe.evaluation.stopping import stopped
     from rlpipe.pipelines.local_run import RunStopped, run_locally
 
     try:
@@ -66,7 +66,8 @@ def _run_here(spec: RunSpec, args: argparse.Namespace, compiled: Any = None) -> 
     except RunStopped as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 128 + err.signum
-    return 0 if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) else 1
+    stop = stopped(spec, state)  # the eval gate's (with its `when`) ends the loop as done; a sign's does not
+    return 0 if state.get("iteration", 0) >= spec.loop.iterations or (stop is not None and stop.when) else 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.live import Live
 
-from rlpipe.evaluation.cadence import stopped_by_gate
-from rlpipe.evaluation.diagnosis import stop_message, stopped_by_sign
+from rlpipe.evaluation.stopping import stopped
 from rlpipe.pipelines.progress import Progress
 from rlpipe.run.preflight import preflight
 from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
@@ -335,24 +334,20 @@ def run_chunks(spec: RunSpec, pipeline: Callable[..., Any], spec_arg: str, run_r
             else:
                 failure = None
         state = read_state(run_root) or {}
-        stopped = stopped_by_sign(state)  # a degenerate start or no reward: the next generate refuses
-        if failure is not None and not stopped:
+        stop = stopped(spec, state)  # the eval gate, or a sign (then the next generate refused: no failure)
+        if failure is not None and (stop is None or stop.sign is None):
             raise PipelineRunFailed(_failure_message(failure, log_path, offset)) from None
-        if state.get("iteration", 0) >= spec.loop.iterations or stopped_by_gate(spec, state) or stopped:
+        if state.get("iteration", 0) >= spec.loop.iterations or stop is not None:
             return
 
 
 def how_it_ended(spec: RunSpec, run_root: str, state: dict, launches: StepLaunches) -> list[str]:
     """What `rlpipe run` says last: the eval gate that ended the loop, or the sign that stopped it with its
-    likely causes (rlpipe.evaluation.diagnosis), how its steps started when some were not forks, and where
+    likely causes (rlpipe.evaluation.stopping), how its steps started when some were not forks, and where
     the MLflow run is."""
     lines = [f"steps: {launches.summary()}"] if launches.fresh else []
-    if stopped := stopped_by_gate(spec, state):
-        lines.append(
-            f"loop.stop_when passed at iteration {stopped['iteration']} ({stopped['reason']}): the loop ends there"
-        )
-    if stopped := stopped_by_sign(state):
-        lines.append(stop_message(stopped, run_root))
+    if stop := stopped(spec, state):
+        lines.append(stop.message(run_root))
     if state.get("mlflow_run_id"):
         lines.append(f"MLflow run: {run_url(spec, run_root, state['mlflow_run_id'])}")
     return lines

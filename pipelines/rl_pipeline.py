@@ -116,6 +116,7 @@ def build_offset_update_pipeline(placement: RunSpec | None, steps: tuple[str, ..
         scored: dsl.Input[dsl.Dataset],
         generate_metrics: dict,
         score_metrics: dict,
+        started_at: float,
         eval_phase: int,
         due_phase: int,
         iterations_left: int,
@@ -129,6 +130,7 @@ def build_offset_update_pipeline(placement: RunSpec | None, steps: tuple[str, ..
             "scored": scored,
             "generate_metrics": generate_metrics,
             "score_metrics": score_metrics,
+            "started_at": started_at,  # generate's start, ahead: the iteration's wall clock runs from there
         }
         for step in steps:
             if step not in AHEAD:
@@ -265,6 +267,7 @@ def offset_iterations(
             scored=ahead["scored"],
             generate_metrics=ahead["generate_metrics"],
             score_metrics=ahead["score_metrics"],
+            started_at=ahead["started_at"],
             eval_phase=start.outputs["eval_phase"],
             due_phase=-k % eval_every,  # (N0 + k) % eval_every == 0
             iterations_left=start.outputs["iterations_left"],

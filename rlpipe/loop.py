@@ -28,7 +28,6 @@ from rlpipe.metric_keys import (
     ITERATION_WALL,
     STALENESS_MAX,
     STALENESS_MEAN,
-    STARTED_AT,
     UPDATE_TIME,
 )
 from rlpipe.steps import BY_NAME, iteration_steps, merged_steps, service_for
@@ -63,10 +62,10 @@ class Start:
 def plan(spec: RunSpec, run_root: str) -> Start:
     """Read state.json. The run's k-th iteration is due an eval when (iteration + k) %
     loop.eval_every == 0, or iteration + k == loop.iterations (rlpipe.evaluation.cadence.eval_due). Nothing is
-    left once loop.stop_when, a degenerate start or a no-reward iteration (rlpipe.evaluation.diagnosis) has
-    stopped the loop; with a gate, a pipeline run ends at the next eval."""
-    from rlpipe.evaluation.cadence import iterations_to_next_eval, stopped_by_gate
-    from rlpipe.evaluation.diagnosis import stopped_by_sign
+    left once a stop holds (rlpipe.evaluation.stopping: the eval gate, a degenerate start, no reward); with a
+    gate, a pipeline run ends at the next eval."""
+    from rlpipe.evaluation.cadence import iterations_to_next_eval
+    from rlpipe.evaluation.stopping import stopped
     from rlpipe.store.run_root import read_state
     from rlpipe.store.weights import read_weight_ref
 
@@ -74,8 +73,7 @@ def plan(spec: RunSpec, run_root: str) -> Start:
     if state is None or "iteration" not in state:
         raise RuntimeError(f"{run_root} has no state.json: the warm_start and publish_warm_start steps must run first")
     iteration = state["iteration"]
-    stopped = stopped_by_gate(spec, state) or stopped_by_sign(state)
-    left = 0 if stopped else spec.loop.iterations - iteration
+    left = 0 if stopped(spec, state) else spec.loop.iterations - iteration
     todo = max(0, min(spec.loop.iterations_per_run, left))
     if spec.loop.stop_when:  # a pipeline run ends at the next eval: the next one starts only if the gate is shut
         todo = min(todo, iterations_to_next_eval(spec, iteration))
@@ -108,8 +106,8 @@ def generate(
     (loop.max_staleness s >= 1) take them from the rollout buffer instead, sampled ahead by the producer
     with v(N-s) .. v(N) (rlpipe.services.producer.buffer), or, in the DAG-offset form (loop.overlap dag), sample
     them here with the version the pipeline hands over, s iterations old at most. Refused (StoppedBySign) once a
-    degenerate start or a no-reward iteration stopped the loop: a pipeline run plans its iterations before."""
-    from rlpipe.evaluation.diagnosis import refuse_if_stopped
+    sign stopped the loop: a pipeline run plans its iterations before the stop."""
+    from rlpipe.evaluation.stopping import refuse_if_stopped
 
     refuse_if_stopped(run_root)
     if service_for("generate", spec) == "producer":
@@ -176,22 +174,46 @@ def update(
 
 
 def sync_weights(
-    spec: RunSpec, run_root: str, staged: WeightRef, iteration: int, *step_metrics: dict[str, float]
+    spec: RunSpec,
+    run_root: str,
+    staged: WeightRef,
+    iteration: int,
+    *step_metrics: dict[str, float],
+    started_at: float | None = None,
 ) -> tuple[WeightRef, dict[str, float]]:
-    """Publish v(N+1), record the iteration's metrics (every step's, merged), commit state.json, then
-    prune what the store no longer needs. A kill before the commit redoes the iteration from v(N); a sync
-    retried after its own commit does nothing (rlpipe.store.commit). An iteration whose every sample earned
-    the same reward, none above 0, ending a stretch of at least 64 such rollouts, stops the loop after its
-    commit (rlpipe.evaluation.diagnosis.no_reward)."""
-    from rlpipe.evaluation.diagnosis import stop_on_no_reward
-    from rlpipe.store.commit import already_committed, commit_iteration
+    """Publish v(N+1), record the iteration's metrics (every step's, merged, and its wall clock from
+    `started_at`, when the generate step's process started), commit state.json, then prune what the store no
+    longer needs. A kill before the commit redoes the iteration from v(N); a sync retried after its own commit
+    only checks the stop (rlpipe.store.commit). After the commit the loop stops when the iteration's records
+    show a stop (rlpipe.evaluation.stopping: a stretch of 64 rollouts without reward)."""
+    from rlpipe.evaluation.stopping import record_stop, should_stop
+    from rlpipe.store.commit import already_committed
+
+    retried = already_committed(run_root, iteration)  # a kill may have come between the commit and the stop
+    if retried is None:
+        published, metrics = publish_and_commit(spec, run_root, staged, iteration, step_metrics, started_at)
+    else:
+        published, metrics = retried, {}
+    record_stop(run_root, should_stop(spec, run_root, iteration, published["version"]))  # <- the commit's boundary
+    if retried is None:
+        prune_store(spec, run_root, published["version"])
+    return published, metrics
+
+
+def publish_and_commit(
+    spec: RunSpec,
+    run_root: str,
+    staged: WeightRef,
+    iteration: int,
+    step_metrics: tuple[dict[str, float], ...],
+    started_at: float | None,
+) -> tuple[WeightRef, dict[str, float]]:
+    """v(N+1) published, metrics/iter_N.json written, state.json committed at iteration N."""
+    from rlpipe.store.commit import commit_iteration
     from rlpipe.store.run_root import iteration_metrics_uri, write_json
     from rlpipe.store.weights import publish, weights_bytes
 
     started = time.time()
-    if (published := already_committed(run_root, iteration)) is not None:  # a kill may have come before the stop
-        stop_on_no_reward(run_root, iteration, published["version"], spec.loop.stop_on_signs)
-        return published, {}
     published = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
     metrics: dict[str, float] = {}
     for each in step_metrics:
@@ -202,7 +224,7 @@ def sync_weights(
 
         metrics |= reload_samplers(spec, published)  # in place; a rerun after a kill finds them labelled
     metrics["time/sync_weights_s"] = time.time() - started
-    metrics |= iteration_wall(spec, metrics.pop(STARTED_AT, None), metrics)
+    metrics |= iteration_wall(spec, started_at, metrics)
     write_json(iteration_metrics_uri(run_root, iteration), metrics)
     taken = consumed = None
     if service_for("generate", spec) == "producer" and iteration:
@@ -210,14 +232,11 @@ def sync_weights(
 
         taken, consumed = taken_for_commit(spec, run_root, iteration)
     commit_iteration(run_root, iteration, published, taken, consumed)  # <- the commit point
-    # nothing to learn from: the loop ends after this commit
-    stop_on_no_reward(run_root, iteration, published["version"], spec.loop.stop_on_signs)
-    prune_store(spec, run_root, published["version"])
     return published, metrics
 
 
 def iteration_wall(spec: RunSpec, started_at: float | None, metrics: dict[str, float]) -> dict[str, float]:
-    """The iteration's wall clock, from the generate step's process start (STARTED_AT) to now, and the
+    """The iteration's wall clock, from the generate step's process start (`started_at`) to now, and the
     part of it no step's `time/*_s` accounts for (orchestration: process starts, imports, artifacts)."""
     if started_at is None:
         return {}
@@ -233,8 +252,8 @@ def prune_store(spec: RunSpec, run_root: str, version: int) -> None:
     """After the commit of v(version): move the iteration's buffered rollouts to consumed/ (asynchronous
     runs), delete weight versions past storage.keep_versions (never v0 nor a version the MLflow Model
     Registry points at) and optimizer states older than v(version)'s, the policy's and a critic's."""
-    from rlpipe.run.tracking import registered_versions
     from rlpipe.store.weights import prune, prune_optimizer_states
+    from rlpipe.tracking.registration import registered_versions
 
     if service_for("generate", spec) == "producer":
         from rlpipe.services.producer.buffer import retire
@@ -252,9 +271,10 @@ def evaluate(
 ) -> dict[str, float] | None:
     """Greedy held-out accuracy (reward.verifier) of `weights`, recorded in metrics/eval_N.json, when
     iteration N is due an eval and not yet recorded; None otherwise (decided before importing torch).
-    When the metrics pass loop.stop_when, state.json records the loop as stopped there; so it does when v0's
-    held-out answers are all one string, right for none (rlpipe.evaluation.diagnosis.degenerate_start)."""
+    Then the loop stops when the eval shows a stop (rlpipe.evaluation.stopping: its metrics pass
+    loop.stop_when, or v0's held-out answers are all one string, right for none)."""
     from rlpipe.evaluation.cadence import evaluation_pending
+    from rlpipe.evaluation.stopping import record_stop, should_stop
 
     if not evaluation_pending(spec, run_root, iteration):
         return None
@@ -266,18 +286,7 @@ def evaluate(
         from rlpipe.evaluation.accuracy import evaluate_policy
 
         metrics = evaluate_policy(spec, run_root, weights, iteration, cache_root)
-    from rlpipe.evaluation.cadence import stop_reason
-    from rlpipe.evaluation.diagnosis import degenerate_start, stop_on
-    from rlpipe.store.run_root import read_eval_samples
-
-    degenerate = degenerate_start(read_eval_samples(run_root, 0)) if iteration == 0 else None
-    if stop_on(run_root, degenerate, weights["version"], spec.loop.stop_on_signs):
-        return metrics  # v0 answers every held-out prompt alike: the loop ends before training on it
-    if (reason := stop_reason(spec, metrics)) is not None:  # the eval gate passed: the loop ends here
-        from rlpipe.store.commit import record_stopped
-
-        stopped = {"iteration": iteration, "weights_version": weights["version"], "reason": reason}
-        record_stopped(run_root, stopped | {"when": spec.loop.stop_when})
+    record_stop(run_root, should_stop(spec, run_root, iteration, weights["version"], metrics))  # the eval's boundary
     return metrics
 
 
@@ -298,7 +307,7 @@ def run_iteration(
 
     paths = {name: str(Path(work_dir) / f"{name}.parquet") for name in ("rollouts", "scored", "valued", "batch")}
     done: dict[str, dict[str, float]] = {}  # each step's metrics, which sync_weights merges
-    begun = {STARTED_AT: started_at or time.time()}  # sync_weights records the iteration's wall time from here
+    started_at = started_at or time.time()  # the iteration's wall clock runs from here (sync_weights records it)
     done["generate"] = generate(spec, run_root, weights, iteration, paths["rollouts"], cache_root)
     done["score"] = score(spec, paths["rollouts"], paths["scored"])
     if "values" in iteration_steps(spec):
@@ -308,7 +317,7 @@ def run_iteration(
     write_reports("advantages", work_dir, scored_path=paths["scored"], batch_path=paths["batch"])
     staged, done["update"] = update(spec, run_root, weights, paths["batch"], iteration, cache_root)
     merged = [done[name] for name in merged_steps(spec)]
-    published, metrics = sync_weights(spec, run_root, staged, iteration, begun, *merged)
+    published, metrics = sync_weights(spec, run_root, staged, iteration, *merged, started_at=started_at)
     write_reports("sync_weights", work_dir, iteration=iteration, metrics=metrics)
     evaluated = evaluate(spec, run_root, published, iteration, cache_root)
     write_reports("evaluate", work_dir, iteration=iteration, run_root=run_root)

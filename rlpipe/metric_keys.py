@@ -10,8 +10,7 @@ REWARD_STD = "reward/std"
 REWARD_MAX = "reward/max"  # <= 0 with std 0: no sample earned any reward (rlpipe.evaluation.diagnosis)
 REWARD_COUNT = "reward/count"  # the samples scored: how many rollouts a no-reward stretch spans
 ZERO_VARIANCE_GROUPS = "groups/zero_variance_fraction"  # groups whose rewards are all equal (no gradient)
-STARTED_AT = "started_at"  # wall clock the iteration began; sync_weights turns it into the two below
-ITERATION_WALL = "time/iteration_wall_s"
+ITERATION_WALL = "time/iteration_wall_s"  # from the generate step's start (loop.sync_weights' started_at)
 ITERATION_OVERHEAD = "overhead/iteration_s"  # iteration wall - the steps' compute
 
 # the steps' compute, and the loads before it (a resident trainer's are ~0)

@@ -223,17 +223,18 @@ def eval_report(run_root: str, iteration: int, max_rows: int = 50) -> str:
 def signs_section(run_root: str, iteration: int) -> list[str]:
     """The signs that the run does not learn, up to iteration N (rlpipe.evaluation.diagnosis.signs_at: a
     degenerate start at 0, no reward, collapse), each with its likely causes and what to try; [] when none."""
-    from rlpipe.evaluation.diagnosis import signs_at, stopped_by_sign
+    from rlpipe.evaluation.diagnosis import signs_at
+    from rlpipe.evaluation.stopping import recorded_stop
     from rlpipe.store.run_root import read_state
 
     signs = signs_at(run_root, iteration)
     if not signs:
         return []
-    stopped = stopped_by_sign(read_state(run_root) or {}) or {}
+    stop = recorded_stop(read_state(run_root) or {})
     lines = ["", "### Signs that the run does not learn", ""]
     for sign in signs:
         ended = " **The loop stopped here: start a new run once the cause is fixed.**" if sign.stops else ""
-        ended = ended if stopped.get("sign") == sign.name else ""
+        ended = ended if stop is not None and stop.sign == sign.name else ""
         seen, causes, remedy = (cell(text, 1000) for text in (sign.seen, sign.causes, sign.remedy))
         lines.append(f"- **{seen}**{ended}<br>likely causes: {causes}<br>try: {remedy}")
     return lines

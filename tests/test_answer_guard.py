@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from rlpipe.rewards import RewardError, call_reward
+from rlpipe.rewards.answer_checks import strict_match
 from rlpipe.rewards.answer_guard import game
-from rlpipe.rewards.verifiers import strict_match
 
 PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

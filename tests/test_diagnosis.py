@@ -7,15 +7,14 @@ from pathlib import Path
 import pytest
 
 from rlpipe.evaluation.diagnosis import (
-    StoppedBySign,
     accuracy_fell,
     collapse_signs,
     degenerate_start,
     entropy_fell,
     no_reward,
     no_spread,
-    stop_on,
 )
+from rlpipe.evaluation.stopping import StoppedBySign, should_stop
 
 from .conftest import initialized
 
@@ -185,11 +184,10 @@ def test_a_reward_that_is_always_0_stops_the_loop_once_64_rollouts_earned_nothin
 
 
 def test_the_stops_are_off_with_loop_stop_on_signs_false(tmp_path: Path):
-    from rlpipe.store.run_root import read_state
+    from rlpipe.spec import parse_spec
+    from rlpipe.store.run_root import iteration_metrics_uri, write_json
 
-    sign = no_reward(1, {1: {"reward/std": 0.0, "reward/max": 0.0, "reward/count": 64.0}})
-    assert (
-        sign is not None
-        and stop_on(str(tmp_path), sign, 1, enabled=False) is False
-        and read_state(str(tmp_path)) is None
-    )
+    write_json(iteration_metrics_uri(str(tmp_path), 1), {"reward/std": 0.0, "reward/max": 0.0, "reward/count": 64.0})
+    off, on = (parse_spec({"name": "t", "loop": {"stop_on_signs": enabled}}) for enabled in (False, True))
+    assert should_stop(off, str(tmp_path), 1, 1) is None
+    assert should_stop(on, str(tmp_path), 1, 1).sign == "no_reward"

@@ -16,7 +16,7 @@ TOY = {
     "data": {"generator": "tests.toy_plugins:doubling", "train_size": 200, "eval_size": 20},
     "algorithm": {"name": "tests.toy_plugins:sign"},
     "reward": {
-        "functions": ["rlpipe.rewards.verifiers:exact_match", {"type": "tests.toy_plugins:length", "target": 2}],
+        "functions": ["rlpipe.rewards.answer_checks:exact_match", {"type": "tests.toy_plugins:length", "target": 2}],
         "weights": [1.0, 0.5],
     },
 }

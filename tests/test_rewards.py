@@ -41,7 +41,7 @@ def _call(entry, completions, **columns):
     ],
 )
 def test_math_equivalence_on_hand_cases(completion: str, reference: str, equal: bool):
-    assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=[reference]) == [float(equal)]
+    assert _call("rlpipe.rewards.answer_checks:math_equivalence", [completion], reference=[reference]) == [float(equal)]
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_math_equivalence_on_hand_cases(completion: str, reference: str, equal: 
 def test_math_equivalence_gives_nothing_for_games(completion: str):
     """Each scores 0 against 539 = 77 * 7 (math-verify's default extraction took `77*7` from the first
     one, and sympy evaluated it to 539)."""
-    assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=["539"]) == [0.0]
+    assert _call("rlpipe.rewards.answer_checks:math_equivalence", [completion], reference=["539"]) == [0.0]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_math_equivalence_gives_nothing_for_games(completion: str):
     ],
 )
 def test_math_equivalence_credits_a_final_answer(completion: str, reference: str):
-    assert _call("rlpipe.rewards.verifiers:math_equivalence", [completion], reference=[reference]) == [1.0]
+    assert _call("rlpipe.rewards.answer_checks:math_equivalence", [completion], reference=[reference]) == [1.0]
 
 
 def test_exact_match_reads_the_answer_column_it_is_given():
@@ -92,6 +92,15 @@ def test_exact_match_reads_the_answer_column_it_is_given():
     assert _call(entry, [" 12", "13", "-1"], answer=["12", "12", "-1"]) == [1.0, 0.0, 1.0]
     with pytest.raises(RewardError, match=r"exact_match needs the data column 'answer' .*have \['reference'\]"):
         _call(entry, ["1"], reference=["1"])
+
+
+def test_the_checks_old_module_path_is_refused_with_the_new_one():
+    """rlpipe.rewards.verifiers (before 2026-11-29) is rlpipe.rewards.answer_checks: `verifiers` is the PyPI package."""
+    new = "write rlpipe.rewards.answer_checks:exact_match instead of 'rlpipe.rewards.verifiers:exact_match'"
+    with pytest.raises(RewardError, match=f"reward.verifier: rlpipe.rewards.verifiers is now .*{new}"):
+        call_reward("rlpipe.rewards.verifiers:exact_match", ["1"], ["1"], {"reference": ["1"]}, "reward.verifier", 5.0)
+    with pytest.raises(RewardError, match="write rlpipe.rewards.answer_checks:strict_match"):
+        _call({"type": "function", "function": "rlpipe.rewards.verifiers:strict_match"}, ["1"], reference=["1"])
 
 
 def test_regex_and_dapo_length_penalty_by_hand():

@@ -16,13 +16,13 @@ from .test_local_run import _check_consistent, _rlpipe
 
 
 def test_stop_when_reads_a_metric_comparison():
-    from rlpipe.evaluation.cadence import stop_reason
+    from rlpipe.evaluation.stopping import gate_passed
 
     spec = parse_spec({"name": "g", "loop": {"stop_when": "eval/accuracy_greedy >= 0.7"}})
-    assert stop_reason(spec, {"eval/accuracy_greedy": 0.69}) is None
-    assert stop_reason(spec, {"eval/accuracy_greedy": 0.7}) == "eval/accuracy_greedy 0.7 >= 0.7"
-    assert stop_reason(spec, {"reward/mean": 1.0}) is None  # not this eval's metric
-    assert stop_reason(parse_spec({"name": "g", "loop": {"stop_when": "eval/loss<1e-3"}}), {"eval/loss": 5e-4})
+    assert gate_passed(spec, {"eval/accuracy_greedy": 0.69}) is None
+    assert gate_passed(spec, {"eval/accuracy_greedy": 0.7}) == "eval/accuracy_greedy 0.7 >= 0.7"
+    assert gate_passed(spec, {"reward/mean": 1.0}) is None  # not this eval's metric
+    assert gate_passed(parse_spec({"name": "g", "loop": {"stop_when": "eval/loss<1e-3"}}), {"eval/loss": 5e-4})
     with pytest.raises(SpecError, match="loop.stop_when"):
         parse_spec({"name": "g", "loop": {"stop_when": "accuracy is high"}})
 

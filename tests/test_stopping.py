@@ -1,5 +1,6 @@
-"""How a run ends when it must: a long-lived service that dies during start-up fails the step
-waiting for it at once, with the service's own last error line; SIGTERM or SIGINT to `rlpipe run`
+"""How a run ends: the loop's stop, decided in one place (rlpipe.evaluation.stopping.should_stop, plain
+functions on records in a folder); and when it must: a long-lived service that dies during start-up fails
+the step waiting for it at once, with the service's own last error line; SIGTERM or SIGINT to `rlpipe run`
 stops every process the run started and leaves it resumable."""
 
 import json
@@ -52,8 +53,8 @@ def test_the_last_error_line_is_the_end_of_the_traceback_of_the_latest_start(tmp
 @pytest.mark.parametrize("kind", ["trainer", "sampler", "producer"])
 def test_a_service_that_dies_at_start_up_fails_the_waiting_step_at_once(tmp_path: Path, kind: str):
     from rlpipe.data import prepare_data
+    from rlpipe.engines.sampler_requests import SamplerError, wait_ready
     from rlpipe.services.producer.buffer import take
-    from rlpipe.services.samplers.client import SamplerError, wait_ready
     from rlpipe.services.trainer.client import TrainerError, wait_for_trainer
 
     run_root = tmp_path / "run"
@@ -110,11 +111,11 @@ def _run_processes(driver: int, run_dir: Path) -> dict[int, float]:
 
 def _a_step_runs(processes: dict[int, float]) -> bool:
     """Whether a KFP step is running among `processes`: a child of the step server
-    (rlpipe.services.step_forks), or KFP's own executor process."""
+    (rlpipe.pipelines.local_runner.step_forks), or KFP's own executor process."""
     import psutil
 
     alive = _alive(processes)
-    servers = [int(line.split()[0]) for line in alive if "rlpipe.services.step_forks" in line]
+    servers = [int(line.split()[0]) for line in alive if "rlpipe.pipelines.local_runner.step_forks" in line]
     try:
         forks = [child for pid in servers for child in psutil.Process(pid).children()]
     except psutil.NoSuchProcess:
@@ -189,10 +190,10 @@ def test_a_signal_to_the_driver_alone_stops_every_process_and_the_run_resumes(
 
 SKIP_PREFLIGHT = """
 import sys
-import rlpipe.pipelines.local_run as local_run
+import rlpipe.pipelines.local_runner.driver as driver
 from rlpipe.pipelines.cli import main
 
-local_run.preflight = lambda *args, **kwargs: None  # as if the check had missed it
+driver.preflight = lambda *args, **kwargs: None  # as if the check had missed it
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -222,3 +223,82 @@ def test_a_resident_trainer_that_cannot_start_fails_the_run_in_seconds(tmp_path:
     assert "trainer.device is cuda but torch sees no GPU" in result.stderr and "trainer-0.log" in result.stderr
     assert "Traceback" not in output, output
     assert took < 60, f"took {took:.0f} s"
+
+
+# --- the loop's stop: one record, one function, called at the commit's and the eval's boundary ---------
+
+GATE = "eval/accuracy_greedy >= 0.5"
+NO_REWARD = {"reward/mean": 0.0, "reward/std": 0.0, "reward/max": 0.0, "reward/count": 64.0}
+ONE_ANSWER = [{"completion": "1111", "reward": 0.0} for _ in range(5)]  # v0 answers every held-out row alike
+
+
+def _spec(**loop):
+    return parse_spec({"name": "t", "loop": {"stop_when": GATE, "stop_on_signs": True} | loop})
+
+
+def test_the_commit_boundary_stops_on_no_reward_and_never_on_the_gate(tmp_path: Path):
+    from rlpipe.evaluation.stopping import should_stop
+    from rlpipe.store.run_root import iteration_metrics_uri, write_json
+
+    run_root = str(tmp_path)
+    write_json(iteration_metrics_uri(run_root, 3), NO_REWARD | {"eval/accuracy_greedy": 0.9})
+    stop = should_stop(_spec(), run_root, 3, 3)
+    assert stop is not None and (stop.sign, stop.iteration, stop.weights_version) == ("no_reward", 3, 3)
+    assert should_stop(_spec(stop_on_signs=False), run_root, 3, 3) is None  # the gate reads an eval's metrics only
+    write_json(iteration_metrics_uri(run_root, 3), NO_REWARD | {"reward/max": 1.0})
+    assert should_stop(_spec(), run_root, 3, 3) is None
+
+
+def test_the_eval_boundary_checks_a_degenerate_start_before_the_gate(tmp_path: Path):
+    from rlpipe.evaluation.stopping import should_stop
+    from rlpipe.store.run_root import write_eval_samples
+
+    run_root = str(tmp_path)
+    write_eval_samples(run_root, 0, ONE_ANSWER)
+    passed = {"eval/accuracy_greedy": 0.6}
+    assert should_stop(_spec(), run_root, 0, 0, passed).sign == "degenerate_start"  # 1 before 3
+    gate = should_stop(_spec(stop_on_signs=False), run_root, 0, 0, passed)
+    assert gate is not None and gate.sign is None and gate.when == GATE
+    assert gate.reason == "eval/accuracy_greedy 0.6 >= 0.5"
+    assert should_stop(_spec(), run_root, 4, 4, passed).when == GATE  # a degenerate start is iteration 0's only
+    assert should_stop(_spec(), run_root, 4, 4, {"eval/accuracy_greedy": 0.4}) is None
+    assert should_stop(_spec(stop_when=None), run_root, 4, 4, passed) is None
+
+
+def test_a_stop_is_recorded_once_and_holds_as_its_kind_says(tmp_path: Path):
+    """state.json's `stopped` (written by rlpipe.store.commit): the gate's holds while the spec keeps that
+    gate; a sign's for good, and then the generate step refuses with what to do."""
+    import json
+
+    from rlpipe.evaluation.stopping import Stop, StoppedBySign, record_stop, refuse_if_stopped, stopped
+
+    run_root = str(tmp_path)
+    record_stop(run_root, None)
+    assert not (tmp_path / "state.json").exists()
+    gate = Stop(5, 5, "eval/accuracy_greedy 0.6 >= 0.5", when=GATE)
+    record_stop(run_root, gate)
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["stopped"] == {"iteration": 5, "weights_version": 5, "reason": gate.reason, "when": GATE}
+    assert stopped(_spec(), state) == gate and stopped(_spec(stop_when="eval/accuracy_greedy >= 0.9"), state) is None
+    refuse_if_stopped(run_root)  # the gate's stop refuses nothing: plan plans no iteration after it
+    assert gate.message(run_root) == f"loop.stop_when passed at iteration 5 ({gate.reason}): the loop ends there"
+
+    sign = Stop(2, 2, "no sample of iteration 2 earned any reward", "no_reward", "a wrong column", "read samples")
+    record_stop(run_root, sign)
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert set(state["stopped"]) == {"iteration", "weights_version", "reason", "sign", "causes", "remedy"}
+    assert stopped(_spec(stop_when=None), state) == sign
+    with pytest.raises(StoppedBySign, match="stopped the loop at iteration 2: no sample") as refused:
+        refuse_if_stopped(run_root)
+    assert "likely causes: a wrong column" in str(refused.value) and "try: read samples" in str(refused.value)
+
+
+def test_the_iteration_wall_clock_runs_from_the_start_it_is_given():
+    """sync_weights' started_at (the generate step's process start) is an argument, not a step metric."""
+    from rlpipe.loop import iteration_wall
+
+    spec = parse_spec({"name": "t"})
+    assert iteration_wall(spec, None, {"time/generate_s": 4.0}) == {}
+    timing = iteration_wall(spec, time.time() - 10.0, {"time/generate_s": 4.0, "overhead/score_import_s": 1.0})
+    assert 10.0 <= timing["time/iteration_wall_s"] < 11.0
+    assert 6.0 <= timing["overhead/iteration_s"] < 7.0  # the wall less the steps' time/*_s

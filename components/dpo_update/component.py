@@ -12,8 +12,9 @@ def dpo_update(
     weights: dict,
     iteration: int,
     metrics: dsl.Output[dsl.Metrics],
-) -> NamedTuple("Outputs", staged=dict, step_metrics=dict):
-    """DPO on `weights` with the iteration's pairs; stages v(N+1) (rlpipe.dpo_loop.dpo_update)."""
+) -> NamedTuple("Outputs", staged=dict, step_metrics=dict, started_at=float):
+    """DPO on `weights` with the iteration's pairs; stages v(N+1) (rlpipe.dpo_loop.dpo_update). started_at:
+    when this process started, where the iteration's wall clock starts (sync_weights records it)."""
     import time
 
     entered = time.time()
@@ -25,7 +26,4 @@ def dpo_update(
     staged, trained = dpo.dpo_update(run_spec, run_root, weights, iteration, run_spec.cache_root)
     values |= trained
     finish(metrics, values)
-    from rlpipe.metric_keys import STARTED_AT
-
-    values[STARTED_AT] = entered  # the iteration began: sync_weights records its wall time
-    return (staged, values)
+    return (staged, values, entered)

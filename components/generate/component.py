@@ -14,9 +14,10 @@ def generate(
     rollouts: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
     ahead: int = 0,
-) -> NamedTuple("Outputs", step_metrics=dict):
+) -> NamedTuple("Outputs", step_metrics=dict, started_at=float):
     """Sample G completions per prompt with the policy `weights`; rollouts as Parquet (rlpipe.loop.generate).
-    `ahead`: sample iteration + ahead's prompts (the DAG-offset form: a later iteration's, beside this update)."""
+    `ahead`: sample iteration + ahead's prompts (the DAG-offset form: a later iteration's, beside this update).
+    started_at: when this process started, where the iteration's wall clock starts (sync_weights records it)."""
     import time
 
     entered = time.time()
@@ -27,7 +28,4 @@ def generate(
 
     values |= loop.generate(run_spec, run_root, weights, iteration + ahead, rollouts.path, run_spec.cache_root)
     finish(metrics, values)
-    from rlpipe.metric_keys import STARTED_AT
-
-    values[STARTED_AT] = entered  # the iteration began: sync_weights records its wall time
-    return (values,)
+    return (values, entered)

@@ -11,6 +11,7 @@ def sync_weights(
     run_root: str,
     staged: dict,
     iteration: int,
+    started_at: float,  # when the iteration's first step (generate, dpo_update) started: its wall clock
     metrics: dsl.Output[dsl.Metrics],
     time_breakdown: dsl.Output[dsl.Markdown],
     # {}: KFP's default for an optional input, for the steps an iteration does not run (values without a
@@ -32,7 +33,7 @@ def sync_weights(
     from rlpipe import loop
 
     step_metrics = (generate_metrics, score_metrics, values_metrics, advantages_metrics, update_metrics, overhead)
-    weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics)
+    weights, values = loop.sync_weights(run_spec, run_root, staged, iteration, *step_metrics, started_at=started_at)
     from rlpipe.reports import step_reports
 
     with open(time_breakdown.path, "w", encoding="utf-8") as f:

@@ -1,5 +1,5 @@
 """evaluate: greedy accuracy (reward.verifier) of a weights version on the fixed held-out set, and
-its strict companion (rlpipe.rewards.verifiers.strict_match), which a gamed verifier cannot move.
+its strict companion (rlpipe.rewards.answer_checks.strict_match), which a gamed verifier cannot move.
 When an iteration is evaluated and when the eval gate stops the loop: rlpipe.evaluation.cadence (torch-free,
 so the evaluate step skips cheaply); what this module computes imports torch.
 """
@@ -97,7 +97,7 @@ def answer_column(verifier: str | dict) -> str:
 
 def strict_scores(rows: list[dict], completions: list[str], answer: str) -> list[bool] | None:
     """Each completion's strict_match against the rows' `answer` column; None when the rows lack it."""
-    from rlpipe.rewards.verifiers import strict_match
+    from rlpipe.rewards.answer_checks import strict_match
 
     if any(row.get(answer) is None for row in rows):
         return None
@@ -133,7 +133,7 @@ def pass_at(samples: int, correct: int, k: int) -> float:
 
 def vote_key(completion: str) -> str:
     """What maj@k votes on: the completion's final answer (math_equivalence's rule), else its text."""
-    from rlpipe.rewards.verifiers import final_answer
+    from rlpipe.rewards.answer_checks import final_answer
 
     answer = final_answer(completion)
     return answer if answer is not None else completion.strip()

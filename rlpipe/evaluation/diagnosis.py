@@ -8,12 +8,12 @@ to try (docs/following-a-run.md, "When a run does not learn"):
     collapse          held-out accuracy well below its start; entropy halved while the reward did not rise;
                       most groups without reward spread, iterations in a row               -> named, it goes on
 
-A stop is recorded in state.json under `stopped`, as the eval gate's is (rlpipe.store.commit.record_stopped),
-with the sign, its likely causes and what to try: `plan` then plans nothing and the generate step refuses to
-start an iteration (StoppedBySign). The cause lies in the spec, the data or the model, which a resumed run
-keeps: the way on is a new run. `loop.stop_on_signs: false` records no stop (the test suite's tiny specs,
-which learn nothing by design; a reward so sparse that a first iteration may miss it everywhere).
-Torch-free: the evaluate and sync_weights steps, the progress display and the reports call it.
+The loop stops on the first two (rlpipe.evaluation.stopping, where the eval gate's stop is decided too): the
+sign, its likely causes and what to try are recorded in state.json, `plan` then plans nothing and the
+generate step refuses to start an iteration (StoppedBySign). The cause lies in the spec, the data or the
+model, which a resumed run keeps: the way on is a new run. `loop.stop_on_signs: false` records no stop (the
+test suite's tiny specs, which learn nothing by design; a reward so sparse that a first iteration may miss
+it everywhere). Torch-free: the stopping module, the progress display and the reports call it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rlpipe.metric_keys import (
     REWARD_STD,
     ZERO_VARIANCE_GROUPS,
 )
-from rlpipe.store.run_root import iteration_metrics_uri, list_metrics, read_eval_samples, read_json, read_state
+from rlpipe.store.run_root import list_metrics, read_eval_samples
 
 DEGENERATE_MIN_ROWS = 5  # fewer held-out rows can share one answer by chance
 ACCURACY_DROP = 0.1  # below start - 0.1: past a 500-row held-out set's noise (std ~0.02 at accuracy 0.3)
@@ -199,53 +199,3 @@ def signs_at(run_root: str, iteration: int) -> list[Sign]:
     found = [degenerate_start(read_eval_samples(run_root, 0))] if iteration == 0 else []
     found.append(no_reward(iteration, iterations))
     return [s for s in found if s is not None] + collapse_signs(iterations, evals)
-
-
-# --- the stop: recorded in state.json, enforced by plan and generate --------------------------
-
-
-class StoppedBySign(RuntimeError):
-    """The loop stopped at a degenerate start or a no-reward iteration; the message says why and what to do."""
-
-
-def stop_on(run_root: str, sign: Sign | None, weights_version: int, enabled: bool = True) -> bool:
-    """Record `sign` as the loop's stop in state.json when it is one that stops the loop (STOPPING) and
-    `enabled` (loop.stop_on_signs); whether it did."""
-    if sign is None or not sign.stops or not enabled:
-        return False
-    from rlpipe.store.commit import record_stopped
-
-    stopped = {"iteration": sign.iteration, "weights_version": weights_version, "reason": sign.seen}
-    record_stopped(run_root, stopped | {"sign": sign.name, "causes": sign.causes, "remedy": sign.remedy})
-    return True
-
-
-def stop_on_no_reward(run_root: str, iteration: int, weights_version: int, enabled: bool = True) -> bool:
-    """stop_on the no-reward stretch that ends at iteration N, read back from its records as far as it goes."""
-    stretch: dict[int, dict[str, float]] = {}
-    while (metrics := read_json(iteration_metrics_uri(run_root, iteration - len(stretch)))) and rewardless(metrics):
-        stretch[iteration - len(stretch)] = metrics
-    return stop_on(run_root, no_reward(iteration, stretch), weights_version, enabled)
-
-
-def stopped_by_sign(state: dict) -> dict | None:
-    """state.json's record of a sign that stopped the loop (not the eval gate's, which names its `when`)."""
-    stopped = state.get("stopped")
-    return stopped if stopped and stopped.get("sign") in STOPPING else None
-
-
-def stop_message(stopped: dict, run_root: str) -> str:
-    """What `rlpipe run` and a refused step say about a sign's stop: what was seen, why, what to do."""
-    return (
-        f"rlpipe stopped the loop at iteration {stopped['iteration']}: {stopped['reason']}\n"
-        f"  likely causes: {stopped['causes']}\n"
-        f"  try: {stopped['remedy']}\n"
-        f"  then start a new run (another name or --run-dir, or delete {run_root}): a resumed run keeps the spec "
-        f"and data that caused it. loop.stop_on_signs: false in a new run trains on through it."
-    )
-
-
-def refuse_if_stopped(run_root: str) -> None:
-    """Raise StoppedBySign when a sign stopped the loop (a step that would start another iteration)."""
-    if stopped := stopped_by_sign(read_state(run_root) or {}):
-        raise StoppedBySign(stop_message(stopped, run_root))

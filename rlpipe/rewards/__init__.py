@@ -44,9 +44,23 @@ if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
 
 
+# rlpipe's modules renamed since a spec could name them: refused (at pre-flight) with the path to write instead
+RENAMED_MODULES = {
+    "rlpipe.rewards.verifiers": (  # 2026-11-29: `verifiers` is the PyPI package of environments
+        "rlpipe.rewards.answer_checks",
+        "rlpipe's answer checks were renamed so that `verifiers` names only the PyPI package of environments",
+    ),
+}
+
+
 def load_reward_function(target: str, key: str = "reward.functions") -> Callable[..., Any]:
     """The callable behind 'module:function'; `key` is the spec key that named it."""
     module_name, _, function_name = target.partition(":")
+    if module_name in RENAMED_MODULES:
+        new, why = RENAMED_MODULES[module_name]
+        raise RewardError(
+            f"{key}: {module_name} is now {new} ({why}); write {new}:{function_name} instead of {target!r}"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or the module itself failing at import
@@ -218,6 +232,6 @@ register_reward_type("function", _function_reward)
 register_reward_type("environment", _environment_reward)
 
 # the built-in reward types register themselves in rlpipe.rewards.registry (each imports its heavy parts when built)
-from rlpipe.rewards import remote, reward_model, sandbox, shaping, verifiers, verifiers_tasks  # noqa: E402, F401
+from rlpipe.rewards import answer_checks, remote, reward_model, sandbox, shaping, verifiers_tasks  # noqa: E402, F401
 
 __all__ = ["REWARD_TYPES", "RewardError", "RewardFunction", "Rewards", "register_reward_type"]

@@ -18,8 +18,8 @@ import inspect
 import re
 from typing import Any
 
+from rlpipe.rewards.answer_checks import NUMBER, answer_text, final_answer
 from rlpipe.rewards.registry import RewardFunction, Rewards
-from rlpipe.rewards.verifiers import NUMBER, answer_text, final_answer
 
 ECHO_WORDS = 12
 WORD = re.compile(r"[A-Za-z0-9]+")

@@ -178,7 +178,7 @@ class DataSpec:
 @section
 class RewardSpec:
     functions: list[str | dict[str, Any]] = setting(
-        default_factory=lambda: ["rlpipe.rewards.verifiers:exact_match"],
+        default_factory=lambda: ["rlpipe.rewards.answer_checks:exact_match"],
         min_length=1,
         doc="Rewards, summed with `weights`: 'module:function' (TRL's batch signature, sync or async), or {type: <a "
         "reward type>, ...its options}: exact_match, math_equivalence, regex, length_penalty, reward_model, remote, "
@@ -186,7 +186,7 @@ class RewardSpec:
     )
     weights: list[float] | None = setting(None, doc="One weight per entry of `functions`; null: 1.0 each")
     verifier: str | dict[str, Any] = setting(
-        "rlpipe.rewards.verifiers:exact_match",
+        "rlpipe.rewards.answer_checks:exact_match",
         doc="Scores held-out evaluation and the warm start's stop check (an entry as in `functions`); "
         "1.0 = correct, accuracy = its mean",
     )
