@@ -12,7 +12,8 @@ pays the pipeline run's start: prepare, plan, the services' first load):
                    clock; it cannot see the first task's process or container start)
   period           commit to commit (the mtimes of metrics/iter_N.json): everything an iteration costs
   orchestration    1 - the steps' compute (their `time/*_s`) / the period
-A task a step is a fork of a warm step server (one a step image in containers: rlpipe.services.step_forks);
+A task a step is a fork of a warm step server (one a step image in containers:
+rlpipe.pipelines.local_runner.step_forks);
 --fresh also runs each runner with `rlpipe run --fresh-steps` (a fresh process or container a step, as KFP's
 runners start them), --fused with loop.fuse_steps (one task an iteration). Images: built beforehand (bash
 images/build.sh). Results: benchmarks/results/containers.{md,json} (--smoke: under runs/smoke/ unless

@@ -130,7 +130,7 @@ shutil.rmtree(root)
 
 def cold_update_seconds(run_dir: Path, tuned: bool, repeats: int) -> float:
     """Median compute of one update step in a fresh process, glibc malloc default vs tuned."""
-    from rlpipe.pipelines.local_run import STEP_ENV
+    from rlpipe.pipelines.local_runner.driver import STEP_ENV
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "1"}
     if tuned:

@@ -73,7 +73,7 @@ def test_a_missing_replay_batch_says_what_to_do(tmp_path: Path):
 
 
 def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
-    from rlpipe.run.fork import fork_run
+    from rlpipe.commands.fork import fork_run
 
     spec, run_root, cache, trainer, v4 = _iterate(tmp_path)
     child = str(tmp_path / "child")

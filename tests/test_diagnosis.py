@@ -110,7 +110,7 @@ def test_the_demo_names_nothing():
 
 
 def test_the_progress_display_says_each_collapse_sign_once_with_what_to_try():
-    from rlpipe.pipelines.progress import Progress
+    from rlpipe.pipelines.local_runner.progress import Progress
 
     progress = Progress(total=10)
     progress.iterations = {
@@ -129,10 +129,10 @@ def test_a_degenerate_start_stops_the_loop_at_iteration_0_and_the_report_and_sta
     tmp_path: Path,
 ):
     from rlpipe import loop
-    from rlpipe.pipelines.local_run import how_it_ended
+    from rlpipe.commands.status import describe, run_status
+    from rlpipe.pipelines.local_runner.driver import how_it_ended
+    from rlpipe.pipelines.local_runner.step_forks import StepLaunches
     from rlpipe.reports import eval_report
-    from rlpipe.run.status import describe, run_status
-    from rlpipe.services.step_forks import StepLaunches
     from rlpipe.store.run_root import read_eval_samples, read_state
     from rlpipe.store.weights import read_weight_ref
 
@@ -156,7 +156,7 @@ def test_a_degenerate_start_stops_the_loop_at_iteration_0_and_the_report_and_sta
 
 def test_a_reward_that_is_always_0_stops_the_loop_once_64_rollouts_earned_nothing(tmp_path: Path):
     from rlpipe import loop
-    from rlpipe.run.status import describe, run_status
+    from rlpipe.commands.status import describe, run_status
     from rlpipe.store.run_root import read_state
     from rlpipe.store.weights import read_weight_ref
 

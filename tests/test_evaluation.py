@@ -132,8 +132,8 @@ def test_an_eval_records_sampled_metrics_that_its_samples_recompute(sampled_run)
     assert "eval/doubles/accuracy_greedy" in metrics and "eval/doubles/pass_at_4" in metrics  # evaluation.samples
 
     # `rlpipe status` and the evaluate step's KFP report show them
+    from rlpipe.commands.status import describe, run_status
     from rlpipe.reports import eval_report
-    from rlpipe.run.status import describe, run_status
 
     status = run_status(run_root)
     assert status["last_eval"]["metrics"]["eval/pass_at_4"] == metrics["eval/pass_at_4"]

@@ -300,8 +300,8 @@ def test_update_in_two_torchrun_processes(tmp_path: Path):
 
 def test_containers_without_an_engine_say_what_to_do(monkeypatch, tiny_spec, tmp_path: Path):
     """`rlpipe run --containers` on a machine with neither Docker nor Podman: what to install, at once."""
-    from rlpipe.services import containers
-    from rlpipe.services.step_forks import StepLaunches
+    from rlpipe.pipelines.local_runner import containers
+    from rlpipe.pipelines.local_runner.step_forks import StepLaunches
 
     monkeypatch.setattr(containers.shutil, "which", lambda name: None)
     with pytest.raises(containers.ContainersUnavailable, match=r"needs Docker .* or Podman on PATH: install one"):

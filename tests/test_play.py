@@ -1,4 +1,4 @@
-"""The manifests' pods under `podman kube play` (pipelines/podman_play.py): MLflow, the vLLM sampler
+"""The manifests' pods under `podman kube play` (pipelines/local_runner/podman_play.py): MLflow, the vLLM sampler
 and the resident trainer run as the manifests say (uid 1000, no capabilities, no privilege
 escalation, read-only root, host network), and a run whose steps run on the host trains through
 them and logs to them."""
@@ -68,7 +68,7 @@ def wait_healthy(url: str, timeout: float, pod: str) -> None:
 
 
 def test_manifests_play_and_serve_a_run(tmp_path: Path, mlflow_image: str) -> None:
-    from rlpipe.pipelines.podman_play import main
+    from rlpipe.pipelines.local_runner.podman_play import main
 
     mlflow_port, sampler_port, trainer_port, rendezvous_port = free_ports(4)
     sampler_url, trainer_url = f"http://127.0.0.1:{sampler_port}", f"http://127.0.0.1:{trainer_port}"

@@ -85,7 +85,7 @@ def smollm2(tmp_path_factory) -> str:
 def test_smollm2_trains_two_iterations_on_the_kfp_local_runner(smollm2: str, tmp_path: Path):
     """The real model through every step: GGUF converted once, chat-template prompts, pad == eos,
     LoRA on a 49,152-token vocabulary, the guarded math_equivalence reward, the strict metric."""
-    from rlpipe.pipelines.local_run import run_locally
+    from rlpipe.pipelines.local_runner.driver import run_locally
     from rlpipe.store.run_root import read_eval_samples
 
     data = yaml.safe_load((REPO / "examples" / "smollm2" / "smollm2.yaml").read_text())

@@ -202,13 +202,14 @@ def test_documented_rlpipe_commands_parse_and_their_specs_load(page: str, argv: 
     """Each `rlpipe` command the docs show is one the CLI accepts, and a spec it names from this repository
     loads with its `--set`s (what `rlpipe run` reads before its pre-flight); a user's own file (bad.yaml,
     qwen-1.5b.yaml) is only parsed."""
-    from rlpipe.pipelines.cli import _overrides, build_parser
+    from rlpipe.pipelines.cli import build_parser
+    from rlpipe.pipelines.commands.arguments import overrides
     from rlpipe.spec import load_spec
 
     args = build_parser().parse_args(argv)  # argparse exits (SystemExit) on what it does not accept
     spec = getattr(args, "spec", None)
     if spec is not None and (REPO / spec).is_file():
-        load_spec(REPO / spec, _overrides(args))
+        load_spec(REPO / spec, overrides(args))
 
 
 def test_the_docs_show_rlpipe_commands():

@@ -119,7 +119,7 @@ def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp
     # a fork from the latest iteration that changes nothing (but the gate) goes on exactly as the parent
     # does, which goes on once its gate is gone; the fork's optimizer state is the parent's
     from rlpipe import loop
-    from rlpipe.run.fork import fork_run as fork
+    from rlpipe.commands.fork import fork_run as fork
     from rlpipe.store.weights import read_weight_ref
 
     same = tmp_path / "same"
@@ -139,7 +139,7 @@ def test_a_gated_run_stops_and_a_fork_from_iteration_n_diverges_only_after_n(tmp
 def test_a_fork_starts_its_own_local_services():
     """The parent's spec.json records the loopback addresses of the trainer and samplers its `rlpipe run`
     started; a fork drops them (its run starts its own), and keeps a cluster's."""
-    from rlpipe.run.fork import local_services
+    from rlpipe.commands.fork import local_services
 
     local = {"trainer": {"endpoint": "http://127.0.0.1:40525"}, "samplers": {"endpoints": ["http://127.0.0.1:8001"]}}
     assert local_services(local) == {"trainer.endpoint": None, "samplers.endpoints": []}

@@ -74,7 +74,7 @@ def test_a_parameter_that_is_not_a_spec_says_what_to_pass():
 
 
 def test_resumed_run_keeps_its_spec(tmp_path: Path):
-    from rlpipe.pipelines.local_run import check_spec_unchanged
+    from rlpipe.pipelines.local_runner.driver import check_spec_unchanged
 
     from .conftest import set_state
 
@@ -106,7 +106,7 @@ def test_resumed_run_keeps_its_spec(tmp_path: Path):
 
 def test_a_resumed_run_compares_what_the_stored_spec_means(tmp_path: Path):
     """An explicit null is a setting (not its default), and a stored spec is read as parsed."""
-    from rlpipe.pipelines.local_run import check_spec_unchanged
+    from rlpipe.pipelines.local_runner.driver import check_spec_unchanged
     from rlpipe.store.run_root import write_json
 
     from .conftest import set_state

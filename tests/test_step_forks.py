@@ -1,4 +1,4 @@
-"""`rlpipe run`'s steps as forks of one warm process (rlpipe.services.step_forks) under the real KFP
+"""`rlpipe run`'s steps as forks of one warm process (rlpipe.pipelines.local_runner.step_forks) under the real KFP
 local runner: a task sees what the server imported, its own env, and fails as a process does; after
 the context, tasks are KFP's fresh interpreters again. With --containers, under KFP's DockerRunner
 (marker containers): forks of a server in a container of the step's image, which lives while the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kfp import dsl, local
 
-from rlpipe.services.step_forks import StepLaunches, Task, forked_steps, hold, preloaded, task_of
+from rlpipe.pipelines.local_runner.step_forks import StepLaunches, Task, forked_steps, hold, preloaded, task_of
 
 
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
@@ -133,7 +133,7 @@ def test_the_server_imports_what_light_steps_compute_with_and_no_torch():
 
 def test_the_server_lives_while_its_lifeline_is_open(tmp_path: Path):
     path = tmp_path / "forks.sock"
-    server = subprocess.Popen([sys.executable, "-m", "rlpipe.services.step_forks", str(path)])
+    server = subprocess.Popen([sys.executable, "-m", "rlpipe.pipelines.local_runner.step_forks", str(path)])
     try:
         deadline = time.time() + 60
         while not path.exists():
@@ -162,12 +162,12 @@ def probe_in_image(started: str, sleep_s: float) -> str:
 
 @pytest.mark.containers
 def test_steps_in_containers_are_forks_of_a_server_in_their_image(images, capsys, monkeypatch):
-    """KFP's DockerRunner as `rlpipe run --containers` sets it up (rlpipe.services.containers): a task of the
-    step image runs in a fork of the step server in a container of that image (it finds rlpipe.loop
+    """KFP's DockerRunner as `rlpipe run --containers` sets it up (rlpipe.pipelines.local_runner.containers): a task
+    of the step image runs in a fork of the step server in a container of that image (it finds rlpipe.loop
     imported), with the image's env (OMP_NUM_THREADS), the run's and its own; a server container killed
     under a running step fails that step and says so; the next step gets a container of its own; stopping
     removes the server's container."""
-    from rlpipe.services.containers import LocalContainers, WarmSteps
+    from rlpipe.pipelines.local_runner.containers import LocalContainers, WarmSteps
 
     shared = Path(tempfile.mkdtemp(prefix="rlpipe-warm-", dir="/tmp"))
     sock = shared / "docker.sock"

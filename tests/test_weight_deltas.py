@@ -203,7 +203,7 @@ def test_tensors_written_from_their_own_memory_read_back_as_safetensors(tmp_path
 
 
 def test_a_fork_from_a_delta_version_gets_the_versions_it_is_rebuilt_from(runs, tmp_path: Path):
-    from rlpipe.run.fork import fork_run
+    from rlpipe.commands.fork import fork_run
 
     _, (_, delta_root, _, _) = runs
     child = str(tmp_path / "child")

@@ -3,7 +3,7 @@ sampler (manifests/base/sampler.yaml) and the resident trainer (the JobSet pod `
 pipelines/trainer_jobset.py), as one YAML file that `podman kube play` runs, for a run whose steps run
 on the host (`rlpipe run SPEC --set trainer.endpoint=... --set tracking.uri=...`).
 
-    python -m rlpipe.pipelines.podman_play SPEC -o play.yaml --run-root DIR --mlflow-data DIR \\
+    python -m rlpipe.pipelines.local_runner.podman_play SPEC -o play.yaml --run-root DIR --mlflow-data DIR \\
         --mlflow-image localhost/rlpipe/mlflow:3.17.2
     podman kube play play.yaml ... podman kube down play.yaml
 
@@ -53,9 +53,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from rlpipe.engines.vllm_settings import VLLM_CPU_ENV, cpu_kv_cache
 from rlpipe.pipelines.trainer_jobset import PORT as TRAINER_PORT
 from rlpipe.pipelines.trainer_jobset import RENDEZVOUS_PORT, trainer_manifests, trainer_name
-from rlpipe.services.samplers.vllm_settings import VLLM_CPU_ENV, cpu_kv_cache
 from rlpipe.spec import RunSpec, load_spec
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests" / "base"
@@ -223,7 +223,7 @@ def write_play(docs: list[dict[str, Any]], path: str | Path) -> Path:
     """Write `docs` as one multi-document YAML file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = "# podman kube play this file (pipelines/podman_play.py wrote it from manifests/)\n"
+    header = "# podman kube play this file (pipelines/local_runner/podman_play.py wrote it from manifests/)\n"
     path.write_text(header + yaml.safe_dump_all(docs, sort_keys=False))
     return path
 

@@ -2,7 +2,7 @@
 iterations, until state.json says the loop is done. This is `rlpipe run`.
 
 Each pipeline run is a real KFP run (kfp.local.SubprocessRunner, every step its own
-process: a fork of one process that imported what the steps import, rlpipe.services.step_forks);
+process: a fork of one process that imported what the steps import, step_forks beside this);
 the driver holds no training state, so killing it at any moment and running it again continues
 from the last committed iteration.
 """
@@ -25,11 +25,10 @@ from rich.console import Console
 from rich.live import Live
 
 from rlpipe.evaluation.stopping import stopped
-from rlpipe.pipelines.progress import Progress
-from rlpipe.run.preflight import preflight
-from rlpipe.run.tracking import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking, run_url
+from rlpipe.pipelines.local_runner.progress import Progress
+from rlpipe.pipelines.local_runner.step_forks import StepLaunches, forked_steps
+from rlpipe.preflight import preflight
 from rlpipe.services.local_servers import LocalServers
-from rlpipe.services.step_forks import StepLaunches, forked_steps
 from rlpipe.spec import RunSpec, resume_changes, spec_to_dict, spec_to_json
 from rlpipe.steps import iteration_modules, service_for
 from rlpipe.store.run_root import (
@@ -41,9 +40,11 @@ from rlpipe.store.run_root import (
     run_root_for,
     write_json,
 )
+from rlpipe.tracking.mlflow_runs import LIVE_TRACKING_ENV, flush_as_it_commits, live_tracking
+from rlpipe.tracking.uri import run_url
 
 if TYPE_CHECKING:
-    from rlpipe.services.containers import LocalContainers
+    from rlpipe.pipelines.local_runner.containers import LocalContainers
 
 # Steps are separate processes: keep each to one thread and quiet library progress bars.
 # glibc's malloc starts every process cold (large tensors mmapped and zeroed on each
@@ -164,10 +165,10 @@ def run_locally(
     compiled: Callable[..., Any] | None = None,
 ) -> dict:
     """Drive the loop to `spec.loop.iterations`; returns the final state. `containers`: every step and
-    service in its image (rlpipe.services.containers), else each step a process. Steps are forks of a warm
-    process (one a step image in containers: rlpipe.services.step_forks); `fresh_steps`: each a fresh
+    service in its image (rlpipe.pipelines.local_runner.containers), else each step a process. Steps are forks of a warm
+    process (one a step image in containers: rlpipe.pipelines.local_runner.step_forks); `fresh_steps`: each a fresh
     process or container, as KFP's runners start them. `compiled`: the pipeline a compiled file holds, as
-    KFP loads it (rlpipe.pipelines.rehearse), instead of the one built from `spec`."""
+    KFP loads it (rlpipe.pipelines.local_runner.rehearse), instead of the one built from `spec`."""
     from rlpipe.pipelines.dpo_pipeline import build_pipeline_for
 
     console = console or Console(file=sys.stdout)  # bound now: stdout is redirected to the log below
@@ -183,7 +184,7 @@ def run_locally(
     with contextlib.ExitStack() as stack:
         engine = None
         if containers:
-            from rlpipe.services.containers import start_containers
+            from rlpipe.pipelines.local_runner.containers import start_containers
 
             engine = start_containers(spec, run_root, step_env, launches)
             stack.callback(engine.stop)
@@ -209,8 +210,8 @@ def local_services(
     served = spec  # the spec the steps get: with the addresses of the services started here
     fleet = None
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
+        from rlpipe.engines.vllm_settings import local_samplers
         from rlpipe.services.samplers.fleet import LocalFleet
-        from rlpipe.services.samplers.vllm_settings import local_samplers
 
         served = local_samplers(served)  # LoRA: adapters on a GPU, merged on CPU
         fleet = LocalFleet(served, run_root)

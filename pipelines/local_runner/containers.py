@@ -15,7 +15,7 @@ trainer, samplers, rollout producer) run as containers of the same images instea
     workdir     <run root>/containers/workdir: links to the working directory's entries (relative paths,
                 and modules such as a reward `my_rewards:score`, import as with processes), except an
                 `rlpipe/` source tree, which would shadow the image's installed rlpipe (run from a checkout).
-    env         the steps' settings (rlpipe.pipelines.local_run.STEP_ENV) and what processes would
+    env         the steps' settings (rlpipe.pipelines.local_runner.driver.STEP_ENV) and what processes would
                 inherit from this one of libraries' settings, credentials and endpoints (FORWARDED_PREFIXES).
     user        this user's uid:gid, so what the steps write stays this user's, as with processes.
                 The images' own user (1000) is what clusters run: the contract tests
@@ -23,7 +23,7 @@ trainer, samplers, rollout producer) run as containers of the same images instea
     network     the host's: the steps reach the services on loopback as processes do.
     label       `rlpipe.run-root=<run root>` on every container, so stopping a run (or resuming
                 one whose driver was killed) removes what it left running.
-    warm steps  a step of KFP's lightweight shape runs as a fork of a step server (rlpipe.services.step_forks)
+    warm steps  a step of KFP's lightweight shape runs as a fork of a step server (step_forks, beside this)
                 in a container of its image, started at the image's first step with the settings above:
                 the interpreter, its imports and the container's start once a run and image, not once a
                 step (`rlpipe run --fresh-steps`: a container a step, as KFP's DockerRunner runs them).
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlpipe.pipelines.local_runner.step_forks import SERVER, StepLaunches, Task, hold, run_forked, task_of
 from rlpipe.services.local_servers import LocalServers, die_with_parent
-from rlpipe.services.step_forks import StepLaunches, Task, hold, run_forked, task_of
 from rlpipe.spec import RunSpec
 from rlpipe.steps import iteration_modules
 from rlpipe.store.run_root import is_local
@@ -191,13 +191,13 @@ def forked_in(warm: WarmSteps, client, handler, volumes: dict, run_args: dict, e
 
 class StepServer(NamedTuple):
     path: str  # its socket
-    lifeline: socket.socket  # rlpipe.services.step_forks.hold
+    lifeline: socket.socket  # rlpipe.pipelines.local_runner.step_forks.hold
     container: Any
 
 
 @dataclass
 class WarmSteps:
-    """One step server a step image (rlpipe.services.step_forks) in a container of that image, with the
+    """One step server a step image (rlpipe.pipelines.local_runner.step_forks) in a container of that image, with the
     settings a step's container gets and the servers' socket folder mounted at the same path; kept
     alive by a lifeline from this process, so a driver killed with -9 takes them down."""
 
@@ -234,7 +234,7 @@ def start_step_server(
     import docker
 
     folder = os.path.dirname(path)
-    command = ["python3", "-m", "rlpipe.services.step_forks", path, *modules]
+    command = ["python3", "-m", SERVER, path, *modules]
     mounted = {**volumes, folder: {"bind": folder, "mode": "rw"}}
     try:
         container = client.containers.run(image, command, detach=True, init=True, volumes=mounted, **run_args)
@@ -289,7 +289,7 @@ def run_step_container(client, image: str, command: list[str], volumes: dict, **
         try:
             container.remove(force=True)
         except docker.errors.NotFound:
-            pass  # removed by the run's stop (rlpipe.services.containers.LocalContainers.remove_all)
+            pass  # removed by the run's stop (rlpipe.pipelines.local_runner.containers.LocalContainers.remove_all)
     say_stopped(status)
     return status
 

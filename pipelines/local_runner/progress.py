@@ -26,7 +26,7 @@ from rlpipe.metric_keys import (
     REWARD_STD,
     ZERO_VARIANCE_GROUPS,
 )
-from rlpipe.services.step_forks import StepLaunches
+from rlpipe.pipelines.local_runner.step_forks import StepLaunches
 from rlpipe.store.run_root import list_metrics, read_state
 
 

@@ -11,14 +11,14 @@ same arguments, its output streamed to the driver and its exit status returned a
             for this interpreter (`task_of`) waits for the server to listen and goes to it; any other
             (one that pip-installs first, another interpreter's) runs as KFP runs it, and `StepLaunches`
             says why in the task's log and the run's progress display
-    server  `python -m rlpipe.services.step_forks SOCKET`, single-threaded (a fork copies no lock that
+    server  `python -m rlpipe.pipelines.local_runner.step_forks SOCKET`, single-threaded (a fork copies no lock that
             another thread holds): accepts a task, forks, answers each fork's exit status as it ends
             (SIGCHLD wakes it); dies with the driver (PR_SET_PDEATHSIG), its tasks with it
     task    a fork: the driver's environment and working directory at the call, stdout and stderr the
             pipe the driver passed, the component's source in a temporary directory, then
             kfp.dsl.executor_main run as __main__ and the interpreter's normal exit (threads joined,
             atexit run), as in a fresh process
-    in a container  the same server in a step image (rlpipe.services.containers: `rlpipe run --containers`),
+    in a container  the same server in a step image (containers, beside this: `rlpipe run --containers`),
             its socket in a folder mounted at the same path; each task's environment laid over the
             container's (`inherit_env`), and the server ends when the driver's lifeline (`hold`) closes,
             as a driver killed with -9 closes it
@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 from rlpipe.services.local_servers import die_with_parent
 
+SERVER = "rlpipe.pipelines.local_runner.step_forks"  # `python -m SERVER SOCKET MODULE...` starts a step server
 HEADER = 8  # a request: its length in these many bytes (with the output's file descriptor), then its JSON
 
 
@@ -103,7 +104,7 @@ def forked_steps(
     launches = launches if launches is not None else StepLaunches()
     folder = tempfile.mkdtemp(prefix="rlpipe-steps-")
     path = os.path.join(folder, "forks.sock")
-    argv = [sys.executable, "-m", "rlpipe.services.step_forks", path, *modules]
+    argv = [sys.executable, "-m", SERVER, path, *modules]
     output = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     server = subprocess.Popen(argv, stdout=output, stderr=output, preexec_fn=die_with_parent)
     as_kfp = subprocess_task_handler.run_local_subprocess
@@ -115,11 +116,11 @@ def forked_steps(
             try:
                 code = run_forked(path, *task, {**os.environ, **(env_vars or {})})
             except ConnectionError:  # the server is gone, and the task was not sent
-                why = "the step server (rlpipe.services.step_forks) has ended" + (f" (its log: {log})" if log else "")
+                why = f"the step server ({SERVER}) has ended" + (f" (its log: {log})" if log else "")
             else:
                 launches.forked += 1
                 if code is None:
-                    print("StepServerError: the step server (rlpipe.services.step_forks) ended while the step ran")
+                    print(f"StepServerError: the step server ({SERVER}) ended while the step ran")
                     return 1
                 return code
         launches.ran_fresh(why)

@@ -2,7 +2,7 @@
 
 What users upload in the KFP UI or submit with the SDK is the compiled IR YAML, not the Python that
 made it. Here KFP's own loader reads that file (`kfp.components.load_component_from_file`) and KFP's
-local runner executes it, driven by `rlpipe run`'s loop (rlpipe.pipelines.local_run): one pipeline
+local runner executes it, driven by `rlpipe run`'s loop (rlpipe.pipelines.local_runner.driver): one pipeline
 run per chunk until state.json says the loop is done, each task a fork of the warm step server, or
 with `--containers` each task in the image the file names. A parameter the YAML drops or a step wired
 differently from the Python pipeline shows up here, before a cluster runs it.
