@@ -249,11 +249,12 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
     it (trainer.resident: what real sizes run); the figures are the second iteration's."""
     from rlpipe import loop
     from rlpipe.engines import LoadedModel, generate_rollouts
-    from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+    from rlpipe.training.loading import open_trainer, save_version
+    from rlpipe.training.trainer import train_on_batch
 
     spec, run_root, weights, setup = start_run(args, lora, work)
     cache = spec.cache_root
-    trainer = load_trainer(spec, run_root, weights, cache)
+    trainer = open_trainer(spec, run_root, weights, cache)
     for iteration in (1, 2):
         if iteration == 2:
             v1 = weights
@@ -276,7 +277,7 @@ def iterate(args: argparse.Namespace, lora: bool, work: Path) -> dict:
         peaks.append(memory_gib(args.device, peak=True))
         reset_peak_memory(args.device)
         timings: dict[str, float] = {}
-        staged = save_trained(trainer, iteration, cache, timings, batch_path=paths["batch"])
+        staged = save_version(trainer, iteration, cache, timings, batch_path=paths["batch"])
         synced_at = time.time()
         weights, _ = loop.sync_weights(spec, run_root, staged, iteration, generated, scored, advantaged, metrics)
         done = time.time()

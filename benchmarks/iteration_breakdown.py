@@ -111,7 +111,7 @@ def import_seconds(hide_optional: bool, repeats: int) -> float:
 COLD_UPDATE = """
 import glob, json, shutil, sys, tempfile
 from pathlib import Path
-from rlpipe.training.trainer import update_policy
+from rlpipe.training.session import update_policy
 from rlpipe.store.run_root import read_state
 from rlpipe.spec import parse_spec
 from rlpipe.store.weights import read_weight_ref

@@ -168,7 +168,7 @@ def update(
         from rlpipe.services.trainer.client import request_update
 
         return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
-    from rlpipe.training.trainer import update_policy
+    from rlpipe.training.session import update_policy
 
     return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)
 

@@ -12,7 +12,8 @@ import torch
 from rlpipe import loop
 from rlpipe.spec import parse_spec, spec_to_dict
 from rlpipe.store.weights import read_weight_ref
-from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+from rlpipe.training.loading import open_trainer, save_version
+from rlpipe.training.trainer import train_on_batch
 
 from .conftest import initialize, tiny_spec_dict
 
@@ -31,7 +32,7 @@ def _iterate(tmp_path: Path, iterations: int = 4):
     steps_spec = parse_spec(copy.deepcopy(data) | {"trainer": {**data["trainer"], "resident": False}})
     run_root, cache = str(tmp_path / "runs" / "tiny"), str(tmp_path / "cache")
     weights = initialize(spec, run_root, cache)
-    trainer = load_trainer(spec, run_root, weights, cache)
+    trainer = open_trainer(spec, run_root, weights, cache)
     for iteration in range(1, iterations + 1):
         work = Path(tmp_path, "work", str(iteration))
         work.mkdir(parents=True)
@@ -40,7 +41,7 @@ def _iterate(tmp_path: Path, iterations: int = 4):
         loop.score(spec, rollouts, scored)
         loop.advantages(spec, scored, batch)
         train_on_batch(trainer, batch, iteration)
-        staged = save_trained(trainer, iteration, cache, batch_path=batch)
+        staged = save_version(trainer, iteration, cache, batch_path=batch)
         weights, _ = loop.sync_weights(spec, run_root, staged, iteration, {})
     if trainer.checkpoint_writer is not None:
         trainer.checkpoint_writer.join()
@@ -52,7 +53,7 @@ def test_a_restarted_trainer_replays_the_updates_since_its_last_checkpoint(tmp_p
     optimizer = Path(run_root, "optimizer")
     assert sorted(p.name for p in optimizer.glob("v*")) == ["v000003.masters.safetensors", "v000003.pt"]
     assert sorted(p.name for p in (optimizer / "replay").iterdir()) == ["v000004.i000004.parquet"]
-    restarted = load_trainer(spec, run_root, v4, cache)
+    restarted = open_trainer(spec, run_root, v4, cache)
     assert restarted.replayed == {"trainer/replayed_updates": 1.0, "trainer/replay_exact": 1.0}
     assert restarted.weights == v4
     for (name, held), (_, replayed) in zip(
@@ -69,7 +70,7 @@ def test_a_missing_replay_batch_says_what_to_do(tmp_path: Path):
     spec, run_root, cache, _, v4 = _iterate(tmp_path)
     next(Path(run_root, "optimizer", "replay").iterdir()).unlink()
     with pytest.raises(FileNotFoundError, match="batches to replay it from v3 are missing for v4"):
-        load_trainer(spec, run_root, v4, cache)
+        open_trainer(spec, run_root, v4, cache)
 
 
 def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
@@ -80,7 +81,7 @@ def test_a_fork_between_checkpoints_replays_to_its_version(tmp_path: Path):
     forked = fork_run(run_root, child, 4, "child", {})
     state = json.loads(Path(child, "state.json").read_text())
     assert state["forked_from"]["optimizer_state"] == "parent's (v3's, replayed to v4)"
-    restarted = load_trainer(forked, child, read_weight_ref(child, 4), cache)
+    restarted = open_trainer(forked, child, read_weight_ref(child, 4), cache)
     assert restarted.replayed["trainer/replay_exact"] == 1.0
     for held, replayed in zip(trainer.policy.parameters(), restarted.policy.parameters(), strict=True):
         assert torch.equal(held, replayed)
@@ -94,7 +95,7 @@ def test_a_run_resumed_with_another_cadence_still_replays(tmp_path: Path):
         tmp_path, trainer={"mini_batches": 2, "warmup_steps": 0}, storage=spec_to_dict(spec)["storage"]
     )
     data["storage"]["optimizer_every"] = 1
-    resumed = load_trainer(parse_spec(data), run_root, v4, cache)
+    resumed = open_trainer(parse_spec(data), run_root, v4, cache)
     assert resumed.replayed == {"trainer/replayed_updates": 1.0, "trainer/replay_exact": 1.0}
     for held, replayed in zip(trainer.policy.parameters(), resumed.policy.parameters(), strict=True):
         assert torch.equal(held, replayed)

@@ -26,7 +26,7 @@ from rlpipe.services.trainer.server import LocalTrainer, make_server
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 from rlpipe.store.run_root import read_eval_samples
 from rlpipe.store.weights import read_weight_ref
-from rlpipe.training.trainer import update_policy
+from rlpipe.training.session import update_policy
 
 
 def _in_step(spec: RunSpec) -> RunSpec:
@@ -250,10 +250,10 @@ from rlpipe.services.trainer import server as trainer_service
 update = trainer_service.ROUTES["/update"]
 
 
-def update_or_fail(request, held):
+def update_or_fail(request, resident):
     if request.get("fail_on_rank") == dist.get_rank():
         raise RuntimeError("injected failure")
-    return update(request, held)
+    return update(request, resident)
 
 
 trainer_service.ROUTES["/update"] = update_or_fail
@@ -300,11 +300,11 @@ def test_a_rank_failing_alone_is_answered_and_the_trainer_exits(initialized_run,
 
 def test_a_trainer_that_does_not_see_the_run_root_says_mount_it(tmp_path: Path):
     """A trainer container started without the run root's volume (a manifest's mount path that differs from
-    the steps'): each request names the path and what to mount, and leaves nothing held."""
-    from rlpipe.services.trainer.server import Held, answer
+    the steps'): each request names the path and what to mount, and keeps no session."""
+    from rlpipe.services.trainer.server import Resident, answer
 
-    held = Held()
-    status, body = answer("/update", {"run_root": str(tmp_path / "not-mounted"), "weights": {}}, held)
+    resident = Resident()
+    status, body = answer("/update", {"run_root": str(tmp_path / "not-mounted"), "weights": {}}, resident)
     assert status == 422 and body["error"] == "RunRootNotMounted"
     assert str(tmp_path / "not-mounted") in body["message"] and "at the same path as the steps" in body["message"]
-    assert held.key is None
+    assert resident.key is None and resident.session is None

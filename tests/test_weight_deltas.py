@@ -67,7 +67,7 @@ def test_a_dense_delta_is_a_bitmap_and_rebuilds_bit_for_bit():
 
 def test_sealing_in_parallel_threads_gives_the_delta_and_hash_of_one_tensor_at_a_time():
     from rlpipe.training.sealing import delta_against
-    from rlpipe.training.state import Served
+    from rlpipe.training.state import StoredVersion
 
     parent, child = _chain(steps=2, seed=1)
     policy = torch.nn.Module()
@@ -79,7 +79,7 @@ def test_sealing_in_parallel_threads_gives_the_delta_and_hash_of_one_tensor_at_a
     try:
         for each in (1, 2):
             torch.set_num_threads(each)
-            served = Served({k: v.clone() for k, v in parent.items()}, version=1, chain=0)
+            served = StoredVersion({k: v.clone() for k, v in parent.items()}, version=1, chain=0)
             delta, sha, kept = delta_against(served, policy, policy.state_dict(), torch.bfloat16, keep=True)
             assert sha == content_sha256(child) == content_sha256(child, threads=1)
             assert delta.keys() == expected.keys() and all(torch.equal(delta[k], expected[k]) for k in delta)

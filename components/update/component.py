@@ -22,7 +22,9 @@ def update(
 
     run_spec, values = start("update", spec, entered)
     from rlpipe import loop
+    from rlpipe.store.weights import as_weight_ref  # KFP hands the version over as a float
 
+    weights = as_weight_ref(weights)
     staged, trained = loop.update(run_spec, run_root, weights, batch.path, iteration, run_spec.cache_root)
     values |= trained
     finish(metrics, values)

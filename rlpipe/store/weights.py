@@ -133,6 +133,32 @@ def stage_delta(run_root: str, version: int, config, tokenizer, delta: dict, cac
     return staged
 
 
+def write_version(
+    run_root: str,
+    version: int,
+    iteration: int,
+    parent: int | None,
+    model,
+    tokenizer,
+    cache_root: str | Path,
+    state_dict: dict | None = None,
+    base: WeightRef | None = None,
+    contents: dict | None = None,
+) -> WeightRef:
+    """The trainer's one call to store a whole version: staged (stage_pretrained) and sealed (seal, with
+    `contents`); returns the WeightRef to hand to publish."""
+    staged = stage_pretrained(run_root, version, model, tokenizer, cache_root, state_dict, base)
+    return seal(staged, version=version, iteration=iteration, parent=parent, contents=contents)
+
+
+def write_delta_version(
+    run_root: str, version: int, iteration: int, parent: int, config, tokenizer, delta: dict, cache_root, contents: dict
+) -> WeightRef:
+    """The trainer's one call to store a delta version: staged (stage_delta) and sealed (seal, with `contents`)."""
+    staged = stage_delta(run_root, version, config, tokenizer, delta, cache_root)
+    return seal(staged, version=version, iteration=iteration, parent=parent, contents=contents)
+
+
 def directory_sha256(uri: str) -> tuple[str, dict[str, str]]:
     """sha256 over (relative name, file sha256) of every file except the manifest, sorted."""
     fs, root = filesystem(uri)
@@ -262,6 +288,20 @@ def local_path(weight_ref: WeightRef, cache_dir: str | Path) -> str:
     if "delta_of" in (manifest := json.loads(Path(stored, MANIFEST).read_text())) and manifest["delta_of"] is not None:
         return rebuilt_path(weight_ref, manifest, cache_dir)
     return stored
+
+
+def version_path(run_root: str, version: int, cache_dir: str | Path) -> str:
+    """A local directory holding published v(version)'s whole weights, verified (read_weight_ref, local_path)."""
+    return local_path(read_weight_ref(run_root, version), cache_dir)
+
+
+def stored_in(weight_ref: WeightRef, weights_dtype: str, cache_dir: str | Path) -> tuple[dict, str] | None:
+    """(the version's manifest, a local directory of its whole weights: local_path) when it is stored in
+    `weights_dtype` (its manifest's weights_dtype); else None."""
+    manifest = read_manifest(weight_ref["uri"])
+    if manifest.get("weights_dtype") != weights_dtype:
+        return None
+    return manifest, local_path(weight_ref, cache_dir)
 
 
 def version_chain(weight_ref: WeightRef) -> list[tuple[WeightRef, dict]]:
@@ -401,17 +441,17 @@ def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy")
             fs.rm(join(optimizer_dir(run_root, lineage), name))
 
 
-def advance_in_place(model: Any, held: dict, new: dict, cache_dir: str | Path) -> bool:
-    """Move a model holding version `held` (a WeightRef) to `new` by writing in `new`'s delta, when `new`
-    is a delta against exactly `held`; the result is checked against `new`'s weights_sha256 (the model's
+def advance_in_place(model: Any, current: dict, new: dict, cache_dir: str | Path) -> bool:
+    """Move a model at version `current` (a WeightRef) to `new` by writing in `new`'s delta, when `new`
+    is a delta against exactly `current`; the result is checked against `new`'s weights_sha256 (the model's
     weights cast to the version's dtype). False when `new` must be loaded whole instead (not a delta of
-    `held`, or the check failed: the model is then neither version)."""
+    `current`, or the check failed: the model is then neither version)."""
     from safetensors.torch import load_file
 
     from rlpipe.store.weight_deltas import DELTA_FILE, WEIGHTS_DTYPES, apply_delta_to_model, content_sha256
 
     chain = version_chain(new)
-    if len(chain) < 2 or chain[1][0]["version"] != held["version"] or chain[1][0]["sha256"] != held["sha256"]:
+    if len(chain) < 2 or chain[1][0]["version"] != current["version"] or chain[1][0]["sha256"] != current["sha256"]:
         return False
     delta = load_file(Path(stored_path(new, cache_dir), DELTA_FILE))
     apply_delta_to_model(model, delta)

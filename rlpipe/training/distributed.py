@@ -1,5 +1,5 @@
 """Data-parallel training over several processes with FSDP2 (`torch.distributed.fsdp.fully_shard`),
-launched by torchrun (`update_in_processes`; each process runs rlpipe.training.trainer.main): NCCL on
+launched by torchrun (`update_in_processes`; each process runs rlpipe.training.session.main): NCCL on
 GPUs, gloo on CPU (where the tests run the same code).
 
 Each process holds 1/world of every parameter, gradient and AdamW moment. A mini-batch's micro-batches
@@ -190,7 +190,7 @@ def update_in_processes(
         with open(f"{tmp}/request.json", "w") as f:
             json.dump(request, f)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", str(spec.trainer.gpus), "-m", "rlpipe.training.trainer"]
+        command += ["--nproc-per-node", str(spec.trainer.gpus), "-m", "rlpipe.training.session"]
         done = subprocess.run([*command, f"{tmp}/request.json"], capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])

@@ -16,7 +16,7 @@ from rlpipe.metric_keys import UPDATE_LOAD, UPDATE_TIME
 from rlpipe.models.loading import load_weights
 from rlpipe.rollouts import write_table
 from rlpipe.training.logprobs import completion_logprobs
-from rlpipe.training.trainer import load_trainer, save_trained, train_on_batch
+from rlpipe.training.trainer import train_on_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def sample_and_decode(spec: RunSpec, model, tokenizer, prompt_ids: list[list[int]], seed: int) -> tuple[list, list]:
     """rollout.samples_per_prompt completions per prompt (prompt-major): (token ids, decoded texts)."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import sample_groups as sample_completions
+    from rlpipe.engines.torch_engine import complete_groups as sample_completions
 
     model.eval()
     completions = sample_completions(LoadedModel(model, tokenizer), prompt_ids, Sampling.of(spec), seed)
@@ -138,20 +138,25 @@ def dpo_iteration(
     accuracy of v(N+1) on each of `check`'s pair sets (dpo/<name>_preference_accuracy, ...)."""
     t0 = time.time()
     # the reference's log-probs come with the pairs: no reference model in memory
+    from rlpipe.store.weights import as_weight_ref
+    from rlpipe.training.session import TrainerSession
+
     algorithm = dataclasses.replace(spec.algorithm, track_reference_kl=False)
-    trainer = load_trainer(dataclasses.replace(spec, algorithm=algorithm), run_root, weights, cache_root)
+    without_kl = dataclasses.replace(spec, algorithm=algorithm)
+    session = TrainerSession.open(without_kl, run_root, as_weight_ref(weights), cache_root)
     loaded = time.time()
     with tempfile.TemporaryDirectory() as scratch:
         batch = str(Path(scratch) / "batch.parquet")
         write_table(pa.Table.from_pylist(batch_rows(pairs)), batch)
-        metrics = train_on_batch(trainer, batch, iteration)
+        metrics = train_on_batch(session.trainer, batch, iteration)
     trained = time.time()
+    policy = session.trainer.policy
     for name, rows in check.items():
-        for key, value in preference_accuracy(spec, trainer.policy, trainer.tokenizer, rows).items():
+        for key, value in preference_accuracy(spec, policy, session.trainer.tokenizer, rows).items():
             metrics[f"dpo/{name}_{key}"] = value
-    trainer.policy.train()
+    policy.train()
     checked = time.time()
-    sealed = save_trained(trainer, iteration, cache_root)
+    sealed = session.save(iteration)
     return sealed, metrics | {
         UPDATE_LOAD: loaded - t0,
         UPDATE_TIME: trained - loaded + time.time() - checked,

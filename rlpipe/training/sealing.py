@@ -5,8 +5,8 @@ copy) the fp32 master weights beside the optimizer state.
     stored version = cast(master weights, weights_dtype)          bit-exact what samplers load
     delta          = the elements of it whose bits differ from the parent's (rlpipe.store.weight_deltas)
 
-A delta is written when the trainer can read its parent's stored tensors (`Served`: it sealed or
-loaded that version), fewer than storage.full_every - 1 deltas precede it, and it is at most half
+A delta is written when the trainer can read its parent's stored tensors (`StoredVersion`: it sealed
+or loaded that version), fewer than storage.full_every - 1 deltas precede it, and it is at most half
 of the whole version's bytes; otherwise the version is whole. Sealing a delta casts, hashes and
 compares each tensor on its own, a tensor per thread: no second copy of the model exists at any moment.
 """
@@ -28,8 +28,8 @@ from rlpipe.store.weight_deltas import (
     tensor_entry,
     write_safetensors,
 )
-from rlpipe.store.weights import WeightRef, local_path, read_manifest, seal, stage_delta, stage_pretrained
-from rlpipe.training.state import Served
+from rlpipe.store.weights import WeightRef, stored_in, write_delta_version, write_version
+from rlpipe.training.state import StoredVersion
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -56,16 +56,16 @@ def serving_tensors(policy: torch.nn.Module, state: dict[str, torch.Tensor] | No
     return {name: state[name].detach().to(device="cpu", dtype=dtype) for name in stored_names(policy, state)}
 
 
-def served_from_version(spec: RunSpec, weights: WeightRef, cache_root: str) -> Served | None:
+def stored_version(spec: RunSpec, weights: WeightRef, cache_root: str) -> StoredVersion | None:
     """What a trainer that just loaded `weights` can write the next version as a delta against: that
     version's whole files (rebuilt into the cache if it is a delta), when it was sealed in
     storage.weights_dtype."""
     if not stores_serving_copy(spec) or spec.storage.full_every == 1:
         return None
-    manifest = read_manifest(weights["uri"])
-    if manifest.get("weights_dtype") != spec.storage.weights_dtype:
+    if (stored := stored_in(weights, spec.storage.weights_dtype, cache_root)) is None:
         return None
-    return Served(StoredTensors(local_path(weights, cache_root)), weights["version"], manifest.get("chain", 0))
+    manifest, path = stored
+    return StoredVersion(StoredTensors(path), weights["version"], manifest.get("chain", 0))
 
 
 def load_masters(run_root: str, version: int, policy: torch.nn.Module) -> bool:
@@ -96,17 +96,17 @@ def write_masters(run_root: str, version: int, masters: dict[str, torch.Tensor])
 
 
 def delta_against(
-    served: Served, policy: torch.nn.Module, state: dict, dtype: torch.dtype, keep: bool
+    parent: StoredVersion, policy: torch.nn.Module, state: dict, dtype: torch.dtype, keep: bool
 ) -> tuple[dict, str, dict]:
     """(the delta, the new version's weights_sha256, its tensors when `keep`). Each tensor is cast,
     hashed, compared with the parent's and dropped (or, kept, written over the parent's tensor held in
     memory), in as many threads as torch uses (torch, numpy and hashlib release the GIL): at most one
     cast tensor per thread exists at a time, never a second copy of the model."""
-    in_memory = isinstance(served.tensors, dict)
+    in_memory = isinstance(parent.tensors, dict)
 
     def seal_tensor(name: str) -> tuple[str, dict[str, torch.Tensor], torch.Tensor | None]:
         new = state[name].detach().to(device="cpu", dtype=dtype)
-        old = served.tensors.get(name)
+        old = parent.tensors.get(name)
         entry, part = tensor_entry(name, new), encode_tensor(name, old, new)
         if keep and in_memory and old is not None and old.shape == new.shape and old.dtype == new.dtype:
             return entry, part, old.copy_(new)
@@ -130,35 +130,38 @@ def seal_serving_copy(
     tokenizer,
     cache_root: str,
     state: dict | None,
-    served: Served | None,
-) -> tuple[WeightRef, Served | None]:
-    """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `served` when that
+    stored: StoredVersion | None,
+) -> tuple[WeightRef, StoredVersion | None]:
+    """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `stored` when that
     is v(version - 1) and the rules above allow; returns the sealed version and what the next version can be a
     delta against (held in memory by a resident trainer; None for a one-update process)."""
     dtype = WEIGHTS_DTYPES[spec.storage.weights_dtype]
     state = state if state is not None else policy.state_dict()
     keep = spec.storage.full_every > 1 and spec.trainer.resident
     delta = None
-    if served is not None and served.version == parent["version"] and served.chain + 1 < spec.storage.full_every:
-        delta, sha, tensors = delta_against(served, policy, state, dtype, keep)
+    if stored is not None and stored.version == parent["version"] and stored.chain + 1 < spec.storage.full_every:
+        delta, sha, tensors = delta_against(stored, policy, state, dtype, keep)
         whole_bytes = sum(state[n].numel() for n in stored_names(policy, state)) * dtype.itemsize
         if sum(t.numel() * t.element_size() for t in delta.values()) > LARGEST_DELTA * whole_bytes:
             delta = None
-    if delta is not None:
-        staged = stage_delta(run_root, version, policy.config, tokenizer, delta, cache_root)
-        chain = served.chain + 1
-    else:
+    if delta is None:
         tensors = serving_tensors(policy, state, dtype)
-        sha, chain = content_sha256(tensors), 0
-        staged = stage_pretrained(run_root, version, policy, tokenizer, cache_root, tensors)
+        sha = content_sha256(tensors)
+    chain = stored.chain + 1 if delta is not None else 0
     contents = {
         "weights_sha256": sha,
         "weights_dtype": spec.storage.weights_dtype,
         "delta_of": parent["version"] if delta is not None else None,
         "chain": chain,
     }
-    sealed = seal(staged, version=version, iteration=iteration, parent=parent["version"], contents=contents)
-    return sealed, Served(tensors, version, chain) if keep else None
+    if delta is not None:
+        args = (policy.config, tokenizer, delta, cache_root, contents)
+        sealed = write_delta_version(run_root, version, iteration, parent["version"], *args)
+    else:
+        sealed = write_version(
+            run_root, version, iteration, parent["version"], policy, tokenizer, cache_root, tensors, contents=contents
+        )
+    return sealed, StoredVersion(tensors, version, chain) if keep else None
 
 
 def seal_new_version(trainer: Trainer, iteration: int, cache_root: str, state: dict | None) -> WeightRef:
@@ -167,11 +170,13 @@ def seal_new_version(trainer: Trainer, iteration: int, cache_root: str, state: d
     weights gathered from the processes (FSDP)."""
     run_root, weights, new_version = trainer.run_root, trainer.weights, trainer.weights["version"] + 1
     if stores_serving_copy(trainer.spec):
-        served, trainer.served = trainer.served, None  # sealing writes over it: gone if sealing fails
-        sealed, trainer.served = seal_serving_copy(
+        stored, trainer.stored = trainer.stored, None  # sealing writes over it: gone if sealing fails
+        sealed, trainer.stored = seal_serving_copy(
             trainer.spec, run_root, new_version, iteration, weights, trainer.policy, trainer.tokenizer,
-            cache_root, state, served,
+            cache_root, state, stored,
         )  # fmt: skip
         return sealed
-    staged = stage_pretrained(run_root, new_version, trainer.policy, trainer.tokenizer, cache_root, state, trainer.base)
-    return seal(staged, version=new_version, iteration=iteration, parent=weights["version"])
+    policy, tokenizer = trainer.policy, trainer.tokenizer
+    return write_version(
+        run_root, new_version, iteration, weights["version"], policy, tokenizer, cache_root, state, trainer.base
+    )

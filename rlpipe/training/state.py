@@ -1,5 +1,5 @@
 """What training holds between optimizer steps (Trainer) and the stored tensors of its version
-(Served): the record every training module reads, in a module that imports none of them."""
+(StoredVersion): the record every training module reads, in a module that imports none of them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlp
 
 
 @dataclass
-class Served:
+class StoredVersion:
     """The stored tensors of the version the trainer last sealed or loaded, and deltas since a whole one:
     in memory (the resident trainer's, as it sealed them) or read one at a time from the version's whole
     files (StoredTensors: a trainer that loaded the version holds no second copy)."""
@@ -47,7 +47,7 @@ class Trainer:
     critic: Critic | None = None
     # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}
     proximal: dict = field(default_factory=dict)
-    served: Served | None = None  # the stored tensors of `weights`, when the next version may be a delta
+    stored: StoredVersion | None = None  # the stored tensors of `weights`, when the next version may be a delta
     checkpoint_writer: threading.Thread | None = None  # the resident trainer's checkpoint, written in the background
     replayed: dict[str, float] = field(default_factory=dict)  # trainer/replayed_updates, trainer/replay_exact
     packed: bool = False  # micro-batches packed without padding (trainer.padding_free)

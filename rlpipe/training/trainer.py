@@ -1,4 +1,5 @@
-"""update: one iteration of policy-gradient training on the batch; stages weights v(N+1).
+"""The optimizer loop: one iteration of policy-gradient training on the batch, in place on a Trainer
+(opened and saved by rlpipe.training.loading; the door to it is rlpipe.training.session).
 
 `train_on_batch` is the optimizer loop: the batch's rows in mini-batches (trainer.mini_batches optimizer
 steps per epoch, PPO style), each split into micro-batches of at most trainer.micro_batch_tokens whose
@@ -13,22 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from rlpipe.algorithms import PolicyInputs, get_algorithm, needs_critic, resolve_options
+from rlpipe.algorithms import PolicyInputs, get_algorithm, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
-from rlpipe.metric_keys import OPTIMIZER_STEPS, UPDATE_LOAD, UPDATE_TIME
-from rlpipe.models.devices import resolve_device
-from rlpipe.models.loading import add_lora, disable_dropout, is_adapted, load_weights
+from rlpipe.metric_keys import OPTIMIZER_STEPS
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
-from rlpipe.store.run_root import filesystem, optimizer_uri
-from rlpipe.store.weights import WeightRef, as_weight_ref, read_weight_ref
 from rlpipe.training.batching import (
     MicroBatch,
     micro_batch_weight,
@@ -39,17 +35,8 @@ from rlpipe.training.batching import (
     trained_tokens,
     update_order,
 )
-from rlpipe.training.checkpoints import find_replay, load_sealed, matches_sealed, save_state
-from rlpipe.training.critic import load_critic, save_critic, value_step
-from rlpipe.training.distributed import (
-    clip_grad_norm,
-    full_model_state,
-    init_from_torchrun,
-    load_optimizer_state,
-    shard,
-    update_in_processes,
-    world,
-)
+from rlpipe.training.critic import value_step
+from rlpipe.training.distributed import clip_grad_norm, world
 from rlpipe.training.logprobs import completion_logprobs_and_entropy
 from rlpipe.training.off_policy import (
     Correction,
@@ -58,7 +45,6 @@ from rlpipe.training.off_policy import (
     mismatch_differences,
     sampled_by,
 )
-from rlpipe.training.sealing import load_masters, seal_new_version, served_from_version, stores_serving_copy
 from rlpipe.training.state import Trainer
 from rlpipe.training.tally import OptimizerStepStats, Tally, update_metrics
 
@@ -69,84 +55,6 @@ if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlp
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient went NaN/inf; nothing was published."""
-
-
-def load_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
-    """The trainer at `weights`: the policy with the optimizer state saved beside that version, or,
-    where it was not saved (storage.optimizer_every), at the last checkpoint with the updates since
-    replayed from their recorded batches (rlpipe.training.checkpoints)."""
-    weights = as_weight_ref(weights)
-    replay = find_replay(spec, run_root, weights["version"])
-    if replay is None:
-        return load_checkpoint(spec, run_root, weights, cache_root)
-    if replay.checkpoint == 0:  # the run's start: v0's weights, a fresh optimizer
-        trainer = load_checkpoint(spec, run_root, read_weight_ref(run_root, 0), cache_root)
-    else:  # v(N)'s files for the model's shape and tokenizer; the checkpoint's masters replace every weight
-        trainer = load_checkpoint(spec, run_root, weights, cache_root, state_version=replay.checkpoint)
-        trainer.weights = {**weights, "version": replay.checkpoint}
-    for version, iteration, batch in replay.updates:
-        train_on_batch(trainer, batch, iteration)
-        trainer.weights = {**trainer.weights, "version": version}
-    exact = matches_sealed(trainer, weights, cache_root)
-    if not exact:  # continue from the weights the samplers hold, with the replayed moments
-        load_sealed(trainer, weights, cache_root)
-    trainer.weights = weights
-    if world()[0] == 0:
-        trainer.served = served_from_version(spec, weights, cache_root)
-    trainer.replayed = {"trainer/replayed_updates": float(len(replay.updates)), "trainer/replay_exact": float(exact)}
-    return trainer
-
-
-def load_checkpoint(
-    spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str, state_version: int | None = None
-) -> Trainer:
-    """The policy at `weights` with the trainer's state saved beside that version (or beside
-    v(state_version)): its fp32 master weights, when saved (a serving-copy version, or a resident
-    trainer's checkpoint), and its optimizer state (fresh where none was)."""
-    weights = as_weight_ref(weights)
-    state_version = weights["version"] if state_version is None else state_version
-    sharded = init_from_torchrun(resolve_device(spec.trainer.device))[1] > 1  # before loading: picks the GPU
-    policy, tokenizer = load_weights(weights, cache_root, spec.trainer.threads, spec.trainer.device, trainable=True)
-    load_masters(run_root, state_version, policy)  # train on the masters a serving copy was cast from
-    served = None
-    if stores_serving_copy(spec) and state_version == weights["version"] and world()[0] == 0:
-        served = served_from_version(spec, weights, cache_root)
-    base = None
-    if spec.model.lora is not None:
-        base = read_weight_ref(run_root, 0)
-        if not is_adapted(policy):  # v0: the adapters start here
-            policy = add_lora(policy, spec.model.lora)
-    policy.train()
-    if spec.trainer.disable_dropout:
-        disable_dropout(policy)
-    if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if sharded:
-        shard(policy, policy.device)
-    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the adapters
-    optimizer = torch.optim.AdamW(
-        trained, lr=spec.trainer.lr, betas=spec.trainer.betas, weight_decay=spec.trainer.weight_decay
-    )
-    fs, opt_path = filesystem(optimizer_uri(run_root, state_version))
-    if fs.exists(opt_path):
-        with fs.open(opt_path, "rb") as f:
-            load_optimizer_state(policy, optimizer, torch.load(f, weights_only=True, map_location=policy.device))
-    reference = None
-    wants_reference = spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl
-    wants_reference |= "reference" in get_algorithm(spec.algorithm.name).needs  # online DPO's loss
-    if wants_reference and base is not None:
-        reference = policy  # the base = the policy with its adapters disabled: no second copy
-    elif wants_reference:
-        reference, _ = load_weights(read_weight_ref(run_root, 0), cache_root, spec.trainer.threads, spec.trainer.device)
-        reference.eval().requires_grad_(False)
-        if sharded:
-            shard(reference, reference.device)
-    critic = None
-    if needs_critic(spec):
-        critic = load_critic(spec, run_root, weights["version"], cache_root, trainable=True, sharded=sharded)
-    trainer = Trainer(spec, run_root, weights, policy, tokenizer, optimizer, reference, base, critic, served=served)
-    trainer.packed = packs_rows(trainer)
-    return trainer
 
 
 def packs_rows(trainer: Trainer) -> bool:
@@ -357,80 +265,3 @@ def optimizer_step(trainer: Trainer, stats: OptimizerStepStats, iteration: int) 
     trainer.optimizer.step()
     if trainer.critic is not None:
         trainer.critic.optimizer.step()
-
-
-def save_trained(
-    trainer: Trainer, iteration: int, cache_root: str, timings: dict | None = None, batch_path: str | None = None
-) -> WeightRef:
-    """Stage and seal v(N+1) and write the trainer's state beside it when a checkpoint is due
-    (rlpipe.training.checkpoints: every version, or every storage.optimizer_every in the resident
-    trainer, which records `batch_path` for replay and writes in the background); the trainer now
-    holds v(N+1). Sharded over several processes, the whole weights and optimizer state are gathered
-    and the first process writes them (the others get its WeightRef)."""
-    run_root, weights = trainer.run_root, trainer.weights
-    rank, processes = world()
-    new_version = weights["version"] + 1
-    model_state = full_model_state(trainer.policy) if processes > 1 else None  # a collective: every process
-    sealed = seal_new_version(trainer, iteration, cache_root, model_state) if rank == 0 else None
-    staged_at = time.time()
-    save_state(trainer, new_version, iteration, model_state, batch_path)
-    if timings is not None:
-        timings["weights/stage_optimizer_s"] = time.time() - staged_at  # AdamW state (and masters); the rest: v(N+1)
-    if trainer.critic is not None:
-        save_critic(trainer.critic, run_root, iteration)
-    if processes > 1:
-        shared = [sealed]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        sealed = shared[0]
-    trainer.weights = sealed
-    return sealed
-
-
-def update_policy(
-    spec: RunSpec, run_root: str, weights: WeightRef, batch_path: str, iteration: int, cache_root: str
-) -> tuple[WeightRef, dict[str, float]]:
-    """Train on the batch from weights v(N) in this process (or, with trainer.gpus > 1, in that many
-    torchrun processes); stage v(N+1) and its optimizer state."""
-    if spec.trainer.gpus > 1 and "RANK" not in os.environ:
-        return update_in_processes(spec, run_root, weights, batch_path, iteration, cache_root)
-    t0 = time.time()
-    trainer = load_trainer(spec, run_root, weights, cache_root)
-    loaded = time.time()
-    metrics = train_on_batch(trainer, batch_path, iteration)
-    trained = time.time()
-    timings: dict[str, float] = {}
-    sealed = save_trained(trainer, iteration, cache_root, timings)
-    done = time.time()
-    return sealed, metrics | timings | {
-        UPDATE_LOAD: loaded - t0,
-        UPDATE_TIME: done - loaded,
-        "weights/stage_s": done - trained,  # within time/update_s
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    """One torchrun process of update_in_processes: `python -m rlpipe.training.trainer REQUEST`."""
-    import json
-    import sys
-
-    from rlpipe.spec import parse_spec
-
-    with open((argv or sys.argv[1:])[0]) as f:
-        request = json.load(f)
-    spec = parse_spec(request["spec"])
-    staged, metrics = update_policy(
-        spec,
-        request["run_root"],
-        request["weights"],
-        request["batch_path"],
-        request["iteration"],
-        request["cache_root"],
-    )
-    if world()[0] == 0:
-        with open(request["result"], "w") as f:
-            json.dump({"staged": staged, "metrics": metrics}, f)
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

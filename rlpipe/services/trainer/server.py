@@ -1,17 +1,19 @@
-"""The resident trainer: one long-lived process that keeps the policy, its optimizer and the
-frozen reference in memory between iterations. The update step becomes a thin HTTP client,
-so no iteration pays torch's imports, a model load or a cold process.
+"""The resident trainer: one long-lived process that keeps a trainer session (the policy, its
+optimizer and the frozen reference: rlpipe.training.session) in memory between iterations. The
+update step becomes a thin HTTP client, so no iteration pays torch's imports, a model load or a
+cold process. This module is the wire: HTTP, which version the kept session is at, and the ranks'
+protocol; the work is the session's, the same the per-step update does.
 
-Storage stays the truth. The trainer trains only from the exact version it holds (run root,
-version, sha256, training settings); any other request (a rerun after a failed sync, a
-restarted trainer, another run) first reloads that version and its optimizer state from the
-weight store, exactly as the per-step update does, so both give the same v(N+1). An error
-drops what it holds: a failed batch may have applied some of its optimizer steps.
+Storage stays the truth. The trainer trains only from the exact version its session is at (run
+root, version, sha256, training settings: the key); any other request (a rerun after a failed sync,
+a restarted trainer, another run) first opens a session at that version from the weight store,
+exactly as the per-step update does, so both give the same v(N+1). An error drops the session: a
+failed batch may have applied some of its optimizer steps.
 
     POST /generate {spec, run_root, weights, iteration, rollouts_uri, cache_root} -> {metrics}
-                   (rollout.engine torch: sample with the held policy, colocated as in TRL)
+                   (rollout.engine torch: sample with the session's policy, colocated as in TRL)
     POST /values   {spec, run_root, weights, iteration, scored_uri, valued_uri, cache_root} -> {metrics}
-                   (PPO: the held critic's values of the scored rollouts, written to valued_uri)
+                   (PPO: the session's critic's values of the scored rollouts, written to valued_uri)
     POST /evaluate {spec, run_root, weights, iteration, cache_root} -> {metrics}
     POST /update   {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
                    4xx/5xx -> {error, message}
@@ -31,7 +33,7 @@ loop that keeps every rank's forward passes in step.
 Errors: after each request the ranks exchange their outcomes. When every rank succeeded, or every
 rank met the same input error (a bad request; a NaN loss, whose loss and gradient norm are reduced
 over the ranks before the check, so every rank raises at the same point), rank 0 answers and the
-trainer serves on, having dropped what it held. Any other failure (a rank failing alone, a
+trainer serves on, having dropped its session. Any other failure (a rank failing alone, a
 collective that timed out) leaves the process group unusable: rank 0 answers 500 with each rank's
 error, then every process exits non-zero and is restarted (by `rlpipe run` locally, by the JobSet's
 failure policy on a cluster), and the next request reloads from the weight store. A rank waiting in
@@ -65,171 +67,95 @@ from rlpipe.spec import TRAINING_KEYS, RunSpec, parse_spec, pick, spec_to_dict
 from rlpipe.steps import service_for
 
 if TYPE_CHECKING:
-    from rlpipe.training.state import Trainer
+    from rlpipe.training.session import TrainerSession
 
 
 def training_settings(spec: RunSpec) -> str:
-    """The spec keys that change what an update computes (a held trainer is reused only for these)."""
+    """The spec keys that change what an update computes (a kept session is reused only for these)."""
     return json.dumps(pick(spec_to_dict(spec), TRAINING_KEYS), sort_keys=True)
 
 
 @dataclass
-class Held:
-    """What the service holds between requests: a trainer and the (run root, version, sha256,
+class Resident:
+    """What the service keeps between requests: a trainer session and the (run root, version, sha256,
     training settings) it is exactly at; empty while a request runs, until it succeeds."""
 
-    trainer: Trainer | None = None
+    session: TrainerSession | None = None
     key: tuple[str, int, str, str] | None = None
     waiting: int = 0  # requests waiting for the lock (work done ahead gives way to them)
 
+    def take(self, request: dict[str, Any]) -> tuple[TrainerSession, bool]:
+        """The session at the request's weights version: the one kept, or opened from the weight store.
+        Returns (session, whether it was opened); the resident is empty until `keep`."""
+        from rlpipe.store.weights import as_weight_ref
+        from rlpipe.training.session import TrainerSession
 
-def hold(request: dict[str, Any], held: Held) -> tuple[Trainer, bool]:
-    """The trainer at the request's weights version: the one held, or loaded from the weight store.
-    Returns (trainer, whether it was loaded)."""
-    from rlpipe.store.weights import as_weight_ref
-    from rlpipe.training.trainer import load_trainer
+        spec = parse_spec(request["spec"])
+        run_root, weights = request["run_root"], as_weight_ref(request["weights"])
+        wanted = (run_root, weights["version"], weights["sha256"], training_settings(spec))
+        session, opened = self.session, self.session is None or self.key != wanted
+        self.session = self.key = None
+        if opened:
+            session = TrainerSession.open(spec, run_root, weights, request["cache_root"])
+        return session, opened
 
-    spec = parse_spec(request["spec"])
-    run_root, weights = request["run_root"], as_weight_ref(request["weights"])
-    wanted = (run_root, weights["version"], weights["sha256"], training_settings(spec))
-    trainer, loaded = held.trainer, held.trainer is None or held.key != wanted
-    held.trainer = held.key = None
-    if loaded:
-        trainer = load_trainer(spec, run_root, weights, request["cache_root"])
-    return trainer, loaded
-
-
-def keep(held: Held, trainer: Trainer) -> None:
-    weights = trainer.weights
-    held.trainer = trainer
-    held.key = (trainer.run_root, weights["version"], weights["sha256"], training_settings(trainer.spec))
+    def keep(self, session: TrainerSession) -> None:
+        weights = session.weights
+        self.session = session
+        self.key = (session.run_root, weights["version"], weights["sha256"], training_settings(session.spec))
 
 
-def serve_generate(request: dict[str, Any], held: Held) -> dict[str, Any]:
-    """Sample the iteration's rollouts with the held policy (torch engine) into request["rollouts_uri"]."""
-    import tempfile
-
-    from rlpipe.engines import LoadedModel, generate_rollouts
-    from rlpipe.models.loading import release_memory
-    from rlpipe.store.run_root import filesystem
-    from rlpipe.training.distributed import gathered, world
-
+def serve_generate(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """Sample the iteration's rollouts with the session's policy (torch engine) into request["rollouts_uri"]."""
     started = time.time()
-    trainer, reloaded = hold(request, held)
+    session, opened = resident.take(request)
     loaded = time.time()
-    with tempfile.TemporaryDirectory() as tmp, gathered(trainer.policy):
-        local = f"{tmp}/rollouts.parquet"
-        metrics = generate_rollouts(
-            trainer.spec,
-            trainer.run_root,
-            trainer.weights,
-            int(request["iteration"]),
-            local,
-            request["cache_root"],
-            loaded=LoadedModel(trainer.policy, trainer.tokenizer),
-        )
-        if world()[0] == 0:
-            fs, remote = filesystem(request["rollouts_uri"])
-            fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(local, remote)
-    keep(held, trainer)
+    metrics = session.generate(int(request["iteration"]), request["rollouts_uri"])
+    resident.keep(session)
     metrics[GENERATE_LOAD] += loaded - started
-    metrics |= release_memory(trainer.policy.device, "generate")
-    return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
+    return {"metrics": metrics | {"trainer/reloaded": float(opened)}}
 
 
-def serve_values(request: dict[str, Any], held: Held) -> dict[str, Any]:
-    """The held critic's value of every completion token of the scored rollouts (the values step)."""
-    import tempfile
-
-    from rlpipe.models.loading import release_memory
-    from rlpipe.store.run_root import filesystem
-    from rlpipe.training.critic import compute_values
-    from rlpipe.training.distributed import world
-
+def serve_values(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """The session's critic's value of every completion token of the scored rollouts (the values step)."""
     started = time.time()
-    trainer, reloaded = hold(request, held)
-    if trainer.critic is None:
-        raise ValueError(f"algorithm {trainer.spec.algorithm.name} has no critic: its iterations have no values step")
+    session, opened = resident.take(request)
     loaded = time.time()
-    fs, scored_remote = filesystem(request["scored_uri"])
-    _, valued_remote = filesystem(request["valued_uri"])
-    with tempfile.TemporaryDirectory() as tmp:
-        fs.get_file(scored_remote, f"{tmp}/scored.parquet")
-        metrics = compute_values(
-            trainer.spec,
-            trainer.run_root,
-            trainer.weights,
-            f"{tmp}/scored.parquet",
-            f"{tmp}/valued.parquet",
-            request["cache_root"],
-            critic=trainer.critic,
-        )
-        if world()[0] == 0:
-            fs.put_file(f"{tmp}/valued.parquet", valued_remote)
-    keep(held, trainer)
+    metrics = session.values(request["scored_uri"], request["valued_uri"])
+    resident.keep(session)
     metrics[VALUES_LOAD] = loaded - started
-    metrics |= release_memory(trainer.policy.device, "values")
-    return {"metrics": metrics | {"trainer/reloaded": float(reloaded)}}
+    return {"metrics": metrics | {"trainer/reloaded": float(opened)}}
 
 
-def serve_evaluate(request: dict[str, Any], held: Held) -> dict[str, Any]:
-    """Greedy held-out accuracy of the held policy; the eval metrics file is written by evaluate_policy."""
-    from rlpipe.engines import LoadedModel
-    from rlpipe.evaluation.accuracy import evaluate_policy
-    from rlpipe.models.loading import release_memory
-    from rlpipe.training.distributed import gathered, world
-
+def serve_evaluate(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """Greedy held-out accuracy of the session's policy; the eval metrics file is written by evaluate_policy."""
     started = time.time()
-    trainer, reloaded = hold(request, held)
+    session, opened = resident.take(request)
     loaded = time.time()
-    with gathered(trainer.policy):
-        metrics = evaluate_policy(
-            trainer.spec,
-            trainer.run_root,
-            trainer.weights,
-            int(request["iteration"]),
-            request["cache_root"],
-            LoadedModel(trainer.policy, trainer.tokenizer),
-            record=world()[0] == 0,
-        )
-    keep(held, trainer)
-    metrics |= release_memory(trainer.policy.device, "evaluate")
-    return {"metrics": metrics | {EVALUATE_LOAD: loaded - started, "trainer/reloaded": float(reloaded)}}
+    metrics = session.evaluate(int(request["iteration"]))
+    resident.keep(session)
+    return {"metrics": metrics | {EVALUATE_LOAD: loaded - started, "trainer/reloaded": float(opened)}}
 
 
-def serve_update(request: dict[str, Any], held: Held) -> dict[str, Any]:
-    """One update from `request`, reusing the trainer in `held` when it holds the requested version."""
-    from rlpipe.models.loading import release_memory
-    from rlpipe.training.checkpoints import keeps_state_in_memory
-    from rlpipe.training.trainer import save_trained, train_on_batch
-
+def serve_update(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """One update from `request`, reusing the kept session when it is at the requested version."""
     started = time.time()
-    trainer, reloaded = hold(request, held)
-    iteration = int(request["iteration"])
+    session, opened = resident.take(request)
     loaded = time.time()
-    metrics = train_on_batch(trainer, request["batch_uri"], iteration) | trainer.replayed
-    trainer.replayed = {}
-    kept = request["batch_uri"] if keeps_state_in_memory(trainer.spec) else None  # to replay to v(N+1)
-    staged = save_trained(trainer, iteration, request["cache_root"], batch_path=kept)
-    keep(held, trainer)
-    metrics |= release_memory(trainer.policy.device, "update")
+    staged, metrics = session.update(request["batch_uri"], int(request["iteration"]))
+    resident.keep(session)
     return {
         "staged": staged,
         "metrics": metrics
-        | {
-            UPDATE_LOAD: loaded - started,
-            UPDATE_TIME: time.time() - loaded,
-            "trainer/reloaded": float(reloaded),
-        },
+        | {UPDATE_LOAD: loaded - started, UPDATE_TIME: time.time() - loaded, "trainer/reloaded": float(opened)},
     }
 
 
 PREFETCH_ROWS = 256  # per forward pass ahead: a request arriving meanwhile waits for one at most
 
 
-def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int) -> None:
-    """After update N the trainer holds v(N) and its core idles while sync_weights, evaluate and the next
+def prefetch_proximal_logprobs(resident: Resident, lock: threading.Lock, iteration: int) -> None:
+    """After update N the session is at v(N) and its core idles while sync_weights, evaluate and the next
     iteration's light steps run. Asynchronous runs with an off_policy_correction need pi_prox = v(N)'s
     log-probs of iteration N+1's rollouts, most of which are already in the rollout buffer: compute
     them now, for the groups N+1 will take as they finish, a part at a time, each under the request lock
@@ -237,18 +163,15 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
     rank."""
     from rlpipe.algorithms import resolve_options
     from rlpipe.services.producer.buffer import Slices, first_finished, group_bytes, read_group
-    from rlpipe.training.batching import micro_batches, token_budget
-    from rlpipe.training.logprobs import sequence_key
-    from rlpipe.training.off_policy import policy_logprobs
 
-    trainer = held.trainer
-    if trainer is None or service_for("generate", trainer.spec) != "producer":
+    session = resident.session
+    if session is None or service_for("generate", session.spec) != "producer":
         return
-    if resolve_options(trainer.spec).off_policy_correction == "none":
+    if resolve_options(session.spec).off_policy_correction == "none":
         return
-    sha256 = trainer.weights["sha256"]
-    trainer.proximal = {"sha256": sha256, "logprobs": {}}
-    if iteration >= trainer.spec.loop.iterations:
+    sha256 = session.weights["sha256"]
+    session.start_proximal()
+    if iteration >= session.spec.loop.iterations:
         return
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only: yield to the steps
     started, done = time.time(), 0
@@ -259,30 +182,28 @@ def prefetch_proximal_logprobs(held: Held, lock: threading.Lock, iteration: int)
             flush=True,
         )
 
-    wanted, seen = len(Slices(trainer.spec, trainer.run_root)(iteration + 1)), set()
+    wanted, seen = len(Slices(session.spec, session.run_root)(iteration + 1)), set()
     while len(seen) < wanted:  # the groups iteration N+1 takes if nothing finishes before them
-        chosen = first_finished(trainer.spec, trainer.run_root, iteration + 1, wanted)[0]
+        chosen = first_finished(session.spec, session.run_root, iteration + 1, wanted)[0]
         names = [name for *_, name in chosen if name not in seen]
         if not names:  # the producer is still sampling them: wait, unless a request is due
-            if held.waiting:
+            if resident.waiting:
                 return computed_ahead()
             time.sleep(0.05)
             continue
         try:
-            tables = [read_group(group_bytes(trainer.run_root, name)) for name in names]
+            tables = [read_group(group_bytes(session.run_root, name)) for name in names]
             rows = [row for t in tables for row in t.select(["prompt_token_ids", "completion_token_ids"]).to_pylist()]
         except FileNotFoundError:  # dropped as too stale, or taken and retired meanwhile
             return computed_ahead()
         seen |= set(names)
-        groups = micro_batches(rows, token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type))
-        for part in (group[i : i + PREFETCH_ROWS] for group in groups for i in range(0, len(group), PREFETCH_ROWS)):
-            if held.waiting:  # a request is due: it computes the rest (a lock is not fair to it)
+        for part in session.proximal_parts(rows, PREFETCH_ROWS):
+            if resident.waiting:  # a request is due: it computes the rest (a lock is not fair to it)
                 return computed_ahead()
             with lock:
-                if held.trainer is not trainer or trainer.weights["sha256"] != sha256:
+                if resident.session is not session or session.weights["sha256"] != sha256:
                     return computed_ahead()  # a request moved it on
-                logprobs = policy_logprobs(trainer, part)
-            trainer.proximal["logprobs"].update(zip(map(sequence_key, part), logprobs))
+                session.add_proximal(part)
             done += len(part)
     return computed_ahead()
 
@@ -291,8 +212,8 @@ ROUTES = {"/generate": serve_generate, "/values": serve_values, "/evaluate": ser
 INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, NaN loss: 422
 
 
-def answer(path: str, request: dict[str, Any], held: Held) -> tuple[int, dict[str, Any]]:
-    """Run one request in this process: (HTTP status, body). A failed request leaves `held` empty."""
+def answer(path: str, request: dict[str, Any], resident: Resident) -> tuple[int, dict[str, Any]]:
+    """Run one request in this process: (HTTP status, body). A failed request leaves `resident` empty."""
     run_root = request.get("run_root", "")
     if run_root and "://" not in run_root and not os.path.isdir(run_root):
         return 422, {
@@ -302,7 +223,7 @@ def answer(path: str, request: dict[str, Any], held: Held) -> tuple[int, dict[st
             "locally: rlpipe run --containers does)",
         }
     try:
-        return 200, ROUTES[path](request, held)
+        return 200, ROUTES[path](request, resident)
     except INPUT_ERRORS as err:
         return 422, {"error": type(err).__name__, "message": str(err)}
     except Exception as err:  # noqa: BLE001 (reported to the step, which fails with it)
@@ -321,11 +242,11 @@ class Job:
 
 
 def make_server(
-    host: str, port: int, held: Held | None = None, jobs: queue.Queue[Job] | None = None
+    host: str, port: int, resident: Resident | None = None, jobs: queue.Queue[Job] | None = None
 ) -> ThreadingHTTPServer:
     """The HTTP server; requests run one at a time, /health answers during one. One process: each
     request runs on its handler thread. Several: it goes to `jobs`, for the main thread (run_ranks)."""
-    held = held or Held()
+    resident = resident or Resident()
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -335,21 +256,21 @@ def make_server(
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path != "/health":
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
-            trainer = held.trainer
-            self._reply(200, {"weights": trainer.weights if trainer is not None else None})
+            session = resident.session
+            self._reply(200, {"weights": session.weights if session is not None else None})
 
         def do_POST(self) -> None:  # noqa: N802
             if self.path not in ROUTES:
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if jobs is None:
-                held.waiting += 1
+                resident.waiting += 1
                 with lock:
-                    held.waiting -= 1
-                    status, body = answer(self.path, request, held)
+                    resident.waiting -= 1
+                    status, body = answer(self.path, request, resident)
                 self._reply(status, body)
                 if self.path == "/update" and status == 200:
-                    prefetch_proximal_logprobs(held, lock, int(request["iteration"]))
+                    prefetch_proximal_logprobs(resident, lock, int(request["iteration"]))
                 return None
             job = Job(self.path, request)
             jobs.put(job)
@@ -387,7 +308,7 @@ def agree(status: int, body: dict[str, Any], control: Any) -> tuple[int, dict[st
     return 500, {"error": failed[0][1], "message": errors + RESTARTING}, False
 
 
-def run_ranks(held: Held, jobs: queue.Queue[Job], control: Any) -> int:
+def run_ranks(resident: Resident, jobs: queue.Queue[Job], control: Any) -> int:
     """Every rank's main loop under torchrun: take each request (rank 0: from `jobs`; the others: by
     broadcast over the gloo group `control`), run it together, agree on the outcome. Returns the exit
     code once the processes must be restarted (module docstring, "Errors")."""
@@ -399,7 +320,7 @@ def run_ranks(held: Held, jobs: queue.Queue[Job], control: Any) -> int:
         message = [(job.path, job.request) if job else None]
         try:
             dist.broadcast_object_list(message, src=0, group=control)
-            status, body, serve_on = agree(*answer(*message[0], held), control)
+            status, body, serve_on = agree(*answer(*message[0], resident), control)
         except RuntimeError as err:  # a process is gone: leave unanswered, as a crashed trainer does
             print(f"rlpipe trainer rank {rank}: a process is gone ({err}); exiting to be restarted", flush=True)
             return 1
@@ -453,14 +374,12 @@ def serve(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    import rlpipe.training.trainer  # noqa: F401 (torch + transformers before the first request)
-    from rlpipe.models.devices import resolve_device
-    from rlpipe.training.distributed import init_from_torchrun
+    from rlpipe.training.session import join_processes  # torch + transformers before the first request
 
-    rank, processes = init_from_torchrun(resolve_device(args.device), args.collective_timeout_s)
-    held = Held()
+    rank, processes = join_processes(args.device, args.collective_timeout_s)
+    resident = Resident()
     if processes == 1:
-        server = make_server(args.host, args.port, held)
+        server = make_server(args.host, args.port, resident)
         print(f"rlpipe trainer: serving on http://{args.host}:{args.port}", flush=True)
         server.serve_forever()
         return 0
@@ -469,10 +388,10 @@ def serve(argv: list[str] | None = None) -> int:
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
     jobs: queue.Queue[Job] = queue.Queue()
     if rank == 0:
-        server = make_server(args.host, args.port, held, jobs)
+        server = make_server(args.host, args.port, resident, jobs)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         print(f"rlpipe trainer: {processes} processes, serving on http://{args.host}:{args.port}", flush=True)
-    return run_ranks(held, jobs, control)
+    return run_ranks(resident, jobs, control)
 
 
 if __name__ == "__main__":
