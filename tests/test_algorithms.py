@@ -12,7 +12,7 @@ import torch
 
 from rlpipe.algorithms import ALGORITHMS, PolicyInputs, Scored, get_algorithm, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate, kl_estimate
-from rlpipe.spec import parse_spec
+from rlpipe.spec import SpecError, parse_spec
 from rlpipe.training.batching import pack
 from rlpipe.training.logprobs import completion_logits, token_logprobs_and_entropy
 from rlpipe.training.trainer import train_on_batch
@@ -165,8 +165,10 @@ def test_every_algorithm_trains(tmp_path: Path, name: str):
 def test_rlpipe_check_names_an_option_the_algorithm_does_not_read(tmp_path: Path):
     from rlpipe.preflight import CheckFailed, check_algorithm
 
-    spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "gspo", "loss_aggregation": "token_mean"}))
-    with pytest.raises(CheckFailed, match="algorithm.loss_aggregation is not an option of algorithm gspo"):
+    with pytest.raises(SpecError, match="algorithm.loss_aggregation is not an option of algorithm gspo .*ppo"):
+        parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "gspo", "loss_aggregation": "token_mean"}))
+    spec = parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "grpo", "length_norm": 8}))
+    with pytest.raises(CheckFailed, match="algorithm.length_norm divides the sequence_sum aggregation only"):
         check_algorithm(spec)
     assert check_algorithm(parse_spec(tiny_spec_dict(tmp_path, algorithm={"name": "dapo"}))) == "algorithm dapo"
 

@@ -52,6 +52,21 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _algorithm_keys() -> list[str]:
+    """Each of rlpipe's algorithms' own options (beyond AlgorithmSpec's), walked here apart from the generator."""
+    from rlpipe.algorithms import ALGORITHMS
+    from rlpipe.spec import AlgorithmSpec
+
+    common = {f.name for f in dataclasses.fields(AlgorithmSpec)}
+    return [
+        f"algorithm.{field.name}"
+        for algorithm in ALGORITHMS.values()
+        if algorithm.options.__module__.startswith("rlpipe.")
+        for field in dataclasses.fields(algorithm.options)
+        if field.name not in common
+    ]
+
+
 def _generated(text: str) -> str:
     return text.split(REFERENCE_BEGIN, 1)[1].split(REFERENCE_END, 1)[0]
 
@@ -72,8 +87,10 @@ def test_the_committed_schema_is_what_the_sections_generate():
 
 def test_every_key_of_the_spec_has_a_row_in_the_docs():
     keys = _keys(RunSpec)
-    assert len(keys) >= 150 and len(set(keys)) == len(keys)
+    assert len(keys) >= 130 and len(set(keys)) == len(keys)
     assert {"trainer.micro_batch_tokens", "evaluation.sets[].name", "cluster.trainer.tolerations[].effect"} <= set(keys)
+    keys += _algorithm_keys()  # each algorithm's table lists its own options
+    assert {"algorithm.clip_eps", "algorithm.beta", "algorithm.gamma"} <= set(keys)
     rows = re.findall(r"^\| \[?`([^`]+)`", _generated(PAGE.read_text()), flags=re.M)
     assert sorted(rows) == sorted(keys), (
         f"in the spec, not the docs: {sorted(set(keys) - set(rows))}; "
@@ -94,6 +111,9 @@ def test_a_row_says_type_default_bounds_and_doc():
     assert "> 0, \\<= 1" in rows["model.warm_start.target_accuracy"]
     assert "not empty" in rows["reward.functions"]
     assert "### `evaluation.sets[]`" in generated and "### `model.lora`" in generated
+    dapo = generated.split("### `algorithm` of `name: dapo`")[1].split("###")[0]
+    assert "| `algorithm.clip_eps_high` | float or null | `0.28` | > 0 |" in dapo  # its own default
+    assert "`algorithm.beta`" not in dapo and "`algorithm.beta`" in generated.split("`name: dpo`")[1].split("###")[0]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(REPO)))
@@ -120,6 +140,11 @@ def test_every_default_is_valid_under_the_schema():
     with_lists["cluster"]["secrets"] = [{"secret": "mlflow", "key": "token", "env": "MLFLOW_TRACKING_TOKEN"}]
     _validator().validate(with_lists)
     parse_spec(with_lists)
+    from rlpipe.algorithms import ALGORITHMS
+
+    for name in ALGORITHMS:  # each algorithm's options written out at their defaults
+        full = spec_to_dict(parse_spec({"name": "x", "algorithm": {"name": name}}))
+        _validator().validate(full)
 
 
 BAD = {  # key: (the spec's mistake, where the schema reports it, what parse_spec says)
@@ -152,6 +177,21 @@ BAD = {  # key: (the spec's mistake, where the schema reports it, what parse_spe
     ),
     "trainer.betas": ({"trainer": {"betas": [0.9]}}, "trainer.betas", "trainer.betas: must be a list of 2 values"),
     "reward.functions": ({"reward": {"functions": []}}, "reward.functions", "reward.functions: must not be empty"),
+    "algorithm.beta": (  # dpo's option, not grpo's
+        {"algorithm": {"name": "grpo", "beta": 0.2}},
+        "algorithm",
+        "algorithm.beta is not an option of algorithm grpo",
+    ),
+    "algorithm.clip_eps": (
+        {"algorithm": {"name": "dpo", "clip_eps": 0.2}},
+        "algorithm",
+        "not an option of algorithm dpo",
+    ),
+    "algorithm.gamma": (
+        {"algorithm": {"name": "ppo", "gamma": 1.5}},
+        "algorithm.gamma",
+        "algorithm.gamma: must be <= 1",
+    ),
 }
 
 
@@ -161,7 +201,7 @@ def test_the_schema_and_parse_spec_both_reject(key: str):
     data = {"name": "x", **mistake}
     errors = list(_validator().iter_errors(data))
     assert where in {".".join(map(str, e.absolute_path)) for e in errors}, [e.message for e in errors]
-    if "unknown key" in says:
+    if "unknown key" in says or "not an option" in says:
         assert any(f"'{key.rsplit('.', 1)[1]}' was unexpected" in e.message for e in errors)
     with pytest.raises(SpecError, match=re.escape(says)):
         parse_spec(data)

@@ -4,6 +4,7 @@ importing each other in one direction, behind one public API: `from rlpipe.spec 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 import traceback
@@ -18,7 +19,19 @@ from .conftest import REPO
 
 PACKAGE = REPO / "rlpipe" / "spec"
 # bottom first: each module may import only the ones before it
-ORDER = ["schema", "held_out", "placement", "run_spec", "migration", "validation", "encoding", "reference"]
+ORDER = [
+    "section",
+    "schema",
+    "migration",
+    "algorithm",
+    "training",
+    "held_out",
+    "placement",
+    "run_spec",
+    "validation",
+    "encoding",
+    "reference",
+]
 
 
 def _spec_imports(path: Path) -> set[str]:
@@ -80,14 +93,16 @@ def test_a_spec_error_is_named_where_users_import_it_from():
 
 
 def test_kl_coef_and_dpo_beta_each_document_one_thing():
-    """algorithm.kl_coef is the KL penalty's coefficient; algorithm.beta is DPO's temperature: neither's doc
-    calls it by the other's name, and both keys keep their names (users' specs still parse)."""
-    fields = {f.name: f.metadata["doc"] for f in rlpipe.spec.AlgorithmSpec.__dataclass_fields__.values()}
-    assert fields["kl_coef"].startswith("The KL penalty coefficient") and "beta" not in fields["kl_coef"]
-    assert fields["beta"].startswith("DPO's temperature") and "Not a KL coefficient" in fields["beta"]
-    spec = parse_spec({"name": "x", "algorithm": {"kl_coef": 0.04, "beta": 0.2}})
-    assert (spec.algorithm.kl_coef, spec.algorithm.beta) == (0.04, 0.2)
-    assert spec_to_dict(spec)["algorithm"]["kl_coef"] == 0.04
+    """algorithm.kl_coef is the KL penalty's coefficient (every algorithm's); algorithm.beta is DPO's temperature
+    (dpo's own option): neither's doc calls it by the other's name, and both keys keep their names."""
+    common = {f.name: f.metadata["doc"] for f in dataclasses.fields(rlpipe.spec.AlgorithmSpec)}
+    dpo = {f.name: f.metadata["doc"] for f in dataclasses.fields(rlpipe.spec.options_class("dpo"))}
+    assert common["kl_coef"].startswith("The KL penalty coefficient") and "beta" not in common["kl_coef"]
+    assert dpo["beta"].startswith("DPO's temperature") and "Not a KL coefficient" in dpo["beta"]
+    assert "beta" not in common
+    spec = parse_spec({"name": "x", "algorithm": {"name": "dpo", "kl_coef": 0.0, "beta": 0.2}})
+    assert (spec.algorithm.kl_coef, spec.algorithm.beta) == (0.0, 0.2)
+    assert spec_to_dict(parse_spec({"name": "x", "algorithm": {"kl_coef": 0.04}}))["algorithm"]["kl_coef"] == 0.04
 
 
 def test_replaced_keys_are_refused_with_what_to_write_before_any_other_check():

@@ -10,19 +10,31 @@ import time
 import numpy as np
 
 from rlpipe.algorithms import Advantages, Algorithm, Scored, register_algorithm
-from rlpipe.algorithms.policy_gradient import ClippedSurrogate
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate, PolicyGradientOptions
 from rlpipe.data import register_source
 from rlpipe.rewards import register_reward_type
+from rlpipe.spec import section, setting
 
 
-def sign_advantages(scored: Scored, options) -> Advantages:
-    """A_i = sign(r_i - mean of its group): +1 above the group's mean, -1 below, 0 at it."""
+@section
+class SignOptions(PolicyGradientOptions):
+    """The sign algorithm's options: the clipped surrogate's, and its own dead zone."""
+
+    dead_zone: float = setting(0.0, ge=0, doc="|r_i - mean| at most this: A_i = 0")
+    scale: float = setting(1.0, gt=0, doc="|A_i| of a completion outside the dead zone")
+
+
+def sign_advantages(scored: Scored, options: SignOptions) -> Advantages:
+    """A_i = scale sign(r_i - mean of its group): +scale above the group's mean, -scale below, 0 within dead_zone."""
     rewards, group_ids = scored.rewards, scored.group_ids
     means = {g: rewards[group_ids == g].mean() for g in np.unique(group_ids)}
-    return Advantages(per_sequence=np.sign(rewards - np.array([means[g] for g in group_ids])))
+    centered = rewards - np.array([means[g] for g in group_ids])
+    return Advantages(per_sequence=options.scale * np.sign(centered) * (np.abs(centered) > options.dead_zone))
 
 
-register_algorithm(Algorithm("sign", frozenset({"groups"}), sign_advantages, ClippedSurrogate.from_options))
+register_algorithm(
+    Algorithm("sign", frozenset({"groups"}), sign_advantages, ClippedSurrogate.from_options, SignOptions)
+)
 
 
 def doubling_rows(rng: random.Random, n: int, **_: object) -> list[dict[str, str]]:

@@ -38,8 +38,6 @@ from rlpipe.algorithms import dpo, grpo, ppo, reinforce  # noqa: F401 (register 
 from rlpipe.algorithms.ppo import explained_variance
 from rlpipe.algorithms.registry import (
     ALGORITHMS,
-    GRPO_DEFAULTS,
-    TUNED_OPTIONS,
     Advantages,
     Algorithm,
     LossTerms,
@@ -59,8 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALGORITHMS",
-    "GRPO_DEFAULTS",
-    "TUNED_OPTIONS",
     "Advantages",
     "Algorithm",
     "LossTerms",

@@ -51,15 +51,42 @@ import numpy as np
 
 from rlpipe.algorithms.policy_gradient import kl_estimate
 from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
+from rlpipe.spec import AlgorithmSpec, retune, section, setting
 
 if TYPE_CHECKING:
     import torch
 
     from rlpipe.algorithms.registry import PolicyInputs
-    from rlpipe.spec import AlgorithmSpec
 
 CHOSEN, REJECTED = 1.0, -1.0
-DPO_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0, "dpo_loss": "sigmoid", "rpo_alpha": 0.0}
+
+
+@section
+class DpoOptions(AlgorithmSpec):
+    """DPO's: the temperature beta, the loss's form, label smoothing and the chosen answer's NLL (RPO)."""
+
+    name: str = retune(AlgorithmSpec, "name", "dpo")
+
+    beta: float = setting(
+        0.1,
+        gt=0,
+        doc="DPO's temperature (dpo, online_dpo): it scales the policy-to-reference log-ratios in the preference "
+        "loss, and a larger one keeps the policy closer to the reference. Not a KL coefficient (that is kl_coef)",
+    )
+    label_smoothing: float = setting(0.0, ge=0, lt=0.5, doc="Chance a label is flipped (cDPO)")
+    dpo_loss: Literal["sigmoid", "ipo"] = setting(
+        "sigmoid", doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss)"
+    )
+    rpo_alpha: float = setting(0.0, ge=0, doc="Weight of the chosen completion's NLL per token added to the loss (RPO)")
+
+
+@section
+class OnlineDpoOptions(DpoOptions):
+    """Online DPO's: RPO's NLL on by default (module docstring: without it, the demo unlearns)."""
+
+    name: str = retune(AlgorithmSpec, "name", "online_dpo")
+
+    rpo_alpha: float = retune(DpoOptions, "rpo_alpha", 1.0)
 
 
 def preference_roles(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
@@ -80,12 +107,12 @@ def preference_roles(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
     return roles
 
 
-def online_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+def online_advantages(scored: Scored, options: DpoOptions) -> Advantages:
     """online_dpo's `advantage` column: each completion's role (`preference_roles`)."""
     return Advantages(per_sequence=preference_roles(scored.rewards, scored.group_ids))
 
 
-def offline_only(scored: Scored, options: AlgorithmSpec) -> Advantages:
+def offline_only(scored: Scored, options: DpoOptions) -> Advantages:
     raise ValueError(
         "algorithm.name dpo trains on a fixed preference set in its own pipeline (rlpipe run and rlpipe compile "
         "pick it); it has no advantages step. For pairs sampled each iteration use algorithm.name: online_dpo"
@@ -132,15 +159,8 @@ class PreferenceLoss:
     kl_estimator: str = "k3"  # the tracked KL to the reference
 
     @classmethod
-    def from_options(cls, options: AlgorithmSpec) -> PreferenceLoss:
-        return cls(
-            options.name,
-            options.beta,
-            options.dpo_loss,
-            options.label_smoothing or 0.0,
-            options.rpo_alpha or 0.0,
-            options.kl_estimator or "k3",
-        )
+    def from_options(cls, options: DpoOptions) -> PreferenceLoss:
+        return cls(options.name, options.beta, options.dpo_loss, options.label_smoothing, options.rpo_alpha)
 
     def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss per pair, z = beta (h_w - h_l)) from the pairs' sequence log-ratios h_w, h_l."""
@@ -189,7 +209,7 @@ class PreferenceLoss:
 
 
 DPO = register_algorithm(
-    Algorithm("dpo", frozenset({"pairs"}), offline_only, PreferenceLoss.from_options, DPO_DEFAULTS, kl_term="none")
+    Algorithm("dpo", frozenset({"pairs"}), offline_only, PreferenceLoss.from_options, DpoOptions, kl_term="none")
 )
 ONLINE_DPO = register_algorithm(
     Algorithm(
@@ -197,7 +217,7 @@ ONLINE_DPO = register_algorithm(
         frozenset({"groups", "pairs", "reference"}),
         online_advantages,
         PreferenceLoss.from_options,
-        DPO_DEFAULTS | {"rpo_alpha": 1.0},  # see the module docstring: without it, the demo unlearns
+        OnlineDpoOptions,
         kl_term="none",
     )
 )

@@ -19,14 +19,74 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms.policy_gradient import ClippedSurrogate
-from rlpipe.algorithms.registry import GRPO_DEFAULTS, Advantages, Algorithm, LossTerms, Scored, register_algorithm
+from rlpipe.algorithms.policy_gradient import ClippedOptions, ClippedSurrogate, PolicyGradientOptions
+from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
+from rlpipe.spec import AlgorithmSpec, retune, section, setting
 
 if TYPE_CHECKING:
     from rlpipe.algorithms.registry import PolicyInputs
-    from rlpipe.spec import AlgorithmSpec
 
 STD_EPS = 1e-4  # as TRL: keeps (r - mean) / (std + eps) finite for tiny spreads
+
+
+@section
+class GroupOptions:
+    """How a group's rewards become advantages, and which groups train (beside an algorithm's other options)."""
+
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group", doc="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)"
+    )
+    dynamic_sampling: bool = setting(
+        False,
+        doc="DAPO's dynamic sampling: drop groups whose rewards are all equal and fill the batch with more "
+        "sampled prompts, up to max_oversample",
+    )
+    max_oversample: float = setting(
+        3.0, ge=1, doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration"
+    )
+
+
+@section
+class GrpoOptions(GroupOptions, PolicyGradientOptions):
+    """GRPO's options: group-normalised advantages, the clipped surrogate, a sequence mean."""
+
+    name: str = retune(AlgorithmSpec, "name", "grpo")
+
+
+@section
+class DrGrpoOptions(GrpoOptions):
+    """Dr. GRPO's: no std scaling, token sums over a constant length."""
+
+    name: str = retune(AlgorithmSpec, "name", "dr_grpo")
+
+    scale_rewards: Literal["group", "batch", "none"] = retune(GrpoOptions, "scale_rewards", "none")
+    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] = retune(
+        GrpoOptions, "loss_aggregation", "sequence_sum"
+    )
+
+
+@section
+class DapoOptions(GrpoOptions):
+    """DAPO's: clip-higher, a token mean, dynamic sampling."""
+
+    name: str = retune(AlgorithmSpec, "name", "dapo")
+
+    clip_eps_high: float | None = retune(GrpoOptions, "clip_eps_high", 0.28)
+    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] = retune(
+        GrpoOptions, "loss_aggregation", "token_mean"
+    )
+    dynamic_sampling: bool = retune(GrpoOptions, "dynamic_sampling", True)
+
+
+@section
+class GspoOptions(GroupOptions, ClippedOptions):
+    """GSPO's: one ratio per sequence (its loss is a sequence mean: no loss_aggregation), clipped much tighter."""
+
+    name: str = retune(AlgorithmSpec, "name", "gspo")
+
+    clip_eps: float = retune(ClippedOptions, "clip_eps", 3e-4)
+    clip_eps_high: float | None = retune(ClippedOptions, "clip_eps_high", 4e-4)
+    is_level: Literal["token", "sequence", "geometric"] = retune(ClippedOptions, "is_level", "geometric")
 
 
 def group_advantages(
@@ -61,7 +121,7 @@ def group_advantages(
     raise ValueError(f"algorithm.scale_rewards must be group, batch or none, got {scale!r}")
 
 
-def grpo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+def grpo_advantages(scored: Scored, options: GroupOptions) -> Advantages:
     return Advantages(per_sequence=group_advantages(scored.rewards, scored.group_ids, options.scale_rewards))
 
 
@@ -75,7 +135,7 @@ class SequenceRatioSurrogate:
     clipped: ClippedSurrogate  # aggregating by sequence_mean
 
     @classmethod
-    def from_options(cls, options: AlgorithmSpec) -> SequenceRatioSurrogate:
+    def from_options(cls, options: ClippedOptions) -> SequenceRatioSurrogate:
         return cls(replace(ClippedSurrogate.from_options(options), aggregation="sequence_mean"))
 
     def __call__(self, inputs: PolicyInputs) -> LossTerms:
@@ -87,39 +147,7 @@ class SequenceRatioSurrogate:
 
 GROUPS = frozenset({"groups"})
 SURROGATE = ClippedSurrogate.from_options
-GRPO = register_algorithm(Algorithm("grpo", GROUPS, grpo_advantages, SURROGATE, GRPO_DEFAULTS))
-DR_GRPO = register_algorithm(
-    Algorithm(
-        "dr_grpo",
-        GROUPS,
-        grpo_advantages,
-        SURROGATE,
-        GRPO_DEFAULTS | {"scale_rewards": "none", "loss_aggregation": "sequence_sum"},
-    )
-)
-DAPO = register_algorithm(
-    Algorithm(
-        "dapo",
-        GROUPS,
-        grpo_advantages,
-        SURROGATE,
-        GRPO_DEFAULTS | {"clip_eps_high": 0.28, "loss_aggregation": "token_mean", "dynamic_sampling": True},
-    )
-)
-GSPO = register_algorithm(
-    Algorithm(
-        "gspo",
-        GROUPS,
-        grpo_advantages,
-        SequenceRatioSurrogate.from_options,
-        {
-            "scale_rewards": "group",
-            "clip_eps": 3e-4,
-            "clip_eps_high": 4e-4,
-            "dual_clip": 3.0,
-            "kl_estimator": "k3",
-            "dynamic_sampling": False,
-            "is_level": "geometric",  # the sequence-level objective's correction: one weight per sequence
-        },
-    )
-)
+GRPO = register_algorithm(Algorithm("grpo", GROUPS, grpo_advantages, SURROGATE, GrpoOptions))
+DR_GRPO = register_algorithm(Algorithm("dr_grpo", GROUPS, grpo_advantages, SURROGATE, DrGrpoOptions))
+DAPO = register_algorithm(Algorithm("dapo", GROUPS, grpo_advantages, SURROGATE, DapoOptions))
+GSPO = register_algorithm(Algorithm("gspo", GROUPS, grpo_advantages, SequenceRatioSurrogate.from_options, GspoOptions))

@@ -12,14 +12,60 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rlpipe.algorithms.registry import LossTerms
+from rlpipe.spec import AlgorithmSpec, section, setting
 
 if TYPE_CHECKING:
     import torch
 
     from rlpipe.algorithms.registry import PolicyInputs
-    from rlpipe.spec import AlgorithmSpec
 
 Aggregation = Literal["sequence_mean", "token_mean", "sequence_sum"]
+
+
+@section
+class ClippedOptions(AlgorithmSpec):
+    """The clipped surrogate's options (gspo; with an aggregation, `PolicyGradientOptions`)."""
+
+    clip_eps: float = setting(0.2, gt=0, doc="Lower clip range of the ratio")
+    clip_eps_high: float | None = setting(
+        None, gt=0, doc="Upper clip range of the ratio (DAPO's clip-higher: 0.28); the default null: clip_eps"
+    )
+    dual_clip: float = setting(
+        3.0,
+        ge=0,
+        doc="Dual clip c (verl's clip_ratio_c): a negative advantage's token loss is capped at -c A, so a ratio "
+        "far above 1 cannot grow it without bound. > 1, or 0 to turn it off",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = setting(
+        "k3",
+        doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
+        "k2 = squared / 2, k3 = GRPO's",
+    )
+    is_level: Literal["token", "sequence", "geometric"] = setting(
+        "token",
+        doc="off_policy_correction's importance weight per token, per sequence (the product of its tokens'), or "
+        "the sequence's geometric mean (gspo's, whose objective is per sequence)",
+    )
+
+    def __post_init__(self) -> None:
+        if 0 < self.dual_clip <= 1:
+            raise ValueError(
+                f"algorithm.dual_clip {self.dual_clip}: the cap -c A on a negative advantage's loss needs c > 1 "
+                "(verl's clip_ratio_c is 3); set it above 1, or 0 to turn the dual clip off"
+            )
+
+
+@section
+class PolicyGradientOptions(ClippedOptions):
+    """The clipped surrogate's options and how token losses become one number (grpo, rloo, reinforce_pp, ppo)."""
+
+    loss_aggregation: Aggregation = setting(
+        "sequence_mean",
+        doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)",
+    )
+    length_norm: int | None = setting(
+        None, ge=1, doc="sequence_sum's divisor; the default null: rollout.max_new_tokens"
+    )
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -136,13 +182,13 @@ class ClippedSurrogate:
     dual_clip: float | None = None
 
     @classmethod
-    def from_options(cls, options: AlgorithmSpec) -> ClippedSurrogate:
+    def from_options(cls, options: ClippedOptions) -> ClippedSurrogate:
         return cls(
             clip_eps=options.clip_eps,
             clip_eps_high=options.clip_eps_high,
             kl_coef=options.kl_coef,
             kl_estimator=options.kl_estimator,
-            aggregation=options.loss_aggregation,
+            aggregation=options.loss_aggregation or "sequence_mean",
             length_norm=options.length_norm or 1,
             dual_clip=options.dual_clip,
         )

@@ -25,17 +25,35 @@ says how much of the return the critic predicted (1: all; <= 0: no better than a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from rlpipe.algorithms.grpo import STD_EPS, SURROGATE
+from rlpipe.algorithms.policy_gradient import PolicyGradientOptions
 from rlpipe.algorithms.registry import Advantages, Algorithm, Scored, ValueTerms, register_algorithm
+from rlpipe.spec import AlgorithmSpec, retune, section, setting
 
 if TYPE_CHECKING:
     import torch
 
-    from rlpipe.spec import AlgorithmSpec
+
+@section
+class PpoOptions(PolicyGradientOptions):
+    """PPO's: GAE over the critic's values, the clipped value loss, the critic's learning rate; a token mean."""
+
+    name: str = retune(AlgorithmSpec, "name", "ppo")
+
+    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] = retune(
+        PolicyGradientOptions, "loss_aggregation", "token_mean"
+    )
+    gamma: float = setting(1.0, ge=0, le=1, doc="Discount of GAE")
+    lam: float = setting(0.95, ge=0, le=1, doc="GAE's lambda")
+    value_clip: float = setting(
+        0.2, gt=0, doc="How far a value may move from the values step's per update (clipped value loss)"
+    )
+    whiten_advantages: bool = setting(True, doc="Normalise the per-token advantages over the batch")
+    critic_lr: float | None = setting(None, gt=0, doc="The critic's learning rate; the default null: trainer.lr")
 
 
 def gae(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
@@ -50,7 +68,7 @@ def gae(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float)
     return advantages, advantages + np.asarray(values, dtype=np.float64)
 
 
-def ppo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+def ppo_advantages(scored: Scored, options: PpoOptions) -> Advantages:
     """Per-token advantages and returns of every completion: GAE on the sequence reward placed at the
     last token, advantages whitened over the batch's tokens when options.whiten_advantages."""
     if scored.values is None:
@@ -112,29 +130,10 @@ class ClippedValueLoss:
         return value_loss(values, old_values, returns, mask, self.clip)
 
 
-def clipped_value_loss(options: AlgorithmSpec) -> ClippedValueLoss:
+def clipped_value_loss(options: PpoOptions) -> ClippedValueLoss:
     return ClippedValueLoss(options.value_clip)
 
 
 PPO = register_algorithm(
-    Algorithm(
-        "ppo",
-        frozenset({"critic"}),
-        ppo_advantages,
-        SURROGATE,
-        {
-            "clip_eps": 0.2,
-            "clip_eps_high": None,
-            "loss_aggregation": "token_mean",
-            "dual_clip": 3.0,
-            "kl_estimator": "k3",
-            "is_level": "token",
-            "gamma": 1.0,
-            "lam": 0.95,
-            "value_clip": 0.2,
-            "whiten_advantages": True,
-            "critic_lr": None,  # = trainer.lr
-        },
-        value_loss=clipped_value_loss,
-    )
+    Algorithm("ppo", frozenset({"critic"}), ppo_advantages, SURROGATE, PpoOptions, clipped_value_loss)
 )

@@ -9,10 +9,12 @@ torchtune's loss components):
         PolicyLoss(PolicyInputs) -> LossTerms             torch, called by the update for each micro-batch
     value_loss(options) -> ValueLoss                      algorithms that need a "critic" (PPO)
         ValueLoss(values, old_values, returns, mask) -> ValueTerms
-    defaults                                              its values of the tuned options it reads
+    options                                               its options: a section subclassing AlgorithmSpec
+                                                          (rlpipe.spec), declared beside it with its defaults
 
-where `options` is the spec's `algorithm` section with the defaults filled in (`resolve_options`).
-Nothing here imports torch: tensor types are annotations only.
+where `options` is the spec's `algorithm` section, an instance of that class (parse_spec builds the class the
+name registers), with what depends on other sections filled in (`resolve_options`). Adding an algorithm touches
+its own module and this registry, never rlpipe.spec. Nothing here imports torch: tensor types are annotations only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
@@ -30,38 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     from rlpipe.spec import AlgorithmSpec, RunSpec
-
-
-# Options whose meaning or default differs by algorithm; null in the spec = the algorithm's default.
-TUNED_OPTIONS = (
-    "beta",  # DPO
-    "label_smoothing",
-    "dpo_loss",
-    "rpo_alpha",
-    "scale_rewards",
-    "clip_eps",
-    "clip_eps_high",
-    "loss_aggregation",
-    "dual_clip",
-    "kl_estimator",
-    "dynamic_sampling",
-    "gamma",
-    "lam",
-    "value_clip",
-    "whiten_advantages",
-    "critic_lr",
-    "is_level",
-)
-GRPO_DEFAULTS: Mapping[str, Any] = {
-    "scale_rewards": "group",
-    "dynamic_sampling": False,
-    "clip_eps": 0.2,
-    "clip_eps_high": None,  # = clip_eps
-    "loss_aggregation": "sequence_mean",
-    "dual_clip": 3.0,
-    "kl_estimator": "k3",
-    "is_level": "token",
-}
 
 
 @dataclass(frozen=True)
@@ -144,7 +114,7 @@ class Algorithm:
     needs: frozenset[str]  # "groups" (G samples per prompt), "critic" (a value model), "pairs", "reference"
     advantages: Callable[[Scored, AlgorithmSpec], Advantages]
     loss: Callable[[AlgorithmSpec], PolicyLoss]
-    defaults: Mapping[str, Any] = field(default_factory=lambda: dict(GRPO_DEFAULTS))
+    options: type[AlgorithmSpec]  # the spec's `algorithm` section for it: its options and their defaults
     value_loss: Callable[[AlgorithmSpec], ValueLoss] | None = None  # with "critic"
     # where kl_coef puts the KL to v0: a loss term, a per-token reward (REINFORCE++), or nowhere (DPO,
     # whose beta already holds the policy to its reference)
@@ -170,38 +140,29 @@ def needs_critic(spec: RunSpec) -> bool:
 
 
 def resolve_options(spec: RunSpec) -> AlgorithmSpec:
-    """The spec's algorithm section with the algorithm's defaults in place of unset (null) tuned
-    options; length_norm defaults to rollout.max_new_tokens where the aggregation is sequence_sum,
-    critic_lr to trainer.lr, off_policy_correction to truncate in asynchronous runs (loop.max_staleness
-    >= 1) and none otherwise. An option the algorithm does not read, or reads to no effect, is an error
+    """The spec's algorithm options (parse_spec built them as the algorithm's class, its defaults in place of
+    what the spec leaves out) with what depends on other sections filled in: length_norm to rollout.max_new_tokens
+    where the aggregation is sequence_sum, critic_lr to trainer.lr, off_policy_correction to truncate in
+    asynchronous runs (loop.max_staleness >= 1) and none otherwise. An option set to no effect is an error
     naming what to write instead."""
     options = spec.algorithm
     algorithm = get_algorithm(options.name)
-    unread = [key for key in TUNED_OPTIONS if getattr(options, key) is not None and key not in algorithm.defaults]
-    if unread:
-        reads = ", ".join(k for k in TUNED_OPTIONS if k in algorithm.defaults) or "none of them"
+    if type(options) is not algorithm.options:
         raise ValueError(
-            f"algorithm.{unread[0]} is not an option of algorithm {algorithm.name} (its tuned options: {reads}); "
-            f"remove it, or pick an algorithm that uses it"
+            f"spec.algorithm is a {type(options).__name__}, and algorithm {algorithm.name} takes a "
+            f"{algorithm.options.__name__}: build it with rlpipe.spec.parse_spec (not dataclasses.replace of name)"
         )
-    filled = {key: value for key, value in algorithm.defaults.items() if getattr(options, key) is None}
-    check_kl(algorithm, options.kl_coef, options.kl_estimator or algorithm.defaults.get("kl_estimator"))
-    aggregation = options.loss_aggregation or algorithm.defaults.get("loss_aggregation")
-    if options.length_norm is not None and aggregation != "sequence_sum":
+    check_kl(algorithm, options.kl_coef, options.kl_estimator)
+    has = {f.name for f in dataclasses.fields(options)}
+    filled: dict[str, object] = {}
+    if options.length_norm is not None and options.loss_aggregation != "sequence_sum":
         raise ValueError(
             f"algorithm.length_norm divides the sequence_sum aggregation only, and {algorithm.name} aggregates by "
-            f"{aggregation or 'sequence_mean'} here; remove length_norm"
-            + (", or set algorithm.loss_aggregation: sequence_sum" if "loss_aggregation" in algorithm.defaults else "")
+            f"{options.loss_aggregation} here; remove length_norm, or set algorithm.loss_aggregation: sequence_sum"
         )
-    if aggregation == "sequence_sum" and options.length_norm is None:
+    if "length_norm" in has and options.loss_aggregation == "sequence_sum" and options.length_norm is None:
         filled["length_norm"] = spec.rollout.max_new_tokens
-    dual_clip = options.dual_clip
-    if dual_clip is not None and 0 < dual_clip <= 1:
-        raise ValueError(
-            f"algorithm.dual_clip {dual_clip}: the cap -c A on a negative advantage's loss needs c > 1 "
-            "(verl's clip_ratio_c is 3); set it above 1, or 0 to turn the dual clip off"
-        )
-    if "critic_lr" in filled and filled["critic_lr"] is None:
+    if "critic_lr" in has and options.critic_lr is None:
         filled["critic_lr"] = spec.trainer.lr
     pairs = "pairs" in algorithm.needs
     if options.off_policy_correction is None:

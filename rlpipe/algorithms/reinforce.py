@@ -24,27 +24,49 @@ values step is); it is not built.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from rlpipe.algorithms.grpo import STD_EPS, SURROGATE, group_advantages
-from rlpipe.algorithms.policy_gradient import ClippedSurrogate, kl_estimate
+from rlpipe.algorithms.grpo import STD_EPS, SURROGATE, GroupOptions, group_advantages
+from rlpipe.algorithms.policy_gradient import ClippedSurrogate, PolicyGradientOptions, kl_estimate
 from rlpipe.algorithms.registry import Advantages, Algorithm, LossTerms, Scored, register_algorithm
+from rlpipe.spec import AlgorithmSpec, retune, section
 
 if TYPE_CHECKING:
     from rlpipe.algorithms.registry import PolicyInputs
-    from rlpipe.spec import AlgorithmSpec
 
 
-def rloo_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+@section
+class RlooOptions(PolicyGradientOptions):
+    """RLOO's: the leave-one-out baseline needs no scale; groups may be sampled dynamically."""
+
+    name: str = retune(AlgorithmSpec, "name", "rloo")
+
+    dynamic_sampling: bool = retune(GroupOptions, "dynamic_sampling", False)
+    max_oversample: float = retune(GroupOptions, "max_oversample", 3.0)
+
+
+@section
+class ReinforcePpOptions(PolicyGradientOptions):
+    """REINFORCE++'s: a token mean, and k1 for the KL folded into the reward."""
+
+    name: str = retune(AlgorithmSpec, "name", "reinforce_pp")
+
+    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] = retune(
+        PolicyGradientOptions, "loss_aggregation", "token_mean"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = retune(PolicyGradientOptions, "kl_estimator", "k1")
+
+
+def rloo_advantages(scored: Scored, options: RlooOptions) -> Advantages:
     centered = group_advantages(scored.rewards, scored.group_ids, "none")
     _, inverse, counts = np.unique(scored.group_ids, return_inverse=True, return_counts=True)
     size = counts[inverse].astype(np.float64)
     return Advantages(per_sequence=centered * size / (size - 1.0))
 
 
-def batch_whitened_advantages(scored: Scored, options: AlgorithmSpec) -> Advantages:
+def batch_whitened_advantages(scored: Scored, options: ReinforcePpOptions) -> Advantages:
     rewards = np.asarray(scored.rewards, dtype=np.float64)
     return Advantages(per_sequence=(rewards - rewards.mean()) / (rewards.std(ddof=1) + STD_EPS))
 
@@ -59,7 +81,7 @@ class KlInRewardSurrogate:
     clipped: ClippedSurrogate  # kl_coef 0: the KL is tracked (its `kl`), not a loss term again
 
     @classmethod
-    def from_options(cls, options: AlgorithmSpec) -> KlInRewardSurrogate:
+    def from_options(cls, options: ReinforcePpOptions) -> KlInRewardSurrogate:
         clipped = ClippedSurrogate.from_options(options)
         return cls(clipped.kl_coef, clipped.kl_estimator, replace(clipped, kl_coef=0.0))
 
@@ -74,37 +96,14 @@ class KlInRewardSurrogate:
         return self.clipped(inputs, advantages=advantages)
 
 
-RLOO = register_algorithm(
-    Algorithm(
-        "rloo",
-        frozenset({"groups"}),
-        rloo_advantages,
-        SURROGATE,
-        {
-            "clip_eps": 0.2,
-            "clip_eps_high": None,
-            "loss_aggregation": "sequence_mean",
-            "dual_clip": 3.0,
-            "kl_estimator": "k3",
-            "dynamic_sampling": False,
-            "is_level": "token",
-        },
-    )
-)
+RLOO = register_algorithm(Algorithm("rloo", frozenset({"groups"}), rloo_advantages, SURROGATE, RlooOptions))
 REINFORCE_PP = register_algorithm(
     Algorithm(
         "reinforce_pp",
         frozenset(),
         batch_whitened_advantages,
         KlInRewardSurrogate.from_options,
-        {
-            "clip_eps": 0.2,
-            "clip_eps_high": None,
-            "loss_aggregation": "token_mean",
-            "dual_clip": 3.0,
-            "kl_estimator": "k1",
-            "is_level": "token",
-        },
+        ReinforcePpOptions,
         kl_term="reward",
     )
 )

@@ -3,13 +3,15 @@
 Import from here (`from rlpipe.spec import RunSpec, parse_spec`); each concern has its module,
 and they import in this order (each only the ones above it):
 
-- schema:     `section` and `setting` (how a section and its fields are declared), and the sections
-              of what a run computes: model, data, reward, rollout, samplers, algorithm,
-              preferences, trainer, loop
+- section:    `section` and `setting` (how a section and its fields are declared), `retune`
+- schema:     what a run learns from and how it samples: model, data, reward, rollout, samplers, preferences
+- migration:  keys older versions read, refused with what to write instead
+- algorithm:  `algorithm`: its name, the options every algorithm takes, and the registered algorithm's
+              own options class (declared beside it in rlpipe.algorithms, looked up when a spec is parsed)
+- training:   how the update trains and how long the loop runs: trainer, loop
 - held_out:   what the held-out evals measure: sampled metrics, named sets, the evaluation harness
 - placement:  where it runs and stores: storage, tracking, cluster and its pods
 - run_spec:   RunSpec, the sections together, with the rules across sections
-- migration:  keys older versions read, refused with what to write instead
 - validation: `parse_spec` and SpecError: unknown keys, types, bounds, choices, cross-field rules
 - encoding:   YAML (`load_spec`, `with_overrides`), plain dicts and the JSON that crosses KFP; what
               the keys affect (TRAINING_KEYS, RESUMABLE_KEYS, WARM_START_KEYS) and `resume_changes`
@@ -19,6 +21,16 @@ and they import in this order (each only the ones above it):
 Steps parse the spec in every process, so this package imports nothing heavy.
 """
 
+from rlpipe.spec.algorithm import (
+    DEFAULT,
+    REGISTRY,
+    AlgorithmSpec,
+    default_algorithm,
+    not_an_option,
+    options_class,
+    options_classes,
+    own_options,
+)
 from rlpipe.spec.encoding import (
     RESUMABLE_KEYS,
     TRAINING_KEYS,
@@ -35,7 +47,7 @@ from rlpipe.spec.encoding import (
     without,
 )
 from rlpipe.spec.held_out import EvalSetSpec, EvaluationSpec, HarnessSpec
-from rlpipe.spec.migration import old_gpu_keys, old_task_section, replaced_keys
+from rlpipe.spec.migration import FLAT_ALGORITHM_DEFAULTS, old_gpu_keys, old_task_section, replaced_keys
 from rlpipe.spec.placement import (
     CPU,
     MEMORY,
@@ -56,14 +68,13 @@ from rlpipe.spec.reference import (
     json_schema_text,
     reference_markdown,
     spec_keys,
+    variants,
     with_reference,
 )
 from rlpipe.spec.run_spec import RunSpec
 from rlpipe.spec.schema import (
-    AlgorithmSpec,
     DataSpec,
     EnvironmentSpec,
-    LoopSpec,
     LoraSpec,
     ModelSpec,
     PreferencesSpec,
@@ -71,16 +82,18 @@ from rlpipe.spec.schema import (
     RolloutSpec,
     SamplersSpec,
     TinyModelSpec,
-    TrainerSpec,
     WarmStartSpec,
-    section,
-    setting,
 )
+from rlpipe.spec.section import retune, section, setting
+from rlpipe.spec.training import LoopSpec, TrainerSpec
 from rlpipe.spec.validation import SpecError, parse_spec
 
 __all__ = [
     "CPU",
+    "DEFAULT",
+    "FLAT_ALGORITHM_DEFAULTS",
     "MEMORY",
+    "REGISTRY",
     "REFERENCE_BEGIN",
     "REFERENCE_END",
     "RESUMABLE_KEYS",
@@ -113,17 +126,23 @@ __all__ = [
     "TrackingSpec",
     "TrainerSpec",
     "WarmStartSpec",
+    "default_algorithm",
     "flatten",
     "json_schema",
     "json_schema_text",
     "load_spec",
+    "not_an_option",
     "old_gpu_keys",
     "old_task_section",
+    "options_class",
+    "options_classes",
+    "own_options",
     "parse_spec",
     "pick",
     "reference_markdown",
     "replaced_keys",
     "resume_changes",
+    "retune",
     "section",
     "section_dict",
     "setting",
@@ -132,6 +151,7 @@ __all__ = [
     "spec_to_dict",
     "spec_to_json",
     "with_overrides",
+    "variants",
     "with_reference",
     "without",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpipe.spec.schema import section, setting
+from rlpipe.spec.section import section, setting
 
 
 @section

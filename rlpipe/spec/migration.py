@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Keys of the flat `algorithm` section (before each algorithm's options were its own) that it wrote, not null,
+# into every spec.json: at these values they said nothing, and an algorithm without them parses them away.
+FLAT_ALGORITHM_DEFAULTS = {"max_oversample": 3.0}
+
 
 def replaced_keys(data: Any) -> list[str]:
     """What to write instead of each replaced key in the spec dict `data` (none: an empty list)."""

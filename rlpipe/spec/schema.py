@@ -1,36 +1,16 @@
-"""The bottom of rlpipe.spec (it imports nothing of rlpipe): how a section is declared, and the
-sections that say what a run computes: the model, its data and rewards, how it samples (rollout,
-samplers), what it optimizes (algorithm, preferences, trainer) and for how long (loop).
+"""The sections that say what a run learns from and how it samples: the model (its warm start, LoRA), its
+data and rewards, rollout and samplers, and offline DPO's preference set.
 
-Each section is a frozen dataclass (`section`, as CleanRL's and TRL's configs are) whose fields carry their default,
-the bounds `parse_spec` checks and their doc (`setting`); a section's `__post_init__` holds its rules across fields.
-Where a run runs and stores is in rlpipe.spec.placement, the whole spec (RunSpec) in rlpipe.spec.run_spec.
+How a section is declared is in rlpipe.spec.section; what it optimizes (the algorithm's options) in
+rlpipe.spec.algorithm, the trainer and loop in rlpipe.spec.training; where a run runs and stores in
+rlpipe.spec.placement, the whole spec (RunSpec) in rlpipe.spec.run_spec.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
-section = dataclasses.dataclass(frozen=True, kw_only=True)
-
-
-def setting(
-    default: Any = dataclasses.MISSING,
-    *,
-    default_factory: Any = dataclasses.MISSING,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    min_length: int | None = None,
-    pattern: str | None = None,
-    doc: str = "",
-) -> Any:
-    """A spec field: its default, the bounds `parse_spec` checks, and what it means."""
-    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "min_length": min_length, "pattern": pattern}
-    metadata = {k: v for k, v in bounds.items() if v is not None} | ({"doc": doc} if doc else {})
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+from rlpipe.spec.section import section, setting
 
 
 @section
@@ -270,96 +250,6 @@ class SamplersSpec:
 
 
 @section
-class AlgorithmSpec:
-    name: str = setting(
-        "grpo", doc="A registered algorithm (rlpipe.algorithms), or 'package.module:name' for one that module registers"
-    )
-    scale_rewards: Literal["group", "batch", "none"] | None = setting(
-        None, doc="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO). null: the algorithm's"
-    )
-    clip_eps: float | None = setting(None, gt=0, doc="Lower clip range of the ratio. null: the algorithm's (0.2)")
-    clip_eps_high: float | None = setting(
-        None, gt=0, doc="Upper clip range (DAPO's clip-higher: 0.28). null: the algorithm's, else clip_eps"
-    )
-    kl_coef: float = setting(
-        0.0,
-        ge=0,
-        doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the loss "
-        "(reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper whitens "
-        "both: docs/algorithms.md; dpo, online_dpo: refused, DPO's temperature is their pull to it). 0: no penalty",
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] | None = setting(
-        None,
-        doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
-        "k2 = squared / 2, k3 = GRPO's. null: the algorithm's",
-    )
-    entropy_coef: float = setting(0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
-    loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] | None = setting(
-        None, doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)"
-    )
-    length_norm: int | None = setting(
-        None, ge=1, doc="sequence_sum's divisor, for every algorithm aggregating by it. null: rollout.max_new_tokens"
-    )
-    dual_clip: float | None = setting(
-        None,
-        ge=0,
-        doc="Dual clip c (verl's clip_ratio_c): a negative advantage's token loss is capped at -c A, so a ratio "
-        "far above 1 cannot grow it without bound. > 1, or 0 to turn it off. null: the algorithm's (3.0)",
-    )
-    dynamic_sampling: bool | None = setting(
-        None,
-        doc="DAPO's dynamic sampling: drop groups whose rewards are all equal and fill the batch with more "
-        "sampled prompts, up to max_oversample. null: the algorithm's (on for dapo)",
-    )
-    max_oversample: float = setting(
-        3.0, ge=1, doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration"
-    )
-    gamma: float | None = setting(None, ge=0, le=1, doc="PPO: discount of GAE. null: the algorithm's (1.0)")
-    lam: float | None = setting(None, ge=0, le=1, doc="PPO: GAE's lambda. null: the algorithm's (0.95)")
-    value_clip: float | None = setting(
-        None,
-        gt=0,
-        doc="PPO: how far a value may move from the values step's per update (clipped value loss). "
-        "null: the algorithm's (0.2)",
-    )
-    whiten_advantages: bool | None = setting(
-        None, doc="PPO: normalise the per-token advantages over the batch. null: the algorithm's (true)"
-    )
-    critic_lr: float | None = setting(None, gt=0, doc="PPO: the critic's learning rate. null: trainer.lr")
-    track_reference_kl: bool = setting(
-        True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first micro-batch)"
-    )
-    beta: float | None = setting(
-        None,
-        gt=0,
-        doc="DPO's temperature (dpo, online_dpo): it scales the policy-to-reference log-ratios in the preference "
-        "loss, and a larger one keeps the policy closer to the reference. Not a KL coefficient (that is kl_coef). "
-        "null: 0.1",
-    )
-    label_smoothing: float | None = setting(None, ge=0, lt=0.5, doc="DPO: chance a label is flipped (cDPO). null: 0")
-    dpo_loss: Literal["sigmoid", "ipo"] | None = setting(
-        None, doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss). null: sigmoid"
-    )
-    rpo_alpha: float | None = setting(
-        None, ge=0, doc="DPO: weight of the chosen completion's NLL per token added to the loss (RPO). null: 0"
-    )
-    off_policy_correction: Literal["none", "truncate", "mask"] | None = setting(
-        None,
-        doc="Importance weight pi_prox / pi_behaviour for rollouts a different policy sampled (stale ones, "
-        "loop.max_staleness >= 1; or a sampler's numerics): truncate it at is_threshold (TIS), or mask tokens "
-        "outside [1/is_threshold, is_threshold] (MIS); both recompute pi_prox, the update's starting weights' "
-        "log-probs. none: the clipped ratio to the behaviour log-probs, as a synchronous run. null: truncate "
-        "when loop.max_staleness >= 1 (the ratio to a stale policy clips most of the signal away), else none",
-    )
-    is_threshold: float = setting(2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
-    is_level: Literal["token", "sequence", "geometric"] | None = setting(
-        None,
-        doc="The importance weight per token, per sequence (the product of its tokens'), or the sequence's "
-        "geometric mean. null: the algorithm's (geometric for gspo, whose objective is per sequence; else token)",
-    )
-
-
-@section
 class PreferencesSpec:
     """Offline DPO's preference set (algorithm.name: dpo), made once per run by the preferences step.
 
@@ -376,125 +266,4 @@ class PreferencesSpec:
     )
     eval_pairs: int = setting(
         256, ge=1, doc="Held-out pairs whose preference accuracy each iteration reports (and as many train pairs)"
-    )
-
-
-@section
-class TrainerSpec:
-    lr: float = setting(5e-4, gt=0, doc="AdamW learning rate (constant after warmup_steps)")
-    weight_decay: float = setting(0.0, ge=0, doc="AdamW weight decay")
-    betas: tuple[float, float] = setting((0.9, 0.999), doc="AdamW betas: beta1, beta2")
-    max_grad_norm: float = setting(1.0, gt=0, doc="Gradients clipped to this global norm per optimizer step")
-    warmup_steps: int = setting(10, ge=0, doc="Linear LR warmup over the first optimizer steps")
-    mini_batches: int = setting(4, ge=1, doc="Optimizer steps per epoch over one iteration's batch")
-    epochs: int = setting(1, ge=1, doc="Passes over one iteration's batch")
-    threads: int = setting(1, ge=1, doc="torch CPU threads per step")
-    device: Literal["auto", "cpu", "cuda"] = setting(
-        "auto",
-        doc="Where the torch steps train, sample and evaluate: auto = cuda when a GPU is visible; "
-        "cuda with none visible is an error, never a silent CPU run",
-    )
-    dtype: Literal["float32", "bfloat16"] = setting(
-        "float32",
-        doc="Compute precision: bfloat16 autocasts the forward passes while weights, gradients and "
-        "AdamW state stay float32 (mixed precision with fp32 master weights)",
-    )
-    micro_batch_tokens: int | Literal["auto"] | None = setting(
-        "auto",
-        ge=1,
-        doc="Token budget (padded rows x width) of one forward/backward; a mini-batch is split into micro-batches of "
-        "rows sorted by length within it and their gradients accumulated (the same update, less memory and padding). "
-        "auto: 1024 on a CPU (activations stay in cache: ~1.2x faster), one pass on a GPU. null: one pass",
-    )
-    padding_free: bool = setting(
-        False, doc="Rows packed end to end with position ids, no padding (varlen attention on a GPU): the same update"
-    )
-    gradient_checkpointing: bool = setting(
-        False, doc="Recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)"
-    )
-    disable_dropout: bool = setting(
-        True,
-        doc="Turn off every dropout (the model's, LoRA's) in the update's log-prob passes, so the importance "
-        "ratio compares the policy with itself (TRL's disable_dropout). false: keep the model's dropout",
-    )
-    logit_chunk_tokens: int | None = setting(
-        512,
-        ge=1,
-        doc="Completion tokens whose vocabulary-wide logits exist at once: log-probs and entropy are computed "
-        "from the final hidden states in chunks this long, each recomputed in the backward pass, so the "
-        "update never holds tokens x vocabulary logits (the same values). null: the whole logits at once",
-    )
-    gpus: int = setting(
-        1,
-        ge=1,
-        doc="GPUs the trainer trains on per node, the one count of them: the update (in its own pod, or in the "
-        "resident trainer) runs as that many torchrun processes, FSDP2 sharding weights, gradients and AdamW "
-        "state. On a cluster the update pod (or each resident trainer node) requests this many; the other "
-        "trainer-image steps (warm_start, generate with the torch engine, evaluate, score with a reward model) "
-        "compute on one device and request 1. With trainer.device cpu: that many gloo processes, no GPU requested",
-    )
-    nodes: int = setting(
-        1,
-        ge=1,
-        doc="Nodes of the resident trainer: one torchrun job over nodes x gpus processes, which `rlpipe compile` "
-        "writes as a JobSet beside the pipeline; > 1 needs trainer.resident",
-    )
-    resident: bool = setting(
-        False,
-        doc="Train in a long-lived trainer process that keeps policy and optimizer in memory between "
-        "iterations; the update step becomes a thin client (rlpipe run starts the trainer locally)",
-    )
-    endpoint: str | None = setting(
-        None,
-        doc="URL of the resident trainer's Service on a cluster (rlpipe compile fills in its JobSet's Service "
-        "when empty); empty locally: rlpipe run starts one",
-    )
-
-    def __post_init__(self) -> None:
-        if self.nodes > 1 and not self.resident:
-            raise ValueError(
-                "trainer.nodes > 1 runs the resident trainer as one multi-node job (rlpipe compile writes its "
-                "JobSet): set trainer.resident: true, or trainer.nodes: 1"
-            )
-
-
-@section
-class LoopSpec:
-    iterations: int = setting(25, ge=1, doc="Iterations in all, one weight version each (`rlpipe run --iterations`)")
-    iterations_per_run: int = setting(5, ge=1, doc="Iterations unrolled into one pipeline run")
-    eval_every: int = setting(5, ge=1, doc="Held-out eval at iteration 0, every this many iterations and the last")
-    stop_when: str | None = setting(
-        None,
-        pattern=r"^\s*[\w/.-]+\s*(>=|<=|>|<)\s*-?[0-9.]+(e-?[0-9]+)?\s*$",
-        doc="An eval gate that ends the loop early: '<metric> >= <value>' (or >, <=, <) over a held-out eval's "
-        "metrics, e.g. 'eval/accuracy_greedy >= 0.7', 'eval/pass_at_8 >= 0.9' or 'eval/<set>/accuracy_greedy > 0.5'. "
-        "Checked at every eval; the version that passed is the run's",
-    )
-    stop_on_signs: bool = setting(
-        True,
-        doc="End the loop at a degenerate start or an iteration in which no sample "
-        "earned reward (rlpipe.evaluation.diagnosis); false trains on through them (a very sparse reward)",
-    )
-    max_staleness: int = setting(
-        0,
-        ge=0,
-        doc="Asynchronous RL: iteration N may train on rollouts from v(N-1-s) .. v(N-1) that a producer generated "
-        "ahead, while the trainer updated (rlpipe.services.producer.buffer). 0: the synchronous loop",
-    )
-    partial_rollouts: bool = setting(
-        False,
-        doc="Asynchronous RL, producer and torch engine: a completion being sampled when a new version is committed "
-        "goes on under it (prefilled again with the new weights), each token's version in token_versions, corrected",
-    )
-    overlap: Literal["producer", "dag"] = setting(
-        "producer",
-        doc="How generation runs ahead when max_staleness >= 1. producer: a long-lived producer samples into the "
-        "rollout buffer with the latest version (any engine but vllm). dag: iteration N's generate and score take "
-        "v(N-1-s) and run beside update N-1 as sibling tasks, each in its own pod (a KFP cluster; the local runner "
-        "runs one task at a time); engines torch and vllm, storage.keep_versions >= s + 1",
-    )
-    fuse_steps: bool = setting(
-        False,
-        doc="One KFP task (a process, a pod) runs each iteration's steps and due eval, not one task a step: the same "
-        "functions, artifacts and metrics without each step's start (~0.1 s a process, seconds a pod). Not with dag",
     )

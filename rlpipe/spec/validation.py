@@ -1,4 +1,4 @@
-"""`parse_spec`: a spec dict checked against the sections (rlpipe.spec.schema, .placement, .run_spec)
+"""`parse_spec`: a spec dict checked against the sections (rlpipe.spec.schema, .algorithm, .training, .placement)
 and built into a RunSpec, or a SpecError naming every bad key and what is allowed there.
 
 Checked in order: keys replaced by newer ones (rlpipe.spec.migration), unknown keys, types, bounds,
@@ -50,6 +50,12 @@ def _build(cls: type, data: Any, key: str, errors: list[str]) -> Any:
     if not isinstance(data, dict):
         errors.append(f"{key.rstrip('.') or '<top level>'}: expected a mapping of keys, got {data!r}")
         return None
+    if variant := getattr(cls, "variant", None):  # a section whose class a key picks (algorithm: its name)
+        try:
+            cls, data = variant(data)
+        except ValueError as err:
+            errors.append(str(err))
+            return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for unknown in sorted(set(data) - set(fields), key=str):
         errors.append(f"{key}{unknown}: unknown key; allowed keys here: {', '.join(sorted(fields))}")
