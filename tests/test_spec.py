@@ -204,3 +204,36 @@ def test_fused_steps_refuse_the_pipelines_that_split_an_iteration():
         with pytest.raises(ValueError, match="loop.fuse_steps: false"):
             parse_spec({"name": "x", **sections, "loop": loop})
     assert parse_spec({"name": "x", "loop": {"fuse_steps": True, "max_staleness": 1}}).loop.fuse_steps
+
+
+FLAT_ALGORITHM = {  # the flat `algorithm` section older rlpipe wrote into every spec.json: each option, most null
+    **dict.fromkeys(
+        "scale_rewards clip_eps clip_eps_high kl_estimator loss_aggregation length_norm dual_clip dynamic_sampling "
+        "gamma lam value_clip whiten_advantages critic_lr beta label_smoothing dpo_loss rpo_alpha "
+        "off_policy_correction is_level".split()
+    ),
+    "kl_coef": 0.0,
+    "entropy_coef": 0.0,
+    "max_oversample": 3.0,
+    "track_reference_kl": True,
+    "is_threshold": 2.0,
+}
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "ppo", "reinforce_pp", "dpo", "online_dpo"])
+def test_a_flat_algorithm_section_still_parses_to_the_algorithms_defaults(name: str):
+    """A spec.json of an older run (every option of every algorithm, null: the algorithm's default) parses to
+    what the algorithm's own options give, so it resumes unchanged; a set option another algorithm takes is named."""
+    from rlpipe.spec import resume_changes
+
+    old = {"name": "x", "algorithm": {**FLAT_ALGORITHM, "name": name}}
+    new = parse_spec({"name": "x", "algorithm": {"name": name}})
+    assert parse_spec(old) == new
+    assert resume_changes(old, new) == []
+    if name == "dapo":
+        assert new.algorithm.clip_eps_high == 0.28  # null was dapo's clip-higher, and is
+    other, key = ("grpo", "scale_rewards") if name == "ppo" else ("ppo", "gamma")
+    with pytest.raises(SpecError, match=rf"algorithm.{key} is not an option of algorithm {name} .*{other}"):
+        parse_spec(
+            {"name": "x", "algorithm": {**FLAT_ALGORITHM, "name": name, key: 0.9 if key == "gamma" else "batch"}}
+        )
