@@ -63,8 +63,8 @@ def reward_histogram(rewards: list[float], bins: int = 10) -> list[tuple[str, in
     `bins` equal-width intervals from the lowest reward to the highest."""
     distinct = sorted(set(rewards))
     if len(distinct) <= bins:
-        counts = Counter(rewards)
-        return [(f"{value:.4g}", counts[value]) for value in distinct]
+        tally = Counter(rewards)
+        return [(f"{value:.4g}", tally[value]) for value in distinct]
     low, width = distinct[0], (distinct[-1] - distinct[0]) / bins
     counts = [0] * bins
     for reward in rewards:

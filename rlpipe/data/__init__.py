@@ -59,6 +59,7 @@ def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:
     disjoint by construction (a generator's first eval_size rows are held out; files: see data)."""
     data = spec.data
     if data.generator:
+        assert data.train_size is not None and data.eval_size is not None  # DataSpec sets both for a generator
         rows = get_source(data.generator)(
             random.Random(data_seed(spec)), data.train_size + data.eval_size, **data.options
         )
@@ -67,6 +68,7 @@ def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:
         return rows[data.eval_size :], rows[: data.eval_size]
     from rlpipe.data.files import read_rows
 
+    assert data.path is not None  # DataSpec: without a generator, the rows come from data.path
     train = read_rows(data.path, data.format, data.config, data.split, "data.path")
     if data.eval_path is not None:
         held_out = read_rows(data.eval_path, data.format, data.config, data.split, "data.eval_path")
@@ -79,6 +81,7 @@ def task_rows(spec: RunSpec) -> tuple[Rows, Rows]:
 
 def held_out_fraction(rows: Rows, data: DataSpec, seed: int) -> tuple[Rows, Rows]:
     """A seeded split: round(eval_fraction x rows) rows held out, the rest train (order kept)."""
+    assert data.eval_fraction is not None  # DataSpec: 0.05 for data files with no other held-out source
     count = max(1, round(len(rows) * data.eval_fraction))
     if count >= len(rows):
         raise ValueError(f"data.eval_fraction {data.eval_fraction} of {len(rows)} rows leaves none to train on")
@@ -121,10 +124,10 @@ def prepare_data(spec: RunSpec, run_root: str) -> dict[str, int]:
         write_rows(eval_uri, held_out)
         write_rows(train_uri, train)
         write_json(data_counts_uri(run_root), counts)
-    for held_out in spec.evaluation.sets:  # each once, also when added on resume
-        uri = data_uri(run_root, f"eval_{held_out.name}")
+    for eval_set in spec.evaluation.sets:  # each once, also when added on resume
+        uri = data_uri(run_root, f"eval_{eval_set.name}")
         if not fs.exists(filesystem(uri)[1]):
-            write_rows(uri, eval_set_rows(spec, held_out))
+            write_rows(uri, eval_set_rows(spec, eval_set))
     return counts
 
 
@@ -152,6 +155,7 @@ def eval_set_rows(spec: RunSpec, held_out: EvalSetSpec) -> Rows:
     else:
         from rlpipe.data.files import read_rows
 
+        assert held_out.path is not None  # EvalSetSpec: a path when there is no generator
         rows = read_rows(held_out.path, spec.data.format, spec.data.config, spec.data.split, f"{key} path")
     rows, _ = encode_prompts(rows[: held_out.size], spec.data, load_prompt_tokenizer(spec.model.path, spec.cache_root))
     if not rows:

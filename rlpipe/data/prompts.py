@@ -55,6 +55,7 @@ def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: d
 
 def prompt_text(row: dict[str, Any], data: DataSpec, tokenizer: PromptTokenizer) -> tuple[str, bool]:
     """(the prompt's text, whether the chat template rendered it) for one row."""
+    prompt: Any  # a column's value: text or chat messages (checked below)
     if data.prompt_template is not None:
         try:
             prompt = data.prompt_template.format(**row)
@@ -82,7 +83,7 @@ def prompt_text(row: dict[str, Any], data: DataSpec, tokenizer: PromptTokenizer)
             "the prompts need a chat template (chat messages, data.system_prompt or data.chat_template: true) "
             "but the model's tokenizer has none; use a chat model or text prompts"
         )
-    messages = list(prompt) if chat else [{"role": "user", "content": str(prompt)}]
+    messages: list[dict[str, Any]] = list(prompt) if chat else [{"role": "user", "content": str(prompt)}]
     if data.system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": data.system_prompt})
     return render_chat(tokenizer.chat_template, messages, tokenizer.special_tokens), True

@@ -200,7 +200,7 @@ def sample_rows(
     """rollout.samples_per_prompt completions of each train row in `order` with `weights` (the engine's
     Sampled, prompt-major); `stream` seeds the sampling (the iteration, or a producer's batch)."""
     prompt_ids = [list(ids) for ids in table.take(order).column("prompt_token_ids").to_pylist()]
-    engine: Engine = importlib.import_module(ENGINES[spec.rollout.engine])  # type: ignore[assignment]
+    engine: Engine = importlib.import_module(ENGINES[spec.rollout.engine])
     rows = table.take(order).to_pylist() if spec.rollout.environment is not None else None
     return engine.sample_prompts(SampleRequest(spec, run_root, weights, cache_root, prompt_ids, stream, loaded, rows))
 

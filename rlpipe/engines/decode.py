@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from rlpipe.rollouts import Completions
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
     from rlpipe.engines import Sampling
@@ -81,10 +82,11 @@ class Decoder:
     pad_id: int
 
 
-def decoder_of(model: PreTrainedModel, length: int, end_ids: set[int], pad_id: int) -> Decoder | None:
+def decoder_of(model: PreTrainedModel | PeftModel, length: int, end_ids: set[int], pad_id: int) -> Decoder | None:
     """The model's Decoder, when its architecture is one this loop runs for sequences of `length`
     tokens (a sliding window shorter than that: no), else None."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's LoRA
+    get_base_model = getattr(model, "get_base_model", None)  # peft's LoRA
+    causal_lm = get_base_model() if get_base_model is not None else model
     inner, config = getattr(causal_lm, "model", None), causal_lm.config
     family = ARCHITECTURES.get(type(inner).__name__)
     if family is None or not hasattr(causal_lm, "lm_head"):

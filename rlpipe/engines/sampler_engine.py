@@ -78,6 +78,8 @@ def sample_trajectories(
     from rlpipe.environments import Codec, environment_factory, run_trajectories
 
     r, s = spec.rollout, spec.samplers
+    environment = r.environment
+    assert environment is not None  # sample_prompts rolls out trajectories only with rollout.environment
     drawn = 0
     client: dict[str, float] = {}
 
@@ -99,7 +101,7 @@ def sample_trajectories(
     repeated = [row for row in rows for _ in range(r.samples_per_prompt)]
     prompts = [list(row["prompt_token_ids"]) for row in repeated]
     trajectories = run_trajectories(
-        sample_turn, environment_factory(r.environment), repeated, prompts, codec, r.environment, r.max_new_tokens
+        sample_turn, environment_factory(environment), repeated, prompts, codec, environment, r.max_new_tokens
     )
     sampled = sampled_trajectories(trajectories, codec, loaded)
     sampled.metrics |= metrics | client | {"samplers/ready": float(len(urls))}

@@ -16,6 +16,7 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -33,6 +34,17 @@ class SamplerError(RuntimeError):
     """Samplers unreachable or failing; the message says which and what to check."""
 
 
+@dataclass
+class _Progress:
+    """generate_groups' workers' shared tally (under its lock)."""
+
+    remaining: int
+    workers: int = 0
+    retried: int = 0
+    lost_replicas: set[str] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+
+
 def replica_urls(endpoints: list[str]) -> list[str]:
     """One base URL per replica: a host resolving to several addresses (a Kubernetes headless
     Service) expands to one URL per address."""
@@ -43,7 +55,7 @@ def replica_urls(endpoints: list[str]) -> list[str]:
             infos = socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_TCP)
         except socket.gaierror as err:
             raise SamplerError(f"samplers.endpoints entry {endpoint!r} does not resolve: {err}") from None
-        addresses = sorted({info[4][0] for info in infos})
+        addresses = sorted({str(info[4][0]) for info in infos})  # an IPv4/IPv6 sockaddr's host: a str
         if any(":" not in a for a in addresses):  # one server on both families (localhost): count it once
             addresses = [a for a in addresses if ":" not in a]
         if len(addresses) <= 1:
@@ -177,12 +189,12 @@ def generate_groups(
     results: list[Completions | None] = [None] * len(prompts)
     lock = threading.Lock()
     done = threading.Event()
-    state = {"remaining": len(prompts), "workers": 0, "retried": 0, "lost_replicas": set(), "errors": []}
+    state = _Progress(remaining=len(prompts))
 
     def work(url: str) -> None:
         session = requests.Session()
         try:
-            while not done.is_set() and url not in state["lost_replicas"]:
+            while not done.is_set() and url not in state.lost_replicas:
                 try:
                     index = todo.get(timeout=0.2)
                 except queue.Empty:
@@ -193,41 +205,42 @@ def generate_groups(
                 except (requests.RequestException, SamplerError, KeyError, ValueError) as err:
                     todo.put(index)  # another replica takes it
                     with lock:
-                        state["retried"] += 1
-                        state["lost_replicas"].add(url)
-                        state["errors"].append(f"{url}: {err}")
+                        state.retried += 1
+                        state.lost_replicas.add(url)
+                        state.errors.append(f"{url}: {err}")
                     return
                 with lock:
                     results[index] = completions
-                    state["remaining"] -= 1
-                    if state["remaining"] == 0:
+                    state.remaining -= 1
+                    if state.remaining == 0:
                         done.set()
         finally:
             session.close()
             with lock:
-                state["workers"] -= 1
-                if state["workers"] == 0:
+                state.workers -= 1
+                if state.workers == 0:
                     done.set()
 
     started = time.time()
     threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in urls for _ in range(requests_per_replica)]
-    state["workers"] = len(threads)
+    state.workers = len(threads)
     for t in threads:
         t.start()
     done.wait()
-    if state["remaining"]:
+    if state.remaining:
         raise SamplerError(
-            f"{state['remaining']} of {len(prompts)} prompts unsampled: every sampler failed "
-            f"({'; '.join(state['errors'][-len(urls) :])}). Storage is unchanged: rerun to resume."
+            f"{state.remaining} of {len(prompts)} prompts unsampled: every sampler failed "
+            f"({'; '.join(state.errors[-len(urls) :])}). Storage is unchanged: rerun to resume."
         )
     for t in threads:
         t.join(timeout=1.0)
     elapsed = time.time() - started
     completions = Completions([], [], [])
     for group in results:
-        completions.extend(group)  # type: ignore[arg-type]
+        assert group is not None  # every prompt was sampled: none remains
+        completions.extend(group)
     return completions, {
-        "samplers/retried_requests": float(state["retried"]),
-        "samplers/lost_replicas": float(len(state["lost_replicas"])),
+        "samplers/retried_requests": float(state.retried),
+        "samplers/lost_replicas": float(len(state.lost_replicas)),
         "time/sampler_requests_s": elapsed,
     }

@@ -62,7 +62,6 @@ def hf_decode(
     device = model.device  # `generator`, when given, lives there too
     input_ids, attention = (t.to(device) for t in left_padded(prompts, pad_id))
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     with autocast:  # logits of the last position only: all of them are rows x width x vocab (40 GB at 512 x 256 x 152k)
         out = model(
@@ -78,7 +77,8 @@ def hf_decode(
     ends = torch.tensor(sorted(ends_set), device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     version = refresh.version if refresh is not None else 0
-    tokens, logprobs, step_versions = [], [], []  # per decode step: [rows] tokens, log-probs; the version sampling
+    tokens, logprobs = [], []  # per decode step: [rows] tokens, log-probs; the version sampling
+    step_versions: list[int] = []
     versions = step_versions if refresh else None  # recorded for partial rollouts only
     publish = GroupPublisher(on_groups, samples, rows) if on_groups is not None else None
     for _ in range(max_new_tokens):
@@ -146,7 +146,7 @@ def completions_through_end(
         result.token_ids.append(row_tokens[:end])
         result.logprobs.append(row_logprobs[:end])
         result.finish_reasons.append("stop" if stopped else "length")
-        if result.token_versions is not None:
+        if result.token_versions is not None and step_versions is not None:  # both or neither
             result.token_versions.append(step_versions[:end])
     return result
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlpipe.spec import RunSpec
@@ -23,7 +23,8 @@ VLLM_CPU_ENV = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 # chunks (more prompt tokens than max_num_batched_tokens, e.g. 64 chat prompts of 62 tokens)
 # crashes the engine with "CPU Generator does not use offset": vLLM rewinds the request's generator
 # over the token sampled after a partial chunk, which only CUDA generators can do.
-VLLM_CPU_ENGINE_OPTIONS = {"enforce_eager": True, "dtype": "float32", "enable_chunked_prefill": False}
+# keyword arguments of vllm.LLM
+VLLM_CPU_ENGINE_OPTIONS: dict[str, Any] = {"enforce_eager": True, "dtype": "float32", "enable_chunked_prefill": False}
 VLLM_CPU_SERVER_ARGS = ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
 
 

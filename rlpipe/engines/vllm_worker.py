@@ -8,7 +8,9 @@ It runs inside vLLM's worker, where `self` is the worker; it imports only rlpipe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,6 +45,13 @@ def merged_lora_weights(base_path: str, adapter_path: str) -> dict[str, torch.Te
 
 
 class PolicyReload:
+    # vLLM's worker, which this class extends, has these (annotations only: vLLM refuses an extension
+    # whose attributes clash with the worker's)
+    model_runner: Any
+    reload_weights: Callable[..., None]
+    # the version this worker serves as a serving copy: its weights_sha256 and its tensors (reload_version)
+    _served: tuple[str | None, dict[str, torch.Tensor] | None]
+
     def reload_policy(self, weights_path: str) -> None:
         """Reload the policy's weights in place from a HF-layout directory."""
         self._served = (None, None)
@@ -61,16 +70,21 @@ class PolicyReload:
 
         from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256
 
-        held_sha, tensors = getattr(self, "_served", (None, None))
+        served: tuple[str | None, dict[str, torch.Tensor] | None] = getattr(self, "_served", (None, None))
+        held_sha, held = served
         self._served = (None, None)  # until this call succeeds
-        incremental = tensors is not None and delta_paths and parent_sha256 is not None and held_sha == parent_sha256
-        if not incremental:
+        incremental = held is not None and delta_paths and parent_sha256 is not None and held_sha == parent_sha256
+        tensors: dict[str, torch.Tensor]
+        if incremental:
+            assert held is not None  # incremental only when this worker holds the parent's tensors
+            tensors = held
+        else:
             tensors = {}
             for path in sorted(Path(whole_path).glob("*.safetensors")):
                 tensors |= load_file(path)
         changed: set[str] = set(tensors)
-        for path in delta_paths[-1:] if incremental else delta_paths:
-            delta = load_file(str(Path(path) / DELTA_FILE))
+        for delta_dir in delta_paths[-1:] if incremental else delta_paths:
+            delta = load_file(str(Path(delta_dir) / DELTA_FILE))
             apply_delta(tensors, delta)
             if incremental:
                 changed = {

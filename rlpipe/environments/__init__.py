@@ -30,6 +30,7 @@ every token (0.0 at environment tokens, which no loss reads).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,7 +152,7 @@ def run_trajectories(
     trajectories = [Trajectory() for _ in rows]
     try:
         stops = stop_token_ids(codec, tuple(environments[0].stop)) if environments else set()
-        first = answers([lambda e=e, r=r: e.reset(r) for e, r in zip(environments, rows, strict=True)])
+        first = answers([functools.partial(e.reset, r) for e, r in zip(environments, rows, strict=True)])
         active = []
         for i, observation in enumerate(first):
             if isinstance(observation, Exception):
@@ -173,7 +174,7 @@ def run_trajectories(
                 ended[i] = sampled.finish_reasons[k] == "stop" and len(ids) == len(sampled.token_ids[k])
             results = answers(
                 [
-                    lambda e=environments[i], t=t, ids=trajectories[i].last_turn(): e.step(t, ids)
+                    functools.partial(environments[i].step, t, trajectories[i].last_turn())
                     for i, t in zip(active, texts, strict=True)
                 ]
             )

@@ -113,7 +113,8 @@ class McpConnection:
         program, *args = self.server.command
         program = sys.executable if program in ("python", "python3") else program
         parameters = StdioServerParameters(command=program, args=args, env=dict(self.server.env) or None)
-        return stdio_client(parameters, errlog=self.stderr)
+        # mcp annotates errlog TextIO, but only hands it to the server's process as its stderr (any file)
+        return stdio_client(parameters, errlog=self.stderr)  # type: ignore[arg-type]
 
     async def _serve(self) -> None:
         """Connect, list the tools, then hold the session open until close()."""

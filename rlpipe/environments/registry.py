@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,11 +28,13 @@ class StepResult:
 
 
 class Environment(Protocol):
+    """reset and step may be `async def` (the turn loop awaits what they return when it is awaitable)."""
+
     stop: tuple[str, ...]
 
-    def reset(self, row: dict[str, Any]) -> str: ...
+    def reset(self, row: dict[str, Any]) -> str | Awaitable[str]: ...
 
-    def step(self, text: str, token_ids: list[int]) -> StepResult: ...
+    def step(self, text: str, token_ids: list[int]) -> StepResult | Awaitable[StepResult]: ...
 
     def close(self) -> None: ...
 

@@ -44,7 +44,7 @@ def call(url: str, route: str, payload: dict, timeout_s: float, retries: int) ->
 
 def checked_step(body: dict, url: str) -> StepResult:
     """A /step answer as a StepResult; EnvironmentFailure naming the field when it is malformed."""
-    expected = {"observation": str, "reward": (int, float), "done": bool}
+    expected: dict[str, type | tuple[type, ...]] = {"observation": str, "reward": (int, float), "done": bool}
     for name, kind in expected.items():
         if not isinstance(body.get(name), kind):
             raise EnvironmentFailure(

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Awaitable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,8 +31,12 @@ def settled(value: Any) -> Any:
     if inspect.isawaitable(value):
         import asyncio
 
-        return asyncio.run(value)  # a fresh loop per call: each handler runs in its own thread
+        return asyncio.run(_awaited(value))  # a fresh loop per call: each handler runs in its own thread
     return value
+
+
+async def _awaited(value: Awaitable[Any]) -> Any:
+    return await value
 
 
 class Sessions:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from rlpipe.environments.registry import Environment, StepResult
@@ -81,12 +81,13 @@ class ToolEnvironment:
 
     def __init__(self, tools: dict[str, Callable[..., Any]], call_format: str, observation: str) -> None:
         self.tools, self.call_format, self.observation = tools, call_format, observation
-        self.stop = STOPS[call_format]
+        self.stop: tuple[str, ...] = STOPS[call_format]
 
-    def reset(self, row: dict[str, Any]) -> str:
+    # Awaitable: McpToolEnvironment answers asynchronously (the turn loop awaits what is awaitable)
+    def reset(self, row: dict[str, Any]) -> str | Awaitable[str]:
         return ""
 
-    def step(self, text: str, token_ids: list[int]) -> StepResult:
+    def step(self, text: str, token_ids: list[int]) -> StepResult | Awaitable[StepResult]:
         call = self.parsed(text)
         return call if isinstance(call, StepResult) else self.answer(call[0], self.run(*call))
 
@@ -122,7 +123,8 @@ class McpToolEnvironment(ToolEnvironment):
         self, tools: dict[str, Callable[..., Any]], call_format: str, observation: str, server: McpServer
     ) -> None:
         super().__init__(tools, call_format, observation)
-        self.server, self.remote = server, []
+        self.server = server
+        self.remote: list[str] = []
         self.connection: McpConnection | None = None
 
     async def reset(self, row: dict[str, Any]) -> str:
@@ -140,6 +142,7 @@ class McpToolEnvironment(ToolEnvironment):
         if name in self.remote:
             if not isinstance(arguments, dict):
                 return self.answer(name, f"error: the arguments of {name!r} are not a JSON object")
+            assert self.connection is not None  # reset opened it: the turn loop resets before any step
             return self.answer(name, await self.connection.call(name, arguments))
         if name not in self.tools:
             return self.answer(name, f"error: no tool {name!r}; tools: {', '.join([*self.tools, *self.remote])}")

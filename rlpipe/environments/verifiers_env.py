@@ -80,6 +80,7 @@ class Episode:
 
     def answer(self, text: str) -> Future:
         """Deliver the model's turn; the future of what the Env asks next."""
+        assert self.reply is not None  # ask() made it before it asked for this turn
         self.request = Future()
         background_loop().call_soon_threadsafe(self.reply.set_result, text)
         return self.request
@@ -155,6 +156,7 @@ class Channel:
             add_message(self.trace, produced[-1], True)
             if call is None:
                 return vf.Segment(messages=produced)
+            assert calls is not None  # made from this turn's call
             produced.append(vf.ToolMessage(tool_call_id=calls[0].id, content=result, name=call["name"]))
             add_message(self.trace, produced[-1], False)
             info = {"tool_call": True, "tool": call["name"]}
@@ -201,6 +203,7 @@ class VerifiersEnvironment:
         return observation
 
     async def step(self, text: str, token_ids: list[int]) -> StepResult:
+        assert self.episode is not None  # reset started it: the turn loop resets before any step
         kind, value, info = await asyncio.wrap_future(self.episode.answer(text))
         if kind == "done":
             return StepResult(reward=float(value), done=True, info=info)

@@ -97,7 +97,7 @@ def no_reward(iteration: int, iterations: dict[int, dict[str, float]]) -> Sign |
     """The iterations through N in a row whose rollouts all earned the same reward, none above 0, at least
     NO_REWARD_ROLLOUTS rollouts among them (metrics/iter_N.json: reward/count): every group-relative
     advantage was 0, so the updates learned nothing, and not by the chance of a small batch."""
-    stretch = []
+    stretch: list[dict[str, float]] = []
     while rewardless(iterations.get(iteration - len(stretch), {})):
         stretch.append(iterations[iteration - len(stretch)])
     rollouts = sum(m.get(REWARD_COUNT, 0.0) for m in stretch)

@@ -85,6 +85,7 @@ def run_harness(spec: RunSpec, model: Any, tokenizer: Any) -> dict[str, float]:
         ) from None
 
     harness = spec.evaluation.harness
+    assert harness is not None  # run only when evaluation.harness is set (harness_due, harness_version)
     was_training = model.training
     model.eval()
     try:

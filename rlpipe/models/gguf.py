@@ -27,7 +27,11 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONVERTED_MARKER = "gguf_source.txt"  # written last: a directory without it is an interrupted conversion
 # In the cache key: a conversion by older code (c1, unnamed: no BOS, no end-of-turn ids) is not reused.
@@ -209,7 +213,7 @@ def authors_settings(gguf_file: Path) -> tuple[dict[str, bool], list[int], str]:
 
     fields = GGUFReader(gguf_file).fields
 
-    def value(key: str) -> object:
+    def value(key: str) -> Any:  # whatever the file holds under `key` (a bool, an int, a str...)
         return fields[key].contents() if key in fields else None
 
     flags = {"add_bos_token": Keys.Tokenizer.ADD_BOS, "add_eos_token": Keys.Tokenizer.ADD_EOS}
@@ -268,8 +272,12 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     quiet_reader = mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda tensors, **_: tensors)
     try:
         with quiet_reader:
-            loaded, info = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+            # with output_loading_info, (the model, its loading info): transformers' annotations say the model
+            loaded, info = cast(
+                "tuple[PreTrainedModel, dict[str, Any]]",
+                AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+                ),
             )
         refuse_missing_weights(gguf_file, architecture, loaded, info)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

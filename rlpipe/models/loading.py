@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch  # noqa: E402
 
@@ -28,6 +29,12 @@ with unused_hidden():
 from rlpipe.models.devices import resolve_device  # noqa: E402
 from rlpipe.models.files import authors_additions, char_tokenizer  # noqa: E402
 from rlpipe.spec import LoraSpec, TinyModelSpec  # noqa: E402
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from typing_extensions import TypeIs
+
+    from rlpipe.store.weights import WeightRef
 
 # ChatML, as Qwen2's tokenizers carry it: what build_bpe_tokenizer's chat models use.
 CHATML_TEMPLATE = (
@@ -110,7 +117,7 @@ def build_tiny_model(tiny: TinyModelSpec, tokenizer: PreTrainedTokenizerBase, se
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",  # transformers 5's name (torch_dtype, its old one, makes the same config)
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
@@ -122,7 +129,7 @@ def load_tokenizer(local_dir: str | Path) -> PreTrainedTokenizerBase:
     bos/eos as tokenizer_config.json's add_bos_token/add_eos_token ask (authors_additions), which
     transformers 5 ignores unless they are passed as arguments."""
     config_path = Path(local_dir) / "tokenizer_config.json"
-    asked = authors_additions(local_dir)
+    asked: dict[str, Any] = authors_additions(local_dir)  # keyword arguments of from_pretrained
     if config_path.exists() and json.loads(config_path.read_text()).get("tokenizer_class") in (
         "PreTrainedTokenizerFast",
         "TokenizersBackend",
@@ -148,9 +155,21 @@ def release_memory(device: torch.device, phase: str) -> dict[str, float]:
     return {f"memory/{phase}_peak_gib": peak}
 
 
+@overload
 def load_weights(
-    weights: dict, cache_root: str | Path, threads: int, device: str = "cpu", trainable: bool = False
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    weights: WeightRef, cache_root: str | Path, threads: int, device: str = "cpu", trainable: Literal[False] = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]: ...
+
+
+@overload
+def load_weights(
+    weights: WeightRef, cache_root: str | Path, threads: int, device: str = "cpu", *, trainable: bool
+) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]: ...
+
+
+def load_weights(
+    weights: WeightRef, cache_root: str | Path, threads: int, device: str = "cpu", trainable: bool = False
+) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     """Load a published weights version (a WeightRef) for a torch step onto trainer.device, with
     `threads` CPU threads. An adapter version (model.lora) is loaded onto its base (BASE_FILE):
     as a PeftModel to train (`trainable`), else merged into the base (plain weights, faster sampling)."""
@@ -160,12 +179,14 @@ def load_weights(
     path = Path(local_path(weights, cache_root))
     if not (path / "adapter_config.json").exists():
         model, tokenizer = load_policy(str(path))
-        return model.to(resolve_device(device)), tokenizer
+        # mypy reads transformers' functools.wraps(Module.to) as unbound: the device as `self`
+        return model.to(resolve_device(device)), tokenizer  # type: ignore[arg-type]
     from peft import PeftModel
 
     base, tokenizer = load_policy(local_path(json.loads((path / BASE_FILE).read_text()), cache_root))
-    model = PeftModel.from_pretrained(base.to(resolve_device(device)), str(path), is_trainable=trainable)
-    return (model if trainable else model.merge_and_unload()), tokenizer
+    on_device = base.to(resolve_device(device))  # type: ignore[arg-type]  # (as above)
+    adapted = PeftModel.from_pretrained(on_device, str(path), is_trainable=trainable)
+    return (adapted if trainable else adapted.merge_and_unload()), tokenizer
 
 
 def export_model(run_root: str, version: int | None, out: str | Path, cache_root: str | Path) -> tuple[int, str]:
@@ -182,13 +203,16 @@ def export_model(run_root: str, version: int | None, out: str | Path, cache_root
     return version, str(out)
 
 
-def add_lora(model: PreTrainedModel, lora: LoraSpec) -> PreTrainedModel:
+def add_lora(model: PreTrainedModel, lora: LoraSpec) -> PeftModel:
     """`model` with fresh LoRA adapters (B = 0, so it computes what the base does) on lora.targets;
     only the adapters train."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=lora.dropout
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, but scales by alpha / r: a float works
+        target_modules=list(lora.targets),
+        lora_dropout=lora.dropout,
     )
     return get_peft_model(model, config)
 
@@ -201,10 +225,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+            # torch annotates Module.__setattr__ for tensors and modules; a float attribute is set as is
+            module.attention_dropout = 0.0  # type: ignore[assignment]
 
 
-def is_adapted(model: torch.nn.Module) -> bool:
+def is_adapted(model: torch.nn.Module) -> TypeIs[PeftModel]:
     """Whether `model` carries LoRA adapters (a peft PeftModel)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

@@ -76,7 +76,12 @@ def library_logs_to(path: Path) -> Iterator[Callable[[], bool]]:
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     written: list[bool] = []
-    handler.addFilter(lambda record: written.append(True) or True)
+
+    def note(record: logging.LogRecord) -> bool:
+        written.append(True)
+        return True  # the record is written
+
+    handler.addFilter(note)
     root = logging.getLogger()
     root.addHandler(handler)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from typing import Any
 
 from rlpipe.preflight.inputs import tokenizer_is_local
 from rlpipe.preflight.probe import CheckFailed
@@ -36,7 +37,7 @@ def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list
     rows = [row for row in train[:2] for _ in range(2)]
     completions = [_completion(row, spec) if i % 2 == 0 else "" for i, row in enumerate(rows)]
     n = len(rows)
-    columns = {
+    columns: dict[str, list[Any]] = {
         "prompt_id": list(range(n)),
         "group_id": [i // 2 for i in range(n)],
         "sample_index": [i % 2 for i in range(n)],
@@ -204,6 +205,7 @@ def gate_problem(spec: RunSpec) -> str | None:
     from rlpipe.evaluation.accuracy import recorded_metrics
     from rlpipe.evaluation.stopping import parse_gate
 
+    assert spec.loop.stop_when is not None  # check_evaluation asks only of a set gate
     name, _, _ = parse_gate(spec.loop.stop_when)
     harness = spec.evaluation.harness
     if name.startswith("harness/"):

@@ -215,15 +215,17 @@ def bos_problem(spec: RunSpec, tokenizer: PromptTokenizer, ids: list[int], rende
     tokenizer's authors ask for a bos (rlpipe.models.files.authors_additions), or None."""
     from rlpipe.models.files import authors_additions
 
-    config = tokenizer.folder / "config.json"
+    folder = tokenizer.folder
+    assert folder is not None  # first_prompt asks only of a model's own tokenizer (the tiny model's has none)
+    config = folder / "config.json"
     bos = json.loads(config.read_text()).get("bos_token_id") if config.is_file() else None
-    if rendered or not isinstance(bos, int) or not authors_additions(tokenizer.folder).get("add_bos_token"):
+    if rendered or not isinstance(bos, int) or not authors_additions(folder).get("add_bos_token"):
         return None
     if ids and ids[0] == bos:
         return None
     first = f"{ids[0]} ({tokenizer.tokenizer.id_to_token(ids[0])})" if ids else "nothing"
     return (
-        f"model.path {spec.model.path}: {tokenizer.folder / 'tokenizer_config.json'} asks for a bos "
+        f"model.path {spec.model.path}: {folder / 'tokenizer_config.json'} asks for a bos "
         f"(add_bos_token: true) and config.json's bos_token_id is {bos}, but the first train prompt starts with "
         f"{first}; set tokenizer_config.json's bos_token to the token of id {bos} "
         f"({tokenizer.tokenizer.id_to_token(bos)}), or add_bos_token: false if the model takes no bos"
@@ -265,7 +267,9 @@ def policy_ids(spec: RunSpec, folder: Path, text: str, rendered: bool) -> tuple[
     import hashlib
     import os
 
-    loader = Path(importlib.util.find_spec("rlpipe.models.loading").origin).read_bytes()
+    module = importlib.util.find_spec("rlpipe.models.loading")
+    assert module is not None and module.origin is not None  # a module of this package, from its file
+    loader = Path(module.origin).read_bytes()
     digest = hashlib.sha256(json.dumps([text, rendered, importlib.metadata.version("transformers")]).encode() + loader)
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):

@@ -44,7 +44,7 @@ def cuda_builds_beside_cpu_torch(versions: dict[str, str | None]) -> list[str]:
     return [
         name
         for name in CUDA_ONLY_BESIDE_CPU_TORCH
-        if versions.get(name) and (name == "triton" or not versions[name].endswith("+cpu"))
+        if (version := versions.get(name)) and (name == "triton" or not version.endswith("+cpu"))
     ]
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlpipe.preflight.probe import PROBE_S, CheckFailed, within
 from rlpipe.spec import RunSpec
@@ -100,6 +101,7 @@ def check_model_registry(spec: RunSpec) -> str:
     from rlpipe.tracking.kubeflow_registry import KEY, RegistryError, connect
 
     settings = spec.tracking.model_registry
+    assert settings is not None  # checked only when tracking.model_registry is set (run_checks)
     where = f"{settings.server_address}" + (f" port {settings.port}" if settings.port else "")
     try:
         within(PROBE_S, lambda: connect(settings))
@@ -146,11 +148,13 @@ def tracking_store_problem(uri: str) -> str | None:
 
     try:
         url = _database_url(uri)
+        assert url is not None  # a database URI, and SQLAlchemy is installed (both checked above)
         dialect = url.get_dialect()
     except ArgumentError as err:  # a malformed URL, or a driver name SQLAlchemy has no dialect for
         backend = _scheme(uri).split("+", 1)[0]
         return f"tracking.uri {uri}: SQLAlchemy cannot read it ({err}); the form is {backend}[+DRIVER]://..."
-    import_driver = getattr(dialect, "import_dbapi", None) or dialect.dbapi  # SQLAlchemy 2, 1.4
+    # SQLAlchemy 2's import_dbapi, 1.4's dbapi (a classmethod there; SQLAlchemy 2's types say the module)
+    import_driver: Callable[[], Any] = getattr(dialect, "import_dbapi", None) or getattr(dialect, "dbapi")
     try:
         import_driver()
     except ImportError as err:

@@ -30,7 +30,7 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -102,7 +102,9 @@ def reward_label(entry: str | dict[str, Any], name: str) -> str:
     return entry if isinstance(entry, str) else f"{name} ({{type: {entry.get('type')}}})"
 
 
-def call_with_timeout(fn: RewardFunction, args: tuple, kwargs: dict, timeout_s: float | None, label: str) -> Any:
+def call_with_timeout(
+    fn: RewardFunction, args: tuple, kwargs: Mapping[str, Any], timeout_s: float | None, label: str
+) -> Any:
     """fn(*args, **kwargs), awaited when it is async, in a thread given `timeout_s` seconds. A call
     past its time raises TimeoutError (the thread is left behind: Python cannot stop it)."""
     outcome: dict[str, Any] = {}
@@ -134,7 +136,7 @@ def call_reward(
     entry: str | dict[str, Any],
     prompts: Sequence[str],
     completions: Sequence[str],
-    columns: dict[str, Sequence[Any]],
+    columns: Mapping[str, Sequence[Any]],
     key: str,
     timeout_s: float | None = None,
     loaded: tuple[str, RewardFunction] | None = None,

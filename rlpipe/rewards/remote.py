@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
-from rlpipe.rewards.shaping import options_of
+from rlpipe.rewards.shaping import OptionKinds, options_of
 
 # per-token lists a scoring service has no use for; `columns` sends them when named
 NOT_SENT = ("prompt_token_ids", "completion_token_ids", "logprobs")
@@ -38,7 +38,7 @@ def post_batch(url: str, payload: dict, timeout_s: float, retries: int, headers:
 
 
 def remote_reward(options: dict[str, Any], key: str) -> RewardFunction:
-    allowed = {
+    allowed: dict[str, OptionKinds] = {
         "url": str,
         "batch_size": int,
         "timeout_s": (int, float),

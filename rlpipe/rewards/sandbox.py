@@ -35,7 +35,7 @@ from typing import Any
 
 from rlpipe.rewards.registry import RewardError, RewardFunction, Rewards, register_reward_type
 from rlpipe.rewards.sandbox_guard import MEMORY_EXIT
-from rlpipe.rewards.shaping import options_of
+from rlpipe.rewards.shaping import OptionKinds, options_of
 
 GUARD = Path(__file__).with_name("sandbox_guard.py")
 FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -155,7 +155,7 @@ def score_program(completion: str, tests: Any, limits: Limits, partial: bool) ->
 
 
 def code_sandbox(options: dict[str, Any], key: str) -> RewardFunction:
-    allowed = {
+    allowed: dict[str, OptionKinds] = {
         "tests_column": str,
         "timeout_s": (int, float),
         "cpu_s": int,

@@ -7,12 +7,18 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
 
+# what an option may be: one type, or any of a tuple of them (isinstance's second argument)
+OptionKinds = type | tuple[type, ...]
 
-def options_of(options: dict[str, Any], allowed: dict[str, type], required: tuple[str, ...], key: str, kind: str):
+
+def options_of(
+    options: dict[str, Any], allowed: Mapping[str, OptionKinds], required: tuple[str, ...], key: str, kind: str
+) -> dict[str, Any]:
     """`options` checked against the names and types a reward type takes; RewardError otherwise."""
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -21,7 +27,8 @@ def options_of(options: dict[str, Any], allowed: dict[str, type], required: tupl
         if name not in options:
             raise RewardError(f"{key}: {kind} needs `{name}`")
     for name, value in options.items():
-        kinds = allowed[name] if isinstance(allowed[name], tuple) else (allowed[name],)
+        allowed_kinds = allowed[name]
+        kinds = allowed_kinds if isinstance(allowed_kinds, tuple) else (allowed_kinds,)
         if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
             raise RewardError(f"{key}: {kind} option {name} must be {' or '.join(k.__name__ for k in kinds)}")
     return options

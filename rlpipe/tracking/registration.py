@@ -139,7 +139,9 @@ def kubeflow_records(spec: RunSpec, run_root: str, run_id: str) -> list[dict[str
             published = read_weight_ref(run_root, version)
         except FileNotFoundError:  # pruned before registration was asked for: MLflow skips it too
             continue
-        source = registry_source(spec, published["uri"], spec.tracking.model_registry.server_address)
+        registry = spec.tracking.model_registry
+        assert registry is not None  # records are made only for a set tracking.model_registry (mlflow_runs)
+        source = registry_source(spec, published["uri"], registry.server_address)
         metadata = {
             RUN_TAG: state["run_uid"],
             "rlpipe.run_name": spec.name,

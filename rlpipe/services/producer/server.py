@@ -145,7 +145,8 @@ class LatestVersion:
 
         if self.held == weights:
             return
-        if self.model is None or not advance_in_place(self.model, self.held, weights, self.cache_root):
+        held = self.held  # None exactly while no model is loaded
+        if self.model is None or held is None or not advance_in_place(self.model, held, weights, self.cache_root):
             trainer = self.spec.trainer
             self.model, self.tokenizer = load_weights(weights, self.cache_root, trainer.threads, trainer.device)
             self.model.eval()
@@ -194,6 +195,7 @@ def produce(spec: RunSpec, run_root: str, cache_root: str, stop: Event, status: 
         if latest is not None:
             if latest.version < weights["version"]:  # a partial rollout may have loaded a newer one already
                 latest.load(weights)
+            assert latest.held is not None  # loaded above, or for an earlier batch (its version is >= 0)
             weights, loaded = latest.held, latest.loaded_model()
         sample_to_buffer(spec, run_root, weights, todo, slices, cache_root, loaded)
         status["busy_s"], status["busy_since"] = status.get("busy_s", 0.0) + time.time() - started, None
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     # The producer works ahead, with slack: on a machine it shares with the trainer and the steps, it
     # yields the cores to them (their work is the iteration's critical path).
     os.nice(NICENESS)
-    spec = parse_spec(read_json(args.spec or join(args.run_root, "spec.json")))
+    data: Any = read_json(args.spec or join(args.run_root, "spec.json"))  # None (no file): parse_spec says so
+    spec = parse_spec(data)
     cache_root = args.cache_root or cache_root_for(spec.storage.root, spec.storage.cache)
     status: dict[str, Any] = {"busy_s": 0.0, "groups_written": 0, "version": None}
     stop = threading.Event()

@@ -101,6 +101,7 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
         lora_rank = spec.model.lora.rank if spec.model.lora else None
         version = latest_version(run_root)
+        assert version is not None  # LocalServers spawns a server once the weight store has one (wait_for_weights)
         model_dir, lora_flags, lora_env = served_model(run_root, version, lora_rank, serves_adapters(spec))
         env = SERVER_ENV | lora_env
         extra = [*lora_flags, *spec.samplers.extra_args]
