@@ -40,7 +40,7 @@ def run_step(step: str, spec: RunSpec, run_root: str) -> str:
         loop.sync_weights(spec, run_root, staged, 0, metrics)
         return "published v0"
     if step == "track":
-        from rlpipe.run.tracking import flush
+        from rlpipe.tracking.mlflow_runs import flush
 
         done = flush(spec, run_root)
         return (

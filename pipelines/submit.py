@@ -6,7 +6,7 @@ no-op once the loop is done, so a recurring run keeps the RL loop going with no 
 KFP 2.17's MLflow integration (KEP-12862) files each pipeline run's MLflow run under the experiment
 the run or recurring run names in `plugins_input.mlflow.experiment_name`; both are sent with the
 spec's tracking.experiment, so the pipeline runs land beside the RL run that rlpipe tracks
-(rlpipe.run.tracking). kfp 2.17's Client has no parameter for plugins_input, so the run body is built
+(rlpipe.tracking.mlflow_runs). kfp 2.17's Client has no parameter for plugins_input, so the run body is built
 here as Client.run_pipeline / create_recurring_run build it (their job config), plugins_input added.
 """
 

@@ -120,7 +120,12 @@ def generate(
         return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
     from rlpipe.engines import generate_rollouts
 
-    metrics = generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+    metrics = {}
+    if spec.rollout.engine == "sampler":  # a replica that restarted since sync_weights catches up first
+        from rlpipe.services.samplers.client import serve_version
+
+        metrics = serve_version(spec, run_root, weights)
+    metrics |= generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
     if spec.loop.max_staleness:  # the DAG-offset form: v(N-1-s) .. v(N-1) sample iteration N
         metrics[STALENESS_MEAN] = metrics[STALENESS_MAX] = float(iteration - 1 - weights["version"])
     return metrics

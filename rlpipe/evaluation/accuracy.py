@@ -41,7 +41,7 @@ def greedy_texts(
     """Greedy-decode every row's prompt: (the completions, None), or with an environment its greedy
     multi-turn trajectories (the last turns' texts, the trajectories)."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import sample_trajectories, sample_with
+    from rlpipe.engines.torch_engine import complete, sample_trajectories
 
     was_training = model.training
     model.eval()
@@ -51,7 +51,7 @@ def greedy_texts(
             trajectories = sample_trajectories(loaded, rows, sampling, 0, environment, greedy=True)
             return [t.final_text for t in trajectories], trajectories
         prompts = [list(row["prompt_token_ids"]) for row in rows]
-        completions = sample_with(loaded, prompts, sampling, generator=None, greedy=True)
+        completions = complete(loaded, prompts, sampling, generator=None, greedy=True)
         return tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True), None
     finally:
         model.train(was_training)
@@ -164,7 +164,7 @@ def sampled_metrics(completions: list[list[str]], scores: list[list[float]], pre
 def sampled_texts(model, tokenizer, rows: list[dict], k: int, spec: RunSpec, seed: int) -> list[list[str]]:
     """k completions of each row sampled at evaluation.temperature (multi-turn: the last turns' texts)."""
     from rlpipe.engines import LoadedModel, Sampling
-    from rlpipe.engines.torch_engine import sample_groups, sample_trajectories
+    from rlpipe.engines.torch_engine import complete_groups, sample_trajectories
 
     sampling = Sampling(
         k,
@@ -182,7 +182,7 @@ def sampled_texts(model, tokenizer, rows: list[dict], k: int, spec: RunSpec, see
             texts = [t.final_text for t in trajectories]
         else:
             prompts = [list(row["prompt_token_ids"]) for row in rows]
-            completions = sample_groups(LoadedModel(model, tokenizer), prompts, sampling, seed)
+            completions = complete_groups(LoadedModel(model, tokenizer), prompts, sampling, seed)
             texts = tokenizer.batch_decode(completions.token_ids, skip_special_tokens=True)
     finally:
         model.train(was_training)
