@@ -15,7 +15,7 @@ from tokenizers.processors import TemplateProcessing
 
 from rlpipe.data import prepared_rows
 from rlpipe.engines import LoadedModel, Sampling
-from rlpipe.engines.torch_engine import sample, sample_groups
+from rlpipe.engines.torch_engine import complete_groups, hf_decode
 from rlpipe.evaluation.accuracy import greedy_texts
 from rlpipe.models.files import char_tokenizer, load_prompt_tokenizer, resolve_model_source
 from rlpipe.models.gguf import CONVERSION
@@ -174,11 +174,11 @@ def test_the_torch_engine_stops_at_every_end_id_of_the_generation_config():
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id  # the demo's: nothing else ends
     options = {"max_new_tokens": 6, "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
     prompt = [tokenizer("12+34=").input_ids]
-    free = sample(model, prompt, greedy=True, **options)
+    free = hf_decode(model, prompt, greedy=True, **options)
     first = free.token_ids[0][0]
     assert first != tokenizer.eos_token_id and free.token_ids[0] != [first]
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, first]  # an end of turn besides eos
-    stopped = sample_groups(LoadedModel(model, tokenizer), prompt, Sampling(1, 6, temperature=1e-6), seed=0)
+    stopped = complete_groups(LoadedModel(model, tokenizer), prompt, Sampling(1, 6, temperature=1e-6), seed=0)
     assert stopped.token_ids == [[first]] and stopped.finish_reasons == ["stop"]
     greedy, _ = greedy_texts(model, tokenizer, [{"prompt_token_ids": prompt[0]}], 6, batch_size=1)
     assert greedy == [tokenizer.decode([first], skip_special_tokens=True)]
