@@ -124,7 +124,7 @@ def publish_and_reload(run_root: Path, model_dir: Path, url: str, version: int) 
     staged = staging_uri(str(run_root), version)
     shutil.copytree(model_dir, staged)  # stands in for save_pretrained, timed separately
     copied = time.time()
-    ref = publish(str(run_root), seal(staged, version, version, version - 1))
+    ref = publish(str(run_root), seal(staged, version, version, version - 1)).ref
     published = time.time()
     reload_s = reload_replica(url, ref["uri"], version, 600)
     return {"write_s": copied - t, "seal_and_publish_s": published - copied, "reload_s": reload_s}

@@ -216,14 +216,14 @@ def publish_and_commit(
     """v(N+1) published, metrics/iter_N.json written, state.json committed at iteration N."""
     from rlpipe.store.commit import commit_iteration
     from rlpipe.store.run_root import iteration_metrics_uri, write_json
-    from rlpipe.store.weights import publish, weights_bytes
+    from rlpipe.store.weights import publish
 
     started = time.time()
-    published = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
+    published, weight_bytes = publish(run_root, staged)  # verified, moved to weights/v(N+1), then LATEST
     metrics: dict[str, float] = {}
     for each in step_metrics:
         metrics |= each
-    metrics["sync/bytes"] = float(weights_bytes(published["uri"]))  # an adapter's, or all weights
+    metrics["sync/bytes"] = float(weight_bytes)  # an adapter's, or all weights
     if spec.rollout.engine == "sampler" and not spec.loop.max_staleness:  # asynchronous: the producer pulls it
         from rlpipe.services.samplers.client import reload_samplers
 

@@ -81,7 +81,7 @@ def test_weight_store_publishes_on_gs(gcs, tmp_path: Path):
     (tmp_path / "v").mkdir()
     (tmp_path / "v" / "model.safetensors").write_bytes(os.urandom(1 << 16))
     gcs.put(str(tmp_path / "v") + "/", staged.removeprefix("gs://"), recursive=True)
-    ref = ws.publish(run_root, ws.seal(staged, 1, 1, 0))
+    ref = ws.publish(run_root, ws.seal(staged, 1, 1, 0)).ref
     assert ws.latest_version(run_root) == 1
     assert ws.read_weight_ref(run_root, 1) == ref
     local = ws.local_path(ref, tmp_path / "cache")

@@ -13,6 +13,7 @@ from .conftest import REPO
 
 WEIGHTS_MODULE = str(REPO / "rlpipe" / "store" / "weights.py")
 HOUSEKEEPING = {"prune", "prune_optimizer_states"}  # prune_store's: versions and files, never the reference
+KL_REFERENCE = "load_reference"  # the trainer's frozen v0 for the KL term: another version than the one followed
 
 
 def traced_iteration(spec, run_root: str, cache: str, work: Path) -> tuple[Counter, set[str]]:
@@ -35,13 +36,14 @@ def traced_iteration(spec, run_root: str, cache: str, work: Path) -> tuple[Count
         ran.add(frame.f_code.co_filename)
         if frame.f_code.co_filename != WEIGHTS_MODULE:
             return
-        stack, below = [], frame.f_back
+        stack, callers, below = [], [], frame.f_back
         while below is not None:
             stack.append(below.f_code.co_filename.removeprefix(rlpipe_root))
+            callers.append(below.f_code.co_name)
             below = below.f_back
         if WEIGHTS_MODULE.removeprefix(rlpipe_root) not in stack:
             trainer = any(name.startswith("training/") for name in stack)
-            entries[(frame.f_code.co_name, stack[0] if stack else "?", trainer)] += 1
+            entries[(frame.f_code.co_name, stack[0] if stack else "?", trainer, KL_REFERENCE in callers)] += 1
 
     work.mkdir(parents=True, exist_ok=True)
     sys.setprofile(record)
@@ -55,18 +57,19 @@ def traced_iteration(spec, run_root: str, cache: str, work: Path) -> tuple[Count
 
 
 def test_one_iteration_enters_the_weight_store_once_per_need(initialized_run, tmp_path: Path):
-    """Following the weights reference through one GRPO iteration: generate loads v(N) (the engine takes
-    the reference, models.loading its files), the update's session opens v(N) and the reference v0 and
-    writes v(N+1), sync_weights publishes it (and reads its size); each is one entry, the trainer's three.
-    Before the session (one door) the trainer entered 7 times, the iteration 11 (15 with pruning); now 3, 7
-    (11). One iteration ran 40 rlpipe files (7,786 lines) before, 42 (7,663) after."""
+    """Following the weights reference through one GRPO iteration enters store/weights.py 4 times, once per
+    need: generate loads v(N)'s files (models.loading), the update's session opens v(N) and writes v(N+1),
+    sync_weights publishes it (and learns its size from the same call). The session also opens the frozen
+    reference v0 for the KL term (a fifth entry, for another version). At a6f62e0, before the session: the
+    iteration entered 11 times (15 with pruning), the trainer 7; one iteration ran 40 rlpipe files (7,786
+    lines)."""
     spec, run_root, cache = initialized_run
     entries, files = traced_iteration(spec, run_root, cache, tmp_path / "work")
-    following = Counter({key: n for key, n in entries.items() if key[0] not in HOUSEKEEPING})
-    by_trainer = sum(n for (_, _, trainer), n in following.items() if trainer)
-    assert by_trainer <= 3, following
-    assert max(following.values()) <= 2, following  # v(N)'s files: once for sampling, once for training
-    assert sum(following.values()) <= 7, following
+    needs = Counter({key: n for key, n in entries.items() if key[0] not in HOUSEKEEPING})
+    following = Counter({key: n for key, n in needs.items() if not key[3]})
+    assert sum(following.values()) <= 4, following
+    assert sum(needs.values()) - sum(following.values()) <= 1, needs  # the KL reference, once
+    assert sum(n for (_, _, trainer, _), n in needs.items() if trainer) <= 3, needs
     lines = sum(len(Path(name).read_text().splitlines()) for name in files)
     assert len(files) <= 44 and lines <= 8_100, (len(files), lines)
 

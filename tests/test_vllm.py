@@ -91,7 +91,7 @@ def publish_random_version(run, version: int, seed: int) -> dict:
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(spec.model.tiny, tokenizer, seed)
     staged = stage_pretrained(run_root, version, model, tokenizer, cache)
-    return publish(run_root, seal(staged, version, version, version - 1))
+    return publish(run_root, seal(staged, version, version, version - 1)).ref
 
 
 def torch_greedy(weights_dir: str, prompt_ids: list[int], tokens: int) -> list[int]:
@@ -361,7 +361,7 @@ def publish_serving_versions(run, first: int) -> tuple[dict, dict]:
         else:
             staged = stage_delta(run_root, version, model.config, tokenizer, encode_delta(parent, tensors), cache)
         contents["delta_of"] = version - 1 if parent is not None else None
-        refs.append(publish(run_root, seal(staged, version, version, version - 1, contents)))
+        refs.append(publish(run_root, seal(staged, version, version, version - 1, contents)).ref)
         parent = tensors
         with torch.no_grad():
             for p in model.parameters():

@@ -59,7 +59,7 @@ def publish_random_adapter(run, version: int, seed: int) -> dict:
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
     staged = stage_pretrained(run_root, version, adapted, tokenizer, cache, base=base)
-    return publish(run_root, seal(staged, version, version, version - 1))
+    return publish(run_root, seal(staged, version, version, version - 1)).ref
 
 
 def merged_logprobs(run, version: int, rows: list[dict]) -> list[torch.Tensor]:

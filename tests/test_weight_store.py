@@ -20,7 +20,7 @@ def _stage(run_root: str, version: int, size_mb: int = 4) -> ws.WeightRef:
 
 def test_publish_moves_latest_last_and_verifies(tmp_path: Path):
     root = str(tmp_path / "run")
-    ref = ws.publish(root, _stage(root, 0, 1))
+    ref = ws.publish(root, _stage(root, 0, 1)).ref
     assert ws.latest_version(root) == 0
     assert ws.read_weight_ref(root, 0) == ref
     assert not any(Path(root, "weights", ".staging").iterdir())  # staged dir moved, not copied
@@ -71,15 +71,15 @@ def test_tampered_staging_is_rejected_and_nothing_moves(tmp_path: Path):
 
 def test_publish_replaces_a_leftover_uncommitted_version(tmp_path: Path):
     root = str(tmp_path / "run")
-    first = ws.publish(root, _stage(root, 1, 1))
-    second = ws.publish(root, _stage(root, 1, 1))  # a rerun of the same iteration after a kill
+    first = ws.publish(root, _stage(root, 1, 1)).ref
+    second = ws.publish(root, _stage(root, 1, 1)).ref  # a rerun of the same iteration after a kill
     assert first["sha256"] != second["sha256"]
     assert ws.read_weight_ref(root, 1) == second
 
 
 def test_refs_survive_kfp_float_conversion_and_mismatch_is_caught(tmp_path: Path):
     root = str(tmp_path / "run")
-    ref = ws.publish(root, _stage(root, 0, 1))
+    ref = ws.publish(root, _stage(root, 0, 1)).ref
     floated = json.loads(json.dumps({**ref, "version": 0.0}))
     assert ws.as_weight_ref(floated)["version"] == 0
     with pytest.raises(ValueError, match="handed version"):
@@ -109,7 +109,7 @@ def test_remote_store_through_fsspec_memory(tmp_path: Path):
     (local_staged / "model.safetensors").write_bytes(b"weights")
     staged_uri = ws.staging_uri("memory://bucket/run", 3)
     memory.put(str(local_staged) + "/", staged_uri.removeprefix("memory://"), recursive=True)
-    ref = ws.publish("memory://bucket/run", ws.seal(staged_uri, 3, 3, 2))
+    ref = ws.publish("memory://bucket/run", ws.seal(staged_uri, 3, 3, 2)).ref
     assert ws.latest_version("memory://bucket/run") == 3
     local = ws.local_path(ref, tmp_path / "cache")
     assert Path(local, "model.safetensors").read_bytes() == b"weights"

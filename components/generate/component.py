@@ -25,7 +25,9 @@ def generate(
 
     run_spec, values = start("generate", spec, entered)
     from rlpipe import loop
+    from rlpipe.store.weights import as_weight_ref  # KFP hands the version over as a float
 
+    weights = as_weight_ref(weights)
     values |= loop.generate(run_spec, run_root, weights, iteration + ahead, rollouts.path, run_spec.cache_root)
     finish(metrics, values)
     return (values, entered)

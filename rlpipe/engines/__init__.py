@@ -30,7 +30,7 @@ from rlpipe.rollouts import (
     write_table,
 )
 from rlpipe.store.run_root import data_uri
-from rlpipe.store.weights import WeightRef, as_weight_ref
+from rlpipe.store.weights import WeightRef
 
 if TYPE_CHECKING:
     from rlpipe.environments import Codec, Trajectory
@@ -160,7 +160,6 @@ def generate_rollouts(
     `loaded`: sample with a model already in memory at `weights` (torch engine; the resident
     trainer's)."""
     t0 = time.time()
-    weights = as_weight_ref(weights)
     table = read_train_rows(run_root)
     from rlpipe.data.order import iteration_prompts
 

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from rlpipe.store.run_root import atomic_write_text, filesystem, is_local, join, move, optimizer_dir
 
@@ -197,7 +197,12 @@ def seal(uri: str, version: int, iteration: int, parent: int | None, contents: d
     return {"uri": uri, "version": version, "sha256": sha}
 
 
-def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> WeightRef:
+class Published(NamedTuple):
+    ref: WeightRef  # v{N} in the store
+    weight_bytes: int  # its weight files' (safetensors): what a sampler loading it reads
+
+
+def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> Published:
     """Verify a staged version and make it v{N}; move LATEST last. Idempotent per version."""
     staged = as_weight_ref(staged)
     version = staged["version"]
@@ -213,7 +218,7 @@ def publish(run_root: str, staged: WeightRef, lineage: str = "policy") -> Weight
         fs.rm(final_path, recursive=True)
     move(staged["uri"], final)
     atomic_write_text(join(weights_root(run_root, lineage), "LATEST"), version_name(version))
-    return {"uri": final, "version": version, "sha256": sha}
+    return Published({"uri": final, "version": version, "sha256": sha}, weights_bytes(final))
 
 
 def read_manifest(uri: str) -> dict:

@@ -186,7 +186,7 @@ def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | No
             if not is_local(staged):
                 fs.put(local.rstrip("/") + "/", staged_path, recursive=True)
         sealed = seal(staged, version=new_version, iteration=iteration, parent=critic.version)
-        published = publish(run_root, sealed, "critic")
+        published = publish(run_root, sealed, "critic").ref
         final_opt = optimizer_uri(run_root, new_version, "critic")
         fs, tmp_path = filesystem(final_opt + ".tmp")
         fs.makedirs(tmp_path.rsplit("/", 1)[0], exist_ok=True)
