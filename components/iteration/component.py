@@ -33,7 +33,9 @@ def iteration(
 
     run_spec, overhead = start("iteration", spec, entered)
     from rlpipe import loop
+    from rlpipe.store.weights import as_weight_ref  # KFP hands the version over as a float
 
+    weights = as_weight_ref(weights)
     with tempfile.TemporaryDirectory() as work:
         published, values = loop.run_iteration(
             run_spec, run_root, weights, iteration, work, run_spec.cache_root, started_at=entered

@@ -23,7 +23,9 @@ def values(
 
     run_spec, step_metrics = start("values", spec, entered)
     from rlpipe import loop
+    from rlpipe.store.weights import as_weight_ref  # KFP hands the version over as a float
 
+    weights = as_weight_ref(weights)
     step_metrics |= loop.values(run_spec, run_root, weights, iteration, scored.path, valued.path, run_spec.cache_root)
     finish(metrics, step_metrics)
     return (step_metrics,)
