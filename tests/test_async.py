@@ -25,7 +25,7 @@ from rlpipe.algorithms.policy_gradient import behaviour_weights, clipped_policy_
 from rlpipe.spec import parse_spec
 
 from .conftest import RLPIPE, tiny_spec_dict
-from .test_local_run import _check_consistent
+from .test_local_runner import _check_consistent
 
 
 def _log(*p: float) -> torch.Tensor:

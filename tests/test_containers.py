@@ -254,8 +254,8 @@ def test_run_in_containers_matches_processes(images, shared_dir):
 
 def test_run_in_containers_killed_resumes(images, shared_dir):
     """SIGKILL of the driver after its first commit leaves its step and trainer containers running; the
-    same command removes them and resumes to a consistent run root (as tests/test_local_run.py's kills)."""
-    from .test_local_run import _check_consistent
+    same command removes them and resumes to a consistent run root (as tests/test_local_runner.py's kills)."""
+    from .test_local_runner import _check_consistent
 
     spec = write_spec(
         shared_dir,

@@ -93,7 +93,7 @@ def test_the_harness_runs_offline_with_the_eval_and_its_score_lands_in_mlflow_th
     assert gate_passed(parse_spec(data), measured) == f"harness/rlpipe_doubles/exact_match {score:.4g} >= {score:g}"
 
     # outside the loop, on a chosen version: `rlpipe harness RUN --version N`
-    from .test_local_run import _rlpipe
+    from .test_local_runner import _rlpipe
 
     client.delete_model_version_tag("tiny", registered.version, "harness/rlpipe_doubles/exact_match")
     result = _rlpipe("harness", run_root, "--version", "0")

@@ -21,7 +21,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from .conftest import tiny_spec_dict
-from .test_local_run import _rlpipe
+from .test_local_runner import _rlpipe
 
 
 @pytest.fixture(scope="module")

@@ -176,7 +176,7 @@ def test_ppo_on_the_resident_trainer_matches_the_per_step_processes(tmp_path: Pa
 def test_ppo_loop_on_the_kfp_local_runner(tmp_path: Path):
     """`rlpipe run` with algorithm ppo: the DAG has the values step between score and advantages,
     the run completes consistently, and the critic's metrics reach MLflow."""
-    from .test_local_run import _check_consistent, _mlflow_steps, _rlpipe, _write_spec
+    from .test_local_runner import _check_consistent, _mlflow_steps, _rlpipe, _write_spec
 
     spec = _write_spec(tmp_path, algorithm=PPO, loop={"iterations": 2, "iterations_per_run": 2, "eval_every": 2})
     run_dir = tmp_path / "run"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from rlpipe.spec import SpecError, parse_spec
 
 from .conftest import tiny_spec_dict
-from .test_local_run import _check_consistent, _rlpipe
+from .test_local_runner import _check_consistent, _rlpipe
 
 
 def test_stop_when_reads_a_metric_comparison():

@@ -426,7 +426,7 @@ def test_rlpipe_run_with_the_sampler_service(tmp_path: Path):
     stopped when `rlpipe run` exits."""
     import json
 
-    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+    from .test_local_runner import _check_consistent, _rlpipe, _write_spec
 
     spec = _write_spec(tmp_path, rollout={"engine": "sampler"}, samplers={"replicas": 2})
     run_dir = tmp_path / "run"
@@ -449,7 +449,7 @@ def test_rlpipe_run_on_samplers_learns_the_same_with_delta_versions(tmp_path: Pa
     """bf16 serving-copy versions through the sampler service, stored whole every version and as deltas
     (full_every 3): the replicas apply the deltas, and the two runs sample the same rollouts, seal the
     same weights and evaluate the same, iteration for iteration."""
-    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+    from .test_local_runner import _check_consistent, _rlpipe, _write_spec
 
     runs = {}
     for full_every in (1, 3):

@@ -236,7 +236,7 @@ def test_the_loop_runs_with_lora_on_the_vllm_engine(tmp_path: Path):
 def test_rlpipe_run_with_lora_samplers(tmp_path: Path):
     """The whole loop on kfp.local with model.lora and a local sampler: started on the base, each
     version's adapter merged into it in place by sync_weights (sync/bytes: the adapter's)."""
-    from .test_local_run import _check_consistent, _rlpipe, _write_spec
+    from .test_local_runner import _check_consistent, _rlpipe, _write_spec
 
     spec = _write_spec(tmp_path, model={"lora": LORA}, rollout={"engine": "sampler"}, samplers={"replicas": 1})
     run_dir = tmp_path / "run"
