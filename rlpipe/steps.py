@@ -60,7 +60,7 @@ STEPS: tuple[Step, ...] = (
          torch=False, run_root=False, computes_with=("rlpipe.algorithms",), inputs=("scored",), outputs=("batch",),
          reports=("rollout_samples",)),
     Step("update", "train v(N) on the batch; stage v(N+1)", "iteration", "rlpipe.loop:update",
-         torch=True, run_root=True, computes_with=("rlpipe.training.trainer",), inputs=("batch",)),
+         torch=True, run_root=True, computes_with=("rlpipe.training.session",), inputs=("batch",)),
     Step("sync_weights", "publish v(N+1), record the iteration's metrics, commit state.json", "iteration",
          "rlpipe.loop:sync_weights", torch=False, run_root=True, computes_with=("rlpipe.store.commit",),
          reports=("time_breakdown",), merges=("generate", "score", "values", "advantages", "update")),
@@ -89,6 +89,15 @@ ITERATION_STEPS = tuple(step.name for step in STEPS if step.phase == "iteration"
 # evaluate runs after sync_weights only when an eval is due; the rest run every iteration, in order
 EVERY_ITERATION = tuple(name for name in ITERATION_STEPS if name != "evaluate")
 FUSED = next(step.name for step in STEPS if step.phase == "fused")  # all of an iteration in one task
+
+
+def check_secret_steps(spec: RunSpec) -> None:
+    """ValueError when cluster.secrets gives a secret to a step that is not one (pre-flight and `rlpipe compile`
+    ask, before any step runs)."""
+    for secret in spec.cluster.secrets:
+        unknown = sorted(set(secret.steps or []) - set(STEP_NAMES))
+        if unknown:
+            raise ValueError(f"cluster.secrets steps {unknown} are not steps; allowed: {', '.join(STEP_NAMES)}")
 
 
 def iteration_steps(spec: RunSpec) -> tuple[str, ...]:
