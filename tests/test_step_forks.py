@@ -230,7 +230,7 @@ def test_a_spec_whose_steps_compute_with_torch_has_the_server_import_it():
 
     resident = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), trainer={"resident": True})))
     per_step = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), trainer={"resident": False})))
-    torch_steps = {"rlpipe.engines", "rlpipe.training.trainer", "rlpipe.evaluation.accuracy"}
+    torch_steps = {"rlpipe.engines", "rlpipe.training.session", "rlpipe.evaluation.accuracy"}
     assert "rlpipe.services.trainer.client" in resident and not torch_steps & set(resident)
     assert torch_steps <= set(per_step)
     fused = iteration_modules(parse_spec(tiny_spec_dict(Path("/tmp"), loop={"fuse_steps": True})))
