@@ -36,10 +36,8 @@ and a tiny iteration, and writes under runs/smoke/ unless --results-dir says.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -48,47 +46,12 @@ import time
 from pathlib import Path
 
 from gpu import SHAPES, command_arguments  # benchmarks/ is on sys.path when run as a script
+from real_shape import build_model_dir  # a random-init model of the shape, its tokenizer, prompts, reward
 
 from rlpipe.spec import RunSpec, parse_spec
 
 RESULTS = Path(__file__).with_name("results")
 SMOKE_ROOT = Path(__file__).resolve().parents[1] / "runs" / "smoke"
-SPECIAL = ["<|endoftext|>", "<|im_end|>", "<unk>"]  # pad, eos, unk: ids 0, 1, 2
-
-
-def random_words(rng: random.Random, n: int, words: int = 64, vocab: int = 151936) -> list[dict]:
-    """Data generator (data.generator 'iteration_at_scale:random_words'): prompts of random words."""
-    return [
-        {"prompt": " ".join(f"w{rng.randrange(len(SPECIAL), vocab)}" for _ in range(words)), "answer": ""}
-        for _ in range(n)
-    ]
-
-
-def stand_in_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """1 or 0 by the completion text's hash: varied rewards, so advantages are not all zero."""
-    return [float(hashlib.sha256(c.encode()).digest()[0] & 1) for c in completions]
-
-
-def build_model_dir(shape: str, out: Path) -> int:
-    """A random-init model of `shape` with a word-level tokenizer covering its vocabulary, saved as an
-    HF model directory (what model.path points at). Returns its parameter count."""
-    import torch
-    from gpu import model_config
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    config = model_config(shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), config.vocab_size)}
-    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return model.num_parameters()
 
 
 VARIANTS = {  # --compare: the same iteration under each
@@ -115,12 +78,12 @@ def spec_for(args: argparse.Namespace, model_dir: Path, root: Path, lora: bool) 
             "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if lora else None,
         },
         "data": {
-            "generator": "iteration_at_scale:random_words",
+            "generator": "real_shape:random_words",
             "options": {"words": args.prompt_tokens, "vocab": vocab},
             "train_size": args.prompts,
             "eval_size": 8,
         },
-        "reward": {"functions": ["iteration_at_scale:stand_in_reward"]},
+        "reward": {"functions": ["real_shape:stand_in_reward"]},
         "rollout": {
             "engine": "torch",
             "prompts_per_iteration": args.prompts,
