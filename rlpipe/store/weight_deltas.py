@@ -59,7 +59,9 @@ def tensor_entry(name: str, tensor: torch.Tensor) -> str:
     where they lie (no copy)."""
     tensor = tensor.detach().contiguous().cpu()
     data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-    return f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0{hashlib.sha256(data).hexdigest()}\n"
+    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; it is a buffer on 3.11 too
+    digest = hashlib.sha256(data).hexdigest()  # type: ignore[arg-type]
+    return f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0{digest}\n"
 
 
 def combined_sha256(entries: Iterable[str]) -> str:
@@ -94,7 +96,9 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], file: BinaryIO, metad
     file.write(struct.pack("<Q", len(encoded)) + encoded)
     for tensor in tensors.values():
         if tensor.numel():
-            file.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; it is a buffer on 3.11 too
+            file.write(memoryview(data))  # type: ignore[arg-type]
 
 
 class StoredTensors(Mapping):
@@ -104,7 +108,7 @@ class StoredTensors(Mapping):
     def __init__(self, directory: str | Path) -> None:
         from safetensors import safe_open
 
-        self.files = {}
+        self.files: dict[str, Path] = {}
         for file in sorted(Path(directory).glob("*.safetensors")):
             with safe_open(file, "pt") as opened:
                 self.files |= dict.fromkeys(opened.keys(), file)

@@ -26,7 +26,7 @@ import json
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, TypedDict
 
@@ -41,7 +41,7 @@ class WeightRef(TypedDict):
     sha256: str
 
 
-def as_weight_ref(data: dict) -> WeightRef:
+def as_weight_ref(data: Mapping[str, Any]) -> WeightRef:
     """A WeightRef from a dict that crossed KFP (protobuf Struct turns ints into floats)."""
     try:
         return {"uri": str(data["uri"]), "version": int(data["version"]), "sha256": str(data["sha256"])}
@@ -446,7 +446,7 @@ def prune_optimizer_states(run_root: str, current: int, lineage: str = "policy")
             fs.rm(join(optimizer_dir(run_root, lineage), name))
 
 
-def advance_in_place(model: Any, current: dict, new: dict, cache_dir: str | Path) -> bool:
+def advance_in_place(model: Any, current: WeightRef, new: WeightRef, cache_dir: str | Path) -> bool:
     """Move a model at version `current` (a WeightRef) to `new` by writing in `new`'s delta, when `new`
     is a delta against exactly `current`; the result is checked against `new`'s weights_sha256 (the model's
     weights cast to the version's dtype). False when `new` must be loaded whole instead (not a delta of

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,18 +79,23 @@ class MicroBatch:
     @property
     def tokens(self) -> int:
         """The rows' tokens (prompts and completions)."""
-        return self.input_ids.shape[1] if self.packed else int(self.attention.sum())
+        if self.packed:
+            return self.input_ids.shape[1]
+        assert self.attention is not None  # padded: pack sets the attention mask
+        return int(self.attention.sum())
 
     @property
     def targets(self) -> torch.Tensor:
         """[B, T]: the token each position of the window predicts."""
         if self.packed:
+            assert self.window_index is not None  # packed: packed_layout sets the window index
             return self.input_ids[0, (self.window_index + 1).clamp(max=self.input_ids.shape[1] - 1)]
         return self.input_ids[:, self.start + 1 :]
 
-    def to(self, device: torch.device) -> MicroBatch:
-        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return MicroBatch(**{n: t if t is None or isinstance(t, int) else t.to(device) for n, t in moved.items()})
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields: dict[str, Any] = {n: t if t is None or isinstance(t, int) else t.to(device) for n, t in moved.items()}
+        return MicroBatch(**fields)
 
 
 def pack(rows: list[dict], pad_id: int, packed: bool = False) -> MicroBatch:
@@ -101,6 +107,7 @@ def pack(rows: list[dict], pad_id: int, packed: bool = False) -> MicroBatch:
     completion_mask = torch.zeros((n, t))
     per_token = {name: torch.zeros((n, t)) for column, name in PER_TOKEN.items() if column in rows[0]}
     sequences = [row["prompt_token_ids"] + row["completion_token_ids"] for row in rows]
+    layout: dict[str, Any]  # MicroBatch's layout fields: input_ids, attention (and the packed ones)
     if packed:
         layout = packed_layout(sequences, window_start, t)
     else:

@@ -126,7 +126,8 @@ def sealed_dtype(manifest: dict) -> torch.dtype:
     """The dtype a version stores: its weights_dtype (a serving copy), else the trainer's float32."""
     from rlpipe.store.weight_deltas import WEIGHTS_DTYPES
 
-    return WEIGHTS_DTYPES.get(manifest.get("weights_dtype"), torch.float32)
+    weights_dtype = manifest.get("weights_dtype")  # None: not a serving copy
+    return torch.float32 if weights_dtype is None else WEIGHTS_DTYPES.get(weights_dtype, torch.float32)
 
 
 def save_state(

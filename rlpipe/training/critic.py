@@ -86,7 +86,8 @@ def load_critic(
     else:
         critic_weights = read_weight_ref(run_root, version, "critic")
         model = AutoModelForTokenClassification.from_pretrained(local_path(critic_weights, cache_root))
-    model = model.to(device)
+    # transformers wraps PreTrainedModel.to with functools.wraps(Module.to): mypy then sees an unbound `self`
+    model = model.to(device)  # type: ignore[arg-type]
     model.train(trainable).requires_grad_(trainable)
     if not trainable:
         return Critic(model, None, version)
@@ -96,9 +97,11 @@ def load_critic(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
         shard(model, device)
+    critic_lr = resolve_options(spec).critic_lr
+    assert critic_lr is not None  # a critic's algorithm (PPO) has critic_lr: resolve_options fills it from trainer.lr
     optimizer = torch.optim.AdamW(
         model.parameters(),
-        lr=resolve_options(spec).critic_lr,
+        lr=critic_lr,
         betas=spec.trainer.betas,
         weight_decay=spec.trainer.weight_decay,
     )
@@ -122,6 +125,7 @@ def value_step(
     gradient scaled by `scale` (processes x the micro-batch's share T_j / T of the mini-batch's tokens)."""
     with autocast:
         values = token_values(critic.model, mb)
+    assert mb.old_values is not None and mb.returns is not None  # a critic's rows: the values step's and returns
     terms = value_loss(values, mb.old_values, mb.returns, mb.completion_mask)
     (scale * terms.loss).backward()
     return terms
@@ -171,6 +175,7 @@ def save_critic(critic: Critic, run_root: str, iteration: int) -> WeightRef | No
     """Publish critic v(version + 1) and its optimizer state (the first process writes; with several,
     every process takes part in gathering the shards). The critic now holds that version."""
     rank, processes = world()
+    assert critic.optimizer is not None  # a published critic is a trained one (load_critic trainable)
     if processes > 1:
         model_state = full_model_state(critic.model)
         optimizer_state = full_optimizer_state(critic.model, critic.optimizer)

@@ -14,7 +14,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -85,6 +85,7 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
         return
     from torch.distributed.fsdp import FSDPModule
 
+    assert isinstance(model, FSDPModule)  # is_sharded(model) just said so
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     model.set_reshard_after_forward(False)
     for unit in units:
@@ -106,7 +107,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def all_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+def all_sum(values: dict[str, float], device: torch.device | str) -> dict[str, float]:
     """Each value summed over the processes (unchanged in one process)."""
     if world()[1] == 1:
         return values
@@ -129,7 +130,11 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) state dict on CPU, on every process (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a model's full state dict: whole tensors (full_state_dict gathers DTensors; no optimizer-style nesting)
+    state = cast(
+        dict[str, torch.Tensor],
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )
     # tied weights (lm_head = embed_tokens) come back as separate copies; keep the one named_parameters
     # names, as save_pretrained does for an unsharded model
     kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
@@ -178,7 +183,7 @@ def update_in_processes(
 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-update-") as tmp:
-        request = {
+        request: dict[str, Any] = {
             "spec": spec_to_dict(spec),
             "run_root": run_root,
             "weights": weights,

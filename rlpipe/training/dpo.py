@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from rlpipe.algorithms.dpo import DpoOptions
 from rlpipe.metric_keys import UPDATE_LOAD, UPDATE_TIME
 from rlpipe.models.loading import load_weights
 from rlpipe.rollouts import write_table
@@ -90,6 +91,7 @@ def preference_accuracy(spec: RunSpec, model, tokenizer, pairs: list[dict]) -> d
         )
         for role in ("chosen", "rejected")
     }
+    assert isinstance(spec.algorithm, DpoOptions)  # offline DPO's (dpo_iteration): the spec's algorithm is dpo
     beta = spec.algorithm.beta or 0.1
     right = margin = prefers = 0.0
     for i, pair in enumerate(pairs):

@@ -16,6 +16,7 @@ in one place.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,10 @@ from rlpipe.training.distributed import full_model_state, init_from_torchrun, lo
 from rlpipe.training.sealing import load_masters, seal_new_version, stored_version, stores_serving_copy
 from rlpipe.training.state import Trainer
 from rlpipe.training.trainer import packs_rows, train_on_batch
+
+if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 
 def open_trainer(spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> Trainer:
@@ -83,6 +88,7 @@ def load_checkpoint(
     if spec.trainer.gradient_checkpointing:  # only while training: sampling in eval mode keeps its KV cache
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
+        assert not is_adapted(policy)  # model.lora trains in one process: RunSpec refuses it over several
         shard(policy, policy.device)
     trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the adapters
     optimizer = torch.optim.AdamW(
@@ -101,7 +107,9 @@ def load_checkpoint(
     return trainer
 
 
-def load_reference(spec: RunSpec, run_root: str, cache_root: str, adapted, sharded: bool):
+def load_reference(
+    spec: RunSpec, run_root: str, cache_root: str, adapted: PreTrainedModel | PeftModel | None, sharded: bool
+) -> PreTrainedModel | PeftModel | None:
     """The frozen reference, v0, when the KL is in the loss or tracked, or the loss reads it (online DPO);
     with LoRA the `adapted` policy itself (its adapters disabled: no second copy). v0 is whole weights."""
     wants_reference = spec.algorithm.kl_coef > 0 or spec.algorithm.track_reference_kl
@@ -109,7 +117,8 @@ def load_reference(spec: RunSpec, run_root: str, cache_root: str, adapted, shard
     if not wants_reference or adapted is not None:
         return adapted if wants_reference else None
     reference, _ = load_policy(version_path(run_root, 0, cache_root))
-    reference = reference.to(resolve_device(spec.trainer.device))
+    # mypy reads transformers' functools.wraps(Module.to) as unbound: the device as `self`
+    reference = reference.to(resolve_device(spec.trainer.device))  # type: ignore[arg-type]
     reference.eval().requires_grad_(False)
     if sharded:
         shard(reference, reference.device)
@@ -139,5 +148,6 @@ def save_version(
         shared = [sealed]
         torch.distributed.broadcast_object_list(shared, src=0)
         sealed = shared[0]
+    assert sealed is not None  # the first process sealed it; the others got it by the broadcast
     trainer.weights = sealed
     return sealed

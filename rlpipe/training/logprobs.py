@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from rlpipe.training.batching import MicroBatch, pack, window_column
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 # config fields of heads that do more than hidden @ W^T (Gemma 2's soft-capping, Cohere's and Granite's
@@ -50,6 +51,7 @@ def model_inputs(mb: MicroBatch) -> dict:
         return {"input_ids": mb.input_ids, "attention_mask": mb.attention}
     from rlpipe.training.packed_attention import packed_attention_kwargs
 
+    assert mb.row_ends is not None  # packed: packed_layout sets the row ends
     return {"input_ids": mb.input_ids, "position_ids": mb.positions, **packed_attention_kwargs(mb.row_ends)}
 
 
@@ -59,7 +61,7 @@ def window_of(outputs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     return outputs[0, mb.window_index] if mb.packed else outputs[:, mb.start : -1]
 
 
-def completion_logits(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+def completion_logits(model: PreTrainedModel | PeftModel, mb: MicroBatch) -> torch.Tensor:
     """[B, T, V]: the logits of `mb`'s window (positions start .. L - 2). transformers'
     logits_to_keep applies the LM head (hidden x vocabulary) to the last L - start positions only
     (packed: every position's, then the window's)."""
@@ -69,7 +71,7 @@ def completion_logits(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     return model(**model_inputs(mb), logits_to_keep=keep).logits[:, :-1]
 
 
-def chunks_head_on_hidden(model: PreTrainedModel) -> bool:
+def chunks_head_on_hidden(model: PreTrainedModel | PeftModel) -> bool:
     """Whether the logits are the output embedding applied to the decoder's last hidden state, so that
     they can be computed in chunks from it. Not for heads with a transform (HEAD_TRANSFORMS), nor for
     an FSDP-sharded model, whose root unit gathers the head only inside its own forward."""
@@ -89,7 +91,7 @@ def chunk_logprobs_and_entropy(
 
 
 def completion_logprobs_and_entropy(
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     mb: MicroBatch,
     temperature: float,
     chunk_tokens: int | None,
@@ -111,6 +113,7 @@ def completion_logprobs_and_entropy(
         hidden = model.get_decoder()(**model_inputs(mb)).last_hidden_state
     on_completion = mb.completion_mask.bool()
     if mb.packed:  # [n, H], n = completion tokens
+        assert mb.window_index is not None  # packed: packed_layout sets the window index
         hidden = hidden[0, mb.window_index[on_completion]]
     else:
         hidden = hidden[:, mb.start : -1][on_completion]
@@ -139,7 +142,7 @@ def sequence_key(row: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @torch.no_grad()
 def completion_logprobs(
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     rows: list[dict],
     pad_id: int,
     temperature: float,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from rlpipe.algorithms.policy_gradient import behaviour_weights
+from rlpipe.algorithms.policy_gradient import ClippedOptions, behaviour_weights
 from rlpipe.training.batching import MicroBatch, rank_parts, token_budget
 from rlpipe.training.distributed import all_max, all_sum, world
 from rlpipe.training.logprobs import completion_logprobs, sequence_key
@@ -33,9 +33,12 @@ class Correction:
 
     @classmethod
     def from_options(cls, options: AlgorithmSpec) -> Correction | None:
-        if options.off_policy_correction in (None, "none"):
+        kind = options.off_policy_correction
+        if kind is None or kind == "none":
             return None
-        return cls(options.off_policy_correction, options.is_threshold, options.is_level)
+        # a correction other than none: the clipped surrogates' options (is_level); DPO's refuse one (registry)
+        assert isinstance(options, ClippedOptions)
+        return cls(kind, options.is_threshold, options.is_level)
 
     @property
     def cut(self) -> str:
@@ -46,6 +49,8 @@ class Correction:
 def decoupled(mb: MicroBatch, correction: Correction) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(advantages weighted by pi_prox / pi_behaviour, pi_prox as the ratio's old log-probs, the is_weights'
     statistics: is_weight_mean, is_weight_max, and the cut fraction)."""
+    # a correction's rows: the sampler's log-probs and attach_proximal_logprobs' pi_prox
+    assert mb.proximal_logprobs is not None and mb.old_logprobs is not None
     is_weights, stats = behaviour_weights(
         mb.proximal_logprobs, mb.old_logprobs, mb.completion_mask, correction.kind, correction.threshold,
         correction.level,
@@ -92,6 +97,7 @@ def mismatch_differences(logprobs: torch.Tensor, mb: MicroBatch, sampled_by_star
     """d = log pi_trainer - log pi_sampler at the model tokens of the rows the weights the trainer holds sampled
     (`sampled_by_start`, [B] bool): the same weights on both sides, so d is numerics alone (the engine's
     kernels, precision, batching), never staleness. 1-D, float32."""
+    assert mb.old_logprobs is not None  # rollouts carry the sampler's log-probs
     keep = mb.completion_mask.bool() & sampled_by_start.to(mb.completion_mask.device).unsqueeze(-1)
     return (logprobs.detach().float() - mb.old_logprobs.float())[keep]
 

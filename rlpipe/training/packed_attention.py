@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,13 @@ with unused_hidden():
     from transformers.modeling_utils import AttentionInterface
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 PACKED = "rlpipe_packed"
 
 
-def packable(model: PreTrainedModel) -> str | None:
+def packable(model: PreTrainedModel | PeftModel) -> str | None:
     """None when `model`'s attention can run packed rows; else why not (for trainer.padding_free's error).
     Its attention must go through transformers' attention interface with sdpa's semantics: not eager's
     soft-capped scores (Gemma 2), not a model class that computes attention its own way."""
@@ -48,7 +49,7 @@ def packable(model: PreTrainedModel) -> str | None:
     return None
 
 
-def use_packed_attention(model: PreTrainedModel) -> None:
+def use_packed_attention(model: PreTrainedModel | PeftModel) -> None:
     """Give `model` the packed-or-sdpa attention (see the module's docstring)."""
     if model.config._attn_implementation != PACKED:
         model.set_attn_implementation(PACKED)
@@ -98,13 +99,22 @@ def rows_by_length(
     rows sorted by length) in one batched SDPA call on views of q, k and v."""
     parts = []
     for start, length, count in runs_of_equal_length(row_ends):
-        rows = [t[start : start + count * length].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+        q_rows, k_rows, v_rows = (
+            t[start : start + count * length].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+        )
         mask = None
         if window is not None and length > window:
             i = torch.arange(length, device=q.device)
             mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
         attended = F.scaled_dot_product_attention(
-            *rows, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=True
+            q_rows,
+            k_rows,
+            v_rows,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=mask is None,
+            scale=scaling,
+            enable_gqa=True,
         )  # [count, Hq, length, D]
         parts.append(attended.transpose(1, 2).reshape(count * length, *q.shape[1:]))
     return torch.cat(parts)
@@ -153,7 +163,8 @@ def varlen_rows(
         raise ValueError("sliding-window attention on packed rows needs torch >= 2.12 (varlen_attn's window_size)")
     ends = row_ends.to(torch.int32)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return varlen_attn(q, k, v, ends, ends, longest, longest, **options)
+    # without return_aux varlen_attn returns the output alone (its annotation has no overloads for that)
+    return cast(torch.Tensor, varlen_attn(q, k, v, ends, ends, longest, longest, **options))
 
 
 @cache

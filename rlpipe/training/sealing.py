@@ -62,6 +62,7 @@ def stored_version(spec: RunSpec, weights: WeightRef, cache_root: str) -> Stored
     storage.weights_dtype."""
     if not stores_serving_copy(spec) or spec.storage.full_every == 1:
         return None
+    assert spec.storage.weights_dtype is not None  # stores_serving_copy: a serving dtype is set
     if (stored := stored_in(weights, spec.storage.weights_dtype, cache_root)) is None:
         return None
     manifest, path = stored
@@ -135,6 +136,7 @@ def seal_serving_copy(
     """Stage and seal v(version) as storage.weights_dtype tensors, a delta against `stored` when that
     is v(version - 1) and the rules above allow; returns the sealed version and what the next version can be a
     delta against (held in memory by a resident trainer; None for a one-update process)."""
+    assert spec.storage.weights_dtype is not None  # only called where stores_serving_copy(spec)
     dtype = WEIGHTS_DTYPES[spec.storage.weights_dtype]
     state = state if state is not None else policy.state_dict()
     keep = spec.storage.full_every > 1 and spec.trainer.resident
@@ -147,7 +149,10 @@ def seal_serving_copy(
     if delta is None:
         tensors = serving_tensors(policy, state, dtype)
         sha = content_sha256(tensors)
-    chain = stored.chain + 1 if delta is not None else 0
+    chain = 0
+    if delta is not None:
+        assert stored is not None  # a delta is against `stored`
+        chain = stored.chain + 1
     contents = {
         "weights_sha256": sha,
         "weights_dtype": spec.storage.weights_dtype,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # transformers is imported through rlpipe.models.loading (rlpipe.models.optional_imports)
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rlpipe.spec import RunSpec
@@ -39,10 +40,10 @@ class Trainer:
     spec: RunSpec
     run_root: str
     weights: WeightRef
-    policy: PreTrainedModel
+    policy: PreTrainedModel | PeftModel  # a PeftModel with LoRA (model.lora)
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
-    reference: PreTrainedModel | None
+    reference: PreTrainedModel | PeftModel | None  # with LoRA the policy itself
     base: WeightRef | None = None
     critic: Critic | None = None
     # pi_prox computed ahead for the next batch: {"sha256": of the weights, "logprobs": {sequence_key: [...]}}

@@ -73,7 +73,7 @@ class OptimizerStepStats:
             stats.dual_clip_fraction = share * float(terms.dual_clip_fraction)
         return stats
 
-    def summed(self, device: torch.device) -> OptimizerStepStats:
+    def summed(self, device: torch.device | str) -> OptimizerStepStats:
         """Each sum over the processes (is_weight_max stays this process's)."""
         flat = {name: getattr(self, name) for name in SUMMED if getattr(self, name) is not None}
         flat |= {f"off_policy/{k}": v for k, v in self.off_policy.items()}
@@ -123,6 +123,8 @@ def update_metrics(
     total, steps = tally.total, tally.optimizer_steps
     metrics = {}
     if total.value_loss is not None:
+        # a critic's steps: micro_step sets value_clip_fraction beside value_loss, optimizer_step the critic's norm
+        assert total.value_clip_fraction is not None and total.critic_grad_norm is not None
         metrics = {
             "critic/value_loss": total.value_loss / steps,
             "critic/value_clip_fraction": total.value_clip_fraction / steps,

@@ -23,6 +23,7 @@ import torch
 from rlpipe.algorithms import PolicyInputs, get_algorithm, resolve_options
 from rlpipe.algorithms.policy_gradient import aggregate
 from rlpipe.metric_keys import OPTIMIZER_STEPS
+from rlpipe.models.loading import is_adapted
 from rlpipe.rollouts import read_table
 from rlpipe.spec import RunSpec
 from rlpipe.training.batching import (
@@ -64,8 +65,8 @@ def packs_rows(trainer: Trainer) -> bool:
 
     if not trainer.spec.trainer.padding_free:
         return False
-    models = [trainer.policy, trainer.reference, trainer.critic.model if trainer.critic else None]
-    models = [m for m in models if m is not None]
+    candidates = [trainer.policy, trainer.reference, trainer.critic.model if trainer.critic else None]
+    models = [m for m in candidates if m is not None]
     for model in models:
         if (why := packable(model)) is not None:
             raise ValueError(
@@ -158,6 +159,8 @@ def set_learning_rates(trainer: Trainer, objective: Objective, global_step: int)
     for group in trainer.optimizer.param_groups:
         group["lr"] = spec.trainer.lr * warmup
     if trainer.critic is not None:
+        # the trainer's critic is a trained one (load_critic trainable), its lr filled by resolve_options
+        assert trainer.critic.optimizer is not None and objective.critic_lr is not None
         for group in trainer.critic.optimizer.param_groups:
             group["lr"] = objective.critic_lr * warmup
 
@@ -172,6 +175,7 @@ def accumulate_gradients(trainer: Trainer, objective: Objective, mini: list[dict
     tracked = trainer.reference is not None and tally.optimizer_steps == 0
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.critic is not None:
+        assert trainer.critic.optimizer is not None  # the trainer's critic is a trained one (load_critic trainable)
         trainer.critic.optimizer.zero_grad(set_to_none=True)
     stats = OptimizerStepStats()
     budget = token_budget(trainer.spec.trainer.micro_batch_tokens, trainer.policy.device.type)
@@ -221,9 +225,12 @@ def micro_step(
     ref_logprobs = mb.ref_logprobs  # computed once (offline DPO), else the reference's
     if use_reference and ref_logprobs is None:
         ref_logprobs = reference_logprobs(trainer, mb, objective.temperature)
-    advantages, old_logprobs, is_stats = mb.advantages, mb.old_logprobs, {}
+    advantages, old_logprobs = mb.advantages, mb.old_logprobs
+    is_stats: dict[str, float] = {}
     if objective.correction is not None:
         advantages, old_logprobs, is_stats = decoupled(mb, objective.correction)
+    # rollouts carry the sampler's log-probs (rlpipe.rollouts' schema; offline DPO's rows the reference's)
+    assert old_logprobs is not None
     terms = objective.loss_terms(PolicyInputs(logprobs, old_logprobs, advantages, mb.completion_mask, ref_logprobs))
     loss = terms.loss
     if objective.entropy_coef:  # L - c H, H aggregated as the loss is
@@ -234,6 +241,7 @@ def micro_step(
     mask, measured = mb.completion_mask, ref_logprobs is not None
     stats = OptimizerStepStats.of_micro_batch(terms, loss, entropy, mask, weight, share, is_stats, measured)
     if trainer.critic is not None:
+        assert objective.value_loss is not None  # a critic's algorithm (PPO) registers a value loss
         value = value_step(trainer.critic, objective.value_loss, mb, processes * share, autocast(trainer))
         stats.value_loss, stats.value_clip_fraction = share * value.loss.item(), share * float(value.clip_fraction)
     return stats
@@ -242,7 +250,11 @@ def micro_step(
 def reference_logprobs(trainer: Trainer, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """log pi_ref of each target under the frozen reference (with LoRA: the policy, adapters off)."""
     policy, reference = trainer.policy, trainer.reference
-    adapters_off = policy.disable_adapter() if reference is policy else contextlib.nullcontext()
+    assert reference is not None  # asked for only where the trainer holds one (micro_step's use_reference)
+    adapters_off: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if reference is policy:
+        assert is_adapted(policy)  # the reference is the policy itself only with LoRA (load_reference)
+        adapters_off = policy.disable_adapter()
     with torch.no_grad(), adapters_off:
         chunk_tokens = trainer.spec.trainer.logit_chunk_tokens
         return completion_logprobs_and_entropy(reference, mb, temperature, chunk_tokens, precision=autocast(trainer))[0]
@@ -264,4 +276,5 @@ def optimizer_step(trainer: Trainer, stats: OptimizerStepStats, iteration: int) 
         )
     trainer.optimizer.step()
     if trainer.critic is not None:
+        assert trainer.critic.optimizer is not None  # the trainer's critic is a trained one (load_critic trainable)
         trainer.critic.optimizer.step()

@@ -174,7 +174,8 @@ def warm_start(spec: RunSpec, run_root: str, cache_root: str) -> tuple[WeightRef
         else:
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(spec.model.tiny, tokenizer, spec.seed)
-        model = model.to(resolve_device(spec.trainer.device))
+        # mypy reads transformers' functools.wraps(Module.to) as unbound: the device as `self`
+        model = model.to(resolve_device(spec.trainer.device))  # type: ignore[arg-type]
         ws = spec.model.warm_start
         if ws.max_steps:
             rows = read_table(data_uri(run_root, "train")).to_pylist()

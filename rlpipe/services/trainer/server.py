@@ -97,6 +97,7 @@ class Resident:
         self.session = self.key = None
         if opened:
             session = TrainerSession.open(spec, run_root, weights, request["cache_root"])
+        assert session is not None  # opened, or the kept one (not opened: self.session was there)
         return session, opened
 
     def keep(self, session: TrainerSession) -> None:
@@ -182,7 +183,8 @@ def prefetch_proximal_logprobs(resident: Resident, lock: threading.Lock, iterati
             flush=True,
         )
 
-    wanted, seen = len(Slices(session.spec, session.run_root)(iteration + 1)), set()
+    wanted = len(Slices(session.spec, session.run_root)(iteration + 1))
+    seen: set[str] = set()  # the groups' names
     while len(seen) < wanted:  # the groups iteration N+1 takes if nothing finishes before them
         chosen = first_finished(session.spec, session.run_root, iteration + 1, wanted)[0]
         names = [name for *_, name in chosen if name not in seen]
@@ -246,7 +248,7 @@ def make_server(
 ) -> ThreadingHTTPServer:
     """The HTTP server; requests run one at a time, /health answers during one. One process: each
     request runs on its handler thread. Several: it goes to `jobs`, for the main thread (run_ranks)."""
-    resident = resident or Resident()
+    kept: Resident = resident or Resident()  # a name the handler's methods see as set
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -256,7 +258,7 @@ def make_server(
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path != "/health":
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
-            session = resident.session
+            session = kept.session
             self._reply(200, {"weights": session.weights if session is not None else None})
 
         def do_POST(self) -> None:  # noqa: N802
@@ -264,13 +266,13 @@ def make_server(
                 return self._reply(404, {"error": "NotFound", "message": f"no route {self.path}"})
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if jobs is None:
-                resident.waiting += 1
+                kept.waiting += 1
                 with lock:
-                    resident.waiting -= 1
-                    status, body = answer(self.path, request, resident)
+                    kept.waiting -= 1
+                    status, body = answer(self.path, request, kept)
                 self._reply(status, body)
                 if self.path == "/update" and status == 200:
-                    prefetch_proximal_logprobs(resident, lock, int(request["iteration"]))
+                    prefetch_proximal_logprobs(kept, lock, int(request["iteration"]))
                 return None
             job = Job(self.path, request)
             jobs.put(job)
@@ -317,10 +319,12 @@ def run_ranks(resident: Resident, jobs: queue.Queue[Job], control: Any) -> int:
     rank = dist.get_rank()
     while True:
         job = jobs.get() if rank == 0 else None
-        message = [(job.path, job.request) if job else None]
+        message: list[tuple[str, dict[str, Any]] | None] = [(job.path, job.request) if job else None]
         try:
             dist.broadcast_object_list(message, src=0, group=control)
-            status, body, serve_on = agree(*answer(*message[0], resident), control)
+            received = message[0]
+            assert received is not None  # rank 0 always sends one: jobs.get() waits for a request
+            status, body, serve_on = agree(*answer(*received, resident), control)
         except RuntimeError as err:  # a process is gone: leave unanswered, as a crashed trainer does
             print(f"rlpipe trainer rank {rank}: a process is gone ({err}); exiting to be restarted", flush=True)
             return 1
