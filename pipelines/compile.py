@@ -7,6 +7,7 @@ from kfp import compiler
 
 from rlpipe.pipelines.trainer_jobset import trainer_url
 from rlpipe.spec import RunSpec, spec_to_json
+from rlpipe.steps import check_secret_steps
 from rlpipe.store.run_root import run_root_for
 
 
@@ -24,6 +25,7 @@ def default_cluster_run_root(spec: RunSpec) -> str:
 
 def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec, str]:
     """The spec as cluster steps must see it (storage paths on the cluster) and the run root."""
+    check_secret_steps(spec)  # a secret for no step would reach no pod
     run_root = run_root or default_cluster_run_root(spec)
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
         raise ValueError(

@@ -317,7 +317,9 @@ def run_iteration(
     done["score"] = score(spec, paths["rollouts"], paths["scored"])
     if "values" in iteration_steps(spec):
         done["values"] = values(spec, run_root, weights, iteration, paths["scored"], paths["valued"], cache_root)
-        paths[BY_NAME["values"].stands_for] = paths["valued"]  # valued (scored + V_t) stands for scored from here on
+        stands_for = BY_NAME["values"].stands_for
+        assert stands_for is not None  # the step table says: scored
+        paths[stands_for] = paths["valued"]  # valued (scored + V_t) stands for scored from here on
     done["advantages"] = advantages(spec, paths["scored"], paths["batch"])
     write_reports("advantages", work_dir, scored_path=paths["scored"], batch_path=paths["batch"])
     staged, done["update"] = update(spec, run_root, weights, paths["batch"], iteration, cache_root)

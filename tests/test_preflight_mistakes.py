@@ -375,3 +375,24 @@ def test_an_unreachable_openenv_server_is_named_at_preflight_in_seconds(tmp_path
 
     with serving(SERVER, tmp_path / "server.log") as url:
         assert check_environment(_openenv(tmp_path, url + "/")).endswith(f", OpenEnv server {url} answers")
+
+
+# --- cluster.secrets naming a step that is not one (the step table checks it, not the spec) -----------------
+
+
+def test_a_secret_for_a_step_that_is_not_one_is_named_before_any_step(tmp_path: Path):
+    from rlpipe.preflight import PreflightError, check_secrets, preflight
+    from rlpipe.steps import STEP_NAMES
+
+    secrets = [{"secret": "mlflow", "key": "token", "env": "MLFLOW_TRACKING_TOKEN", "steps": ["track", "trak"]}]
+    spec = parse_spec(tiny_spec_dict(tmp_path, cluster={"secrets": secrets}))  # the spec knows no steps
+    named = f"cluster.secrets steps ['trak'] are not steps; allowed: {', '.join(STEP_NAMES)}"
+    with pytest.raises(CheckFailed) as failed:
+        check_secrets(spec)
+    assert str(failed.value) == named
+    with pytest.raises(PreflightError) as failed_preflight:
+        preflight(spec, str(tmp_path / "runs" / "tiny"))
+    assert "(no step ran)" in str(failed_preflight.value) and named in str(failed_preflight.value)
+    assert not (tmp_path / "runs" / "tiny" / "state.json").exists()
+    secrets[0]["steps"] = ["track"]
+    assert "cluster.secrets: 1" in check_secrets(parse_spec(tiny_spec_dict(tmp_path, cluster={"secrets": secrets})))

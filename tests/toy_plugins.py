@@ -20,8 +20,8 @@ from rlpipe.spec import section, setting
 class SignOptions(PolicyGradientOptions):
     """The sign algorithm's options: the clipped surrogate's, and its own dead zone."""
 
-    dead_zone: float = setting(0.0, ge=0, doc="|r_i - mean| at most this: A_i = 0")
-    scale: float = setting(1.0, gt=0, doc="|A_i| of a completion outside the dead zone")
+    dead_zone: float = setting(default=0.0, ge=0, doc="|r_i - mean| at most this: A_i = 0")
+    scale: float = setting(default=1.0, gt=0, doc="|A_i| of a completion outside the dead zone")
 
 
 def sign_advantages(scored: Scored, options: SignOptions) -> Advantages:

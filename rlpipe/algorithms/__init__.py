@@ -126,7 +126,7 @@ def compute_advantages(spec: RunSpec, scored_path: str, out_path: str) -> dict[s
     return metrics | {"time/advantages_s": time.time() - started}
 
 
-def critic_values(algorithm: Algorithm, table: Any, metrics: dict[str, float]) -> list[np.ndarray]:
+def critic_values(algorithm: Algorithm[Any], table: Any, metrics: dict[str, float]) -> list[np.ndarray]:
     """The values step's `values` column, one float64 array per completion; adds critic/value_mean to `metrics`."""
     if "values" not in table.column_names:
         raise ValueError(
@@ -155,6 +155,7 @@ def token_columns(
         explained = explained_variance(every_value, every_return)
         if explained is not None:  # undefined when every return is the same (a metric is never NaN)
             metrics["critic/explained_variance"] = explained
+    assert estimate.per_token is not None  # Advantages holds per_sequence or per_token, and this one is per token
     table = table.append_column("token_advantages", column(estimate.per_token))
     if estimate.returns is not None:
         table = table.append_column("returns", column(estimate.returns))

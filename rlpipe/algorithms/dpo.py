@@ -68,16 +68,18 @@ class DpoOptions(AlgorithmSpec):
     name: str = retune(AlgorithmSpec, "name", "dpo")
 
     beta: float = setting(
-        0.1,
+        default=0.1,
         gt=0,
         doc="DPO's temperature (dpo, online_dpo): it scales the policy-to-reference log-ratios in the preference "
         "loss, and a larger one keeps the policy closer to the reference. Not a KL coefficient (that is kl_coef)",
     )
-    label_smoothing: float = setting(0.0, ge=0, lt=0.5, doc="Chance a label is flipped (cDPO)")
+    label_smoothing: float = setting(default=0.0, ge=0, lt=0.5, doc="Chance a label is flipped (cDPO)")
     dpo_loss: Literal["sigmoid", "ipo"] = setting(
-        "sigmoid", doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss)"
+        default="sigmoid", doc="DPO's loss: sigmoid (DPO) or ipo (IPO's squared loss)"
     )
-    rpo_alpha: float = setting(0.0, ge=0, doc="Weight of the chosen completion's NLL per token added to the loss (RPO)")
+    rpo_alpha: float = setting(
+        default=0.0, ge=0, doc="Weight of the chosen completion's NLL per token added to the loss (RPO)"
+    )
 
 
 @section

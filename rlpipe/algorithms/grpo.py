@@ -34,15 +34,17 @@ class GroupOptions:
     """How a group's rewards become advantages, and which groups train (beside an algorithm's other options)."""
 
     scale_rewards: Literal["group", "batch", "none"] = setting(
-        "group", doc="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)"
+        default="group", doc="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)"
     )
     dynamic_sampling: bool = setting(
-        False,
+        default=False,
         doc="DAPO's dynamic sampling: drop groups whose rewards are all equal and fill the batch with more "
         "sampled prompts, up to max_oversample",
     )
     max_oversample: float = setting(
-        3.0, ge=1, doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration"
+        default=3.0,
+        ge=1,
+        doc="Dynamic sampling's cap: prompts sampled per iteration at most this x prompts_per_iteration",
     )
 
 

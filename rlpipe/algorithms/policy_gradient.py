@@ -26,23 +26,23 @@ Aggregation = Literal["sequence_mean", "token_mean", "sequence_sum"]
 class ClippedOptions(AlgorithmSpec):
     """The clipped surrogate's options (gspo; with an aggregation, `PolicyGradientOptions`)."""
 
-    clip_eps: float = setting(0.2, gt=0, doc="Lower clip range of the ratio")
+    clip_eps: float = setting(default=0.2, gt=0, doc="Lower clip range of the ratio")
     clip_eps_high: float | None = setting(
-        None, gt=0, doc="Upper clip range of the ratio (DAPO's clip-higher: 0.28); the default null: clip_eps"
+        default=None, gt=0, doc="Upper clip range of the ratio (DAPO's clip-higher: 0.28); the default null: clip_eps"
     )
     dual_clip: float = setting(
-        3.0,
+        default=3.0,
         ge=0,
         doc="Dual clip c (verl's clip_ratio_c): a negative advantage's token loss is capped at -c A, so a ratio "
         "far above 1 cannot grow it without bound. > 1, or 0 to turn it off",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = setting(
-        "k3",
+        default="k3",
         doc="KL estimator: k1 = log pi - log ref (in a reward only: as a loss term its expected gradient is 0), "
         "k2 = squared / 2, k3 = GRPO's",
     )
     is_level: Literal["token", "sequence", "geometric"] = setting(
-        "token",
+        default="token",
         doc="off_policy_correction's importance weight per token, per sequence (the product of its tokens'), or "
         "the sequence's geometric mean (gspo's, whose objective is per sequence)",
     )
@@ -60,11 +60,11 @@ class PolicyGradientOptions(ClippedOptions):
     """The clipped surrogate's options and how token losses become one number (grpo, rloo, reinforce_pp, ppo)."""
 
     loss_aggregation: Aggregation = setting(
-        "sequence_mean",
+        default="sequence_mean",
         doc="Token losses to one: per-sequence mean, token mean (DAPO), or sums over length_norm (Dr. GRPO)",
     )
     length_norm: int | None = setting(
-        None, ge=1, doc="sequence_sum's divisor; the default null: rollout.max_new_tokens"
+        default=None, ge=1, doc="sequence_sum's divisor; the default null: rollout.max_new_tokens"
     )
 
 

@@ -47,13 +47,15 @@ class PpoOptions(PolicyGradientOptions):
     loss_aggregation: Literal["sequence_mean", "token_mean", "sequence_sum"] = retune(
         PolicyGradientOptions, "loss_aggregation", "token_mean"
     )
-    gamma: float = setting(1.0, ge=0, le=1, doc="Discount of GAE")
-    lam: float = setting(0.95, ge=0, le=1, doc="GAE's lambda")
+    gamma: float = setting(default=1.0, ge=0, le=1, doc="Discount of GAE")
+    lam: float = setting(default=0.95, ge=0, le=1, doc="GAE's lambda")
     value_clip: float = setting(
-        0.2, gt=0, doc="How far a value may move from the values step's per update (clipped value loss)"
+        default=0.2, gt=0, doc="How far a value may move from the values step's per update (clipped value loss)"
     )
-    whiten_advantages: bool = setting(True, doc="Normalise the per-token advantages over the batch")
-    critic_lr: float | None = setting(None, gt=0, doc="The critic's learning rate; the default null: trainer.lr")
+    whiten_advantages: bool = setting(default=True, doc="Normalise the per-token advantages over the batch")
+    critic_lr: float | None = setting(
+        default=None, gt=0, doc="The critic's learning rate; the default null: trainer.lr"
+    )
 
 
 def gae(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
 from rlpipe.plugins import look_up
+from rlpipe.spec.algorithm import register_options
 
 if TYPE_CHECKING:
     import torch
@@ -108,28 +109,34 @@ class ValueLoss(Protocol):
     ) -> ValueTerms: ...
 
 
+Options = TypeVar("Options", bound="AlgorithmSpec")  # an algorithm's options section: what its parts are given
+
+
 @dataclass(frozen=True)
-class Algorithm:
+class Algorithm(Generic[Options]):
     name: str
     needs: frozenset[str]  # "groups" (G samples per prompt), "critic" (a value model), "pairs", "reference"
-    advantages: Callable[[Scored, AlgorithmSpec], Advantages]
-    loss: Callable[[AlgorithmSpec], PolicyLoss]
-    options: type[AlgorithmSpec]  # the spec's `algorithm` section for it: its options and their defaults
-    value_loss: Callable[[AlgorithmSpec], ValueLoss] | None = None  # with "critic"
+    advantages: Callable[[Scored, Options], Advantages]
+    loss: Callable[[Options], PolicyLoss]
+    options: type[Options]  # the spec's `algorithm` section for it: its options and their defaults
+    value_loss: Callable[[Options], ValueLoss] | None = None  # with "critic"
     # where kl_coef puts the KL to v0: a loss term, a per-token reward (REINFORCE++), or nowhere (DPO,
     # whose beta already holds the policy to its reference)
     kl_term: Literal["loss", "reward", "none"] = "loss"
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
+ALGORITHMS: dict[str, Algorithm[Any]] = {}  # each is given the options its name builds (parse_spec): Any of them
 
 
-def register_algorithm(algorithm: Algorithm) -> Algorithm:
+def register_algorithm(algorithm: Algorithm[Options]) -> Algorithm[Options]:
+    """Register `algorithm` by its name, and its options section with the spec (rlpipe.spec.register_options),
+    which builds the `algorithm` section of a spec naming it as that class."""
     ALGORITHMS[algorithm.name] = algorithm
+    register_options(algorithm.name, algorithm.options)
     return algorithm
 
 
-def get_algorithm(name: str) -> Algorithm:
+def get_algorithm(name: str) -> Algorithm[Any]:
     """The algorithm `name` ('grpo', or 'package.module:name') names; a clear error otherwise."""
     return look_up(name, ALGORITHMS, "algorithm.name", "algorithm", "rlpipe.algorithms.register_algorithm")[1]
 
@@ -154,7 +161,7 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
         )
     check_kl(algorithm, options.kl_coef, options.kl_estimator)
     has = {f.name for f in dataclasses.fields(options)}
-    filled: dict[str, object] = {}
+    filled: dict[str, Any] = {}
     if options.length_norm is not None and options.loss_aggregation != "sequence_sum":
         raise ValueError(
             f"algorithm.length_norm divides the sequence_sum aggregation only, and {algorithm.name} aggregates by "
@@ -175,7 +182,7 @@ def resolve_options(spec: RunSpec) -> AlgorithmSpec:
     return dataclasses.replace(options, **filled)
 
 
-def check_kl(algorithm: Algorithm, kl_coef: float, estimator: str | None) -> None:
+def check_kl(algorithm: Algorithm[Any], kl_coef: float, estimator: str | None) -> None:
     """kl_coef > 0 must do something: DPO has no KL term (its beta is the pull to the reference), and k1
     as a loss term has zero expected gradient, E_{y~pi}[grad (log pi(y) - log ref(y))] = E[grad log pi(y)] = 0,
     so it only adds noise; k2's gradient is the KL's, k3 is GRPO's (k1 belongs in the reward, REINFORCE++)."""

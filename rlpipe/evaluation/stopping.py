@@ -131,7 +131,9 @@ GATE_OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": o
 
 def parse_gate(stop_when: str) -> tuple[str, str, float]:
     """loop.stop_when's (metric, operator, threshold): "eval/accuracy_greedy >= 0.7"."""
-    name, op, threshold = re.fullmatch(r"\s*(\S+?)\s*(>=|<=|>|<)\s*(\S+)\s*", stop_when).groups()
+    gate = re.fullmatch(r"\s*(\S+?)\s*(>=|<=|>|<)\s*(\S+)\s*", stop_when)
+    assert gate is not None  # parse_spec checked loop.stop_when against a narrower pattern
+    name, op, threshold = gate.groups()
     return name, op, float(threshold)
 
 

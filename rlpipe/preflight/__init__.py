@@ -9,7 +9,7 @@ Each check returns one line saying what it found, or raises CheckFailed saying w
                 check_tracking, check_model_registry)
     inputs      the model and the data's prompts, and how they tokenize (check_model, check_data)
     behaviour   the algorithm, rewards, environment and evaluation (check_algorithm, check_rewards,
-                check_environment, check_evaluation)
+                check_environment, check_evaluation), and the steps cluster.secrets names (check_secrets)
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rlpipe.preflight.behaviour import check_algorithm, check_environment, check_evaluation, check_rewards
+from rlpipe.preflight.behaviour import (
+    check_algorithm,
+    check_environment,
+    check_evaluation,
+    check_rewards,
+    check_secrets,
+)
 from rlpipe.preflight.inputs import check_data, check_model
 from rlpipe.preflight.machine import check_device, check_installed, cuda_builds_beside_cpu_torch, gpus_problem
 from rlpipe.preflight.probe import CheckFailed
@@ -46,6 +52,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
         lambda: check_evaluation(spec),
         lambda: check_tracking(spec, run_root),
         *([lambda: check_model_registry(spec)] if spec.tracking.model_registry else []),
+        *([lambda: check_secrets(spec)] if spec.cluster.secrets else []),
     ]
     failures = []
     log_path = Path(spec.cache_root) / "logs" / "preflight.log"
@@ -104,6 +111,7 @@ __all__ = [
     "check_model_registry",
     "check_rewards",
     "check_run_root",
+    "check_secrets",
     "check_tracking",
     "cuda_builds_beside_cpu_torch",
     "gpus_problem",

@@ -1,4 +1,5 @@
-"""What the loop runs: the algorithm, the rewards, the environment, the evaluation and its gate."""
+"""What the loop runs: the algorithm, the rewards, the environment, the evaluation and its gate, and the steps
+cluster.secrets names."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def check_algorithm(spec: RunSpec) -> str:
     except ValueError as err:
         raise CheckFailed(str(err)) from None
     return f"algorithm {algorithm.name}"
+
+
+def check_secrets(spec: RunSpec) -> str:
+    """cluster.secrets gives each secret to steps that exist (rlpipe.steps.check_secret_steps)."""
+    from rlpipe.steps import check_secret_steps
+
+    try:
+        check_secret_steps(spec)
+    except ValueError as err:
+        raise CheckFailed(str(err)) from None
+    return f"cluster.secrets: {len(spec.cluster.secrets)}, each for steps of the pipeline"
 
 
 def _sample_columns(spec: RunSpec) -> tuple[list[str], list[str], dict[str, list], list[dict]]:

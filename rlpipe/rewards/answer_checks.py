@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlpipe.rewards.registry import RewardError, RewardFunction, register_reward_type
@@ -117,7 +117,7 @@ def _verifier_type(verify: RewardFunction, kind: str) -> Callable[[dict[str, Any
         options_of(options, {"answer_column": str}, (), key, kind)
         column = options.get("answer_column", "reference")
 
-        def verifier(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        def verifier(prompts: list[str], completions: list[str], **columns: Any) -> Sequence[float]:
             if column not in columns:
                 raise RewardError(f"{kind} needs the data column {column!r} (answer_column); have {sorted(columns)}")
             return verify(prompts, completions, columns[column])

@@ -23,13 +23,14 @@ Steps parse the spec in every process, so this package imports nothing heavy.
 
 from rlpipe.spec.algorithm import (
     DEFAULT,
-    REGISTRY,
+    OPTIONS,
     AlgorithmSpec,
     default_algorithm,
     not_an_option,
     options_class,
     options_classes,
     own_options,
+    register_options,
 )
 from rlpipe.spec.encoding import (
     RESUMABLE_KEYS,
@@ -93,7 +94,7 @@ __all__ = [
     "DEFAULT",
     "FLAT_ALGORITHM_DEFAULTS",
     "MEMORY",
-    "REGISTRY",
+    "OPTIONS",
     "REFERENCE_BEGIN",
     "REFERENCE_END",
     "RESUMABLE_KEYS",
@@ -140,6 +141,7 @@ __all__ = [
     "parse_spec",
     "pick",
     "reference_markdown",
+    "register_options",
     "replaced_keys",
     "resume_changes",
     "retune",

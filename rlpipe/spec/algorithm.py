@@ -2,9 +2,11 @@
 algorithm's options (as prime-rl keys its loss config on `type`).
 
 `AlgorithmSpec` holds the options every algorithm takes; each algorithm's own are a subclass of it declared
-beside the algorithm (rlpipe.algorithms.grpo's `GrpoOptions`, ...) and registered with it, so adding an
-algorithm never touches this package. `parse_spec` builds the section as the class the name registers
-(`AlgorithmSpec.variant`); rlpipe.algorithms is imported then, by name, never when rlpipe.spec is.
+beside the algorithm (rlpipe.algorithms.grpo's `GrpoOptions`, ...) and registered with it
+(rlpipe.algorithms.register_algorithm calls `register_options`), so adding an algorithm never touches this
+package, and this package imports none. `parse_spec` builds the section as the class the name registers
+(`AlgorithmSpec.variant`): the built-in algorithms are found as a user's plugin is, by plugin discovery
+(rlpipe.plugins.discover_built_ins imports the module that registers them, then, never when rlpipe.spec is).
 
 A null option means the algorithm's default, as in the flat section older rlpipe wrote (every option of
 every algorithm, most null): those specs still parse, and a key the algorithm does not take is refused with
@@ -14,13 +16,11 @@ the algorithm's options and the algorithms that take it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlpipe.spec.migration import FLAT_ALGORITHM_DEFAULTS
 from rlpipe.spec.section import section, setting
 
-REGISTRY = "rlpipe.algorithms"  # registers the built-in algorithms; `get_algorithm(name).options` is a name's class
 DEFAULT = "grpo"
 
 
@@ -30,38 +30,55 @@ class AlgorithmSpec:
     its own (the tables after this one, docs/algorithms.md). Null: the algorithm's default."""
 
     name: str = setting(
-        DEFAULT,
+        default=DEFAULT,
         doc="A registered algorithm (rlpipe.algorithms), or 'package.module:name' for one that module registers",
     )
     kl_coef: float = setting(
-        0.0,
+        default=0.0,
         ge=0,
         doc="The KL penalty coefficient: the weight of the estimated KL to the frozen reference (v0) in the loss "
         "(reinforce_pp: in the per-token reward, subtracted after the outcome is whitened, where the paper whitens "
         "both: docs/algorithms.md; dpo, online_dpo: refused, DPO's temperature is their pull to it). 0: no penalty",
     )
-    entropy_coef: float = setting(0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
+    entropy_coef: float = setting(default=0.0, ge=0, doc="Entropy bonus: the loss minus this x the mean token entropy")
     track_reference_kl: bool = setting(
-        True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first micro-batch)"
+        default=True, doc="Log kl/mean to v0 even when kl_coef is 0 (estimated on each iteration's first micro-batch)"
     )
     off_policy_correction: Literal["none", "truncate", "mask"] | None = setting(
-        None,
+        default=None,
         doc="Importance weight pi_prox / pi_behaviour for rollouts a different policy sampled (stale ones, "
         "loop.max_staleness >= 1; or a sampler's numerics): truncate it at is_threshold (TIS), or mask tokens "
         "outside [1/is_threshold, is_threshold] (MIS); both recompute pi_prox, the update's starting weights' "
         "log-probs. none: the clipped ratio to the behaviour log-probs, as a synchronous run. null: truncate "
         "when loop.max_staleness >= 1 (the ratio to a stale policy clips most of the signal away), else none",
     )
-    is_threshold: float = setting(2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
+    is_threshold: float = setting(default=2.0, gt=1, doc="TIS's cap C on the importance weight; MIS keeps [1/C, C]")
 
     # What code serving any algorithm (the update, the prompt order, the KL check) reads of one without the
     # option: plain class attributes, no settings; an algorithm's options that have it declare it as a setting.
-    loss_aggregation = None  # str | None; the update: "sequence_mean"
-    length_norm = None  # int | None
-    kl_estimator = None  # str | None: no KL term in the loss
-    critic_lr = None  # float | None: no critic
-    dynamic_sampling = False  # no refill prompts
-    max_oversample = 1.0
+    # A type checker sees them as read-only attributes, which an algorithm's setting of a narrower type overrides.
+    if TYPE_CHECKING:
+
+        @property  # the update's aggregations (rlpipe.algorithms.policy_gradient.Aggregation)
+        def loss_aggregation(self) -> Literal["sequence_mean", "token_mean", "sequence_sum"] | None: ...
+        @property
+        def length_norm(self) -> int | None: ...
+        @property
+        def kl_estimator(self) -> str | None: ...
+        @property
+        def critic_lr(self) -> float | None: ...
+        @property
+        def dynamic_sampling(self) -> bool: ...
+        @property
+        def max_oversample(self) -> float: ...
+
+    else:
+        loss_aggregation = None  # the update: "sequence_mean"
+        length_norm = None
+        kl_estimator = None  # no KL term in the loss
+        critic_lr = None  # no critic
+        dynamic_sampling = False  # no refill prompts
+        max_oversample = 1.0
 
     @classmethod
     def variant(cls, data: dict[str, Any]) -> tuple[type[AlgorithmSpec], dict[str, Any]]:
@@ -81,14 +98,29 @@ class AlgorithmSpec:
         return options, kept
 
 
+OPTIONS: dict[str, type[AlgorithmSpec]] = {}  # each registered algorithm's options section, by its name
+
+
+def register_options(name: str, options: type[AlgorithmSpec]) -> None:
+    """Algorithm `name` takes `options` (rlpipe.algorithms.register_algorithm registers both)."""
+    OPTIONS[name] = options
+
+
 def options_class(name: str) -> type[AlgorithmSpec]:
-    """The options section algorithm `name` registers; ValueError names what is registered."""
-    return importlib.import_module(REGISTRY).get_algorithm(name).options
+    """The options section algorithm `name` ('grpo', or 'package.module:name') registers; ValueError names what
+    is registered."""
+    from rlpipe.plugins import discover_built_ins, look_up  # when a spec is parsed: importing the spec loads none
+
+    discover_built_ins()
+    return look_up(name, OPTIONS, "algorithm.name", "algorithm", "rlpipe.algorithms.register_algorithm")[1]
 
 
 def options_classes() -> dict[str, type[AlgorithmSpec]]:
     """Every registered algorithm's options section, by name (the built-ins, and plugins imported so far)."""
-    return {name: algorithm.options for name, algorithm in importlib.import_module(REGISTRY).ALGORITHMS.items()}
+    from rlpipe.plugins import discover_built_ins
+
+    discover_built_ins()
+    return dict(OPTIONS)
 
 
 def own_options(options: type[AlgorithmSpec]) -> list[dataclasses.Field]:

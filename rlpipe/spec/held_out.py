@@ -14,20 +14,22 @@ class EvalSetSpec:
     Its metrics are eval/<name>/accuracy_greedy, eval/<name>/pass_at_k, ..."""
 
     name: str = setting(pattern=r"^[a-z0-9_]+$", doc="Names its metrics: eval/<name>/...")
-    path: str | None = setting(None, doc="Rows from a file or saved dataset (data.path's formats and columns)")
+    path: str | None = setting(default=None, doc="Rows from a file or saved dataset (data.path's formats and columns)")
     generator: str | None = setting(
-        None, doc="Rows from a task generator (as data.generator), seeded apart from the training rows"
+        default=None, doc="Rows from a task generator (as data.generator), seeded apart from the training rows"
     )
     options: dict[str, Any] = setting(default_factory=dict, doc="The generator's options")
-    size: int = setting(200, ge=1, doc="Rows at most")
-    verifier: str | dict[str, Any] | None = setting(None, doc="Scores it (as reward.verifier; null: reward.verifier)")
+    size: int = setting(default=200, ge=1, doc="Rows at most")
+    verifier: str | dict[str, Any] | None = setting(
+        default=None, doc="Scores it (as reward.verifier; null: reward.verifier)"
+    )
     every: int | None = setting(
-        None,
+        default=None,
         ge=1,
         doc="Evaluated at the evals (loop.eval_every) whose iteration is a multiple of this, and at the first and "
         "last (null: at every eval)",
     )
-    samples: int | None = setting(None, ge=0, doc="k sampled completions per prompt (null: evaluation.samples)")
+    samples: int | None = setting(default=None, ge=0, doc="k sampled completions per prompt (null: evaluation.samples)")
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.generator is None):
@@ -42,15 +44,17 @@ class HarnessSpec:
         min_length=1, doc="lm_eval task names: its registry's (they download their data) or include_path's"
     )
     include_path: str | None = setting(
-        None, doc="A directory of lm_eval task YAML files (a task on local files runs offline)"
+        default=None, doc="A directory of lm_eval task YAML files (a task on local files runs offline)"
     )
     every: int | None = setting(
-        None, ge=1, doc="Run with the evals whose iteration is a multiple of this, and the last (null: the last only)"
+        default=None,
+        ge=1,
+        doc="Run with the evals whose iteration is a multiple of this, and the last (null: the last only)",
     )
-    limit: int | None = setting(None, ge=1, doc="Documents per task at most")
-    num_fewshot: int | None = setting(None, ge=0, doc="Few-shot examples (null: each task's own)")
-    batch_size: int = setting(16, ge=1, doc="lm_eval's batch size")
-    max_gen_toks: int = setting(256, ge=1, doc="Tokens a generate_until task may produce at most")
+    limit: int | None = setting(default=None, ge=1, doc="Documents per task at most")
+    num_fewshot: int | None = setting(default=None, ge=0, doc="Few-shot examples (null: each task's own)")
+    batch_size: int = setting(default=16, ge=1, doc="lm_eval's batch size")
+    max_gen_toks: int = setting(default=256, ge=1, doc="Tokens a generate_until task may produce at most")
 
 
 @section
@@ -58,18 +62,18 @@ class EvaluationSpec:
     """What each held-out eval measures beyond greedy accuracy (rlpipe.evaluation.accuracy)."""
 
     samples: int = setting(
-        0,
+        default=0,
         ge=0,
         doc="k: completions sampled per held-out prompt at `temperature`, beside the greedy one: eval/mean_at_k "
         "(the verifier's mean), eval/pass_at_j for j = 1, 2, 4, .., k (unbiased: 1 - C(k-c, j) / C(k, j), c of "
         "k correct), eval/maj_at_k (the majority answer's score). 0: greedy accuracy only",
     )
-    temperature: float = setting(1.0, gt=0, doc="Of the sampled completions")
+    temperature: float = setting(default=1.0, gt=0, doc="Of the sampled completions")
     sets: list[EvalSetSpec] = setting(
         default_factory=list, doc="More held-out sets, each named, with its own rows, verifier and cadence"
     )
     harness: HarnessSpec | None = setting(
-        None, doc="lm-evaluation-harness tasks run with the evals: metrics harness/<task>/<metric>"
+        default=None, doc="lm-evaluation-harness tasks run with the evals: metrics harness/<task>/<metric>"
     )
 
     def __post_init__(self) -> None:

@@ -40,8 +40,8 @@ def old_task_section(task: Any) -> str:
 def old_gpu_keys(data: dict[str, Any]) -> list[str]:
     """What to write instead of trainer.processes and cluster.<pod>.gpus, both replaced by trainer.gpus
     (one count of the trainer's GPUs per node), shown in the error."""
-    trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
-    cluster = data.get("cluster") if isinstance(data.get("cluster"), dict) else {}
+    trainer: dict[str, Any] = data["trainer"] if isinstance(data.get("trainer"), dict) else {}
+    cluster: dict[str, Any] = data["cluster"] if isinstance(data.get("cluster"), dict) else {}
     pods = {name: pod for name, pod in cluster.items() if isinstance(pod, dict) and "gpus" in pod}
     meaning = "the GPUs the trainer trains on per node; with trainer.device cpu, gloo processes"
     problems = []

@@ -51,7 +51,7 @@ def _arms(hint: Any) -> tuple[list[Any], bool]:
 def _section_of(hint: Any) -> tuple[type, str] | None:
     """The section class a key holds, and how keys below it continue: '.' for a section, '[].' for a list of them."""
     for arm in _arms(hint)[0]:
-        if dataclasses.is_dataclass(arm):
+        if isinstance(arm, type) and dataclasses.is_dataclass(arm):  # a hint is a class, never an instance
             return arm, "."
         if typing.get_origin(arm) is list and dataclasses.is_dataclass(typing.get_args(arm)[0]):
             return typing.get_args(arm)[0], "[]."
@@ -68,7 +68,7 @@ def _section_doc(cls: type) -> str:
 
 def _plain(value: Any) -> Any:
     """A default as YAML and JSON hold it: sections as mappings, tuples as lists."""
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a default: an instance
         value = dataclasses.asdict(value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -209,7 +209,9 @@ def _row(entry: SpecKey) -> str:
 def _about(key: str, variant: str, by_key: dict[str, SpecKey]) -> tuple[str, str]:
     """(title, first line) of the table of section `key`'s keys, or of algorithm `variant`'s own options."""
     if variant:
-        options = variants(_section_of(by_key[key].hint)[0])[variant]
+        section = _section_of(by_key[key].hint)
+        assert section is not None  # an algorithm's own options are a table of the algorithm section's
+        options = variants(section[0])[variant]
         return (
             f"`{key}` of `name: {variant}`",
             f"{_section_doc(options).rstrip('.')}. Its own options, beside `{key}`'s.",
@@ -259,7 +261,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
             return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
         return {**schema, "type": [schema["type"], "null"]}
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a hint is a class, never an instance
         return _section_schema(hint)
     if origin is Literal:
         return {"enum": list(args)}

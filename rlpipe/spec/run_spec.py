@@ -17,7 +17,7 @@ class RunSpec:
     name: str = setting(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", doc="The run's name: its root is <storage.root>/<name>"
     )
-    seed: int = setting(0, doc="Seeds the rows, the held-out split, sampling and the update's order")
+    seed: int = setting(default=0, doc="Seeds the rows, the held-out split, sampling and the update's order")
     model: ModelSpec = setting(
         default_factory=ModelSpec,
         doc="The policy: the model to start from (a path, or model.tiny), its supervised warm start, and LoRA",

@@ -8,9 +8,9 @@ A subclass may give an inherited setting another default (`retune`): an algorith
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar, dataclass_transform
 
-section = dataclasses.dataclass(frozen=True, kw_only=True)
+_Section = TypeVar("_Section")
 
 
 def setting(
@@ -25,10 +25,17 @@ def setting(
     pattern: str | None = None,
     doc: str = "",
 ) -> Any:
-    """A spec field: its default, the bounds `parse_spec` checks, and what it means."""
+    """A spec field: its default, the bounds `parse_spec` checks, and what it means. Give the default by keyword
+    (`setting(default=3, ...)`): a type checker reads a field specifier's keywords only (PEP 681)."""
     bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "min_length": min_length, "pattern": pattern}
     metadata = {k: v for k, v in bounds.items() if v is not None} | ({"doc": doc} if doc else {})
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(dataclasses.field, setting))
+def section(cls: type[_Section]) -> type[_Section]:
+    """A spec section: `cls` as a frozen, keyword-only dataclass (type checkers see it as one: dataclass_transform)."""
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 
 
 def retune(cls: type, name: str, default: Any) -> Any:

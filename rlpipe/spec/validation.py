@@ -88,7 +88,7 @@ def _convert(hint: Any, value: Any, key: str, bounds: typing.Mapping[str, Any], 
             return _first_arm(arms, value, key, bounds, errors)
         (hint,) = arms
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a hint is a class, never an instance
         return _build(hint, value, f"{key}.", errors)
     if origin is Literal:
         if value not in args:
