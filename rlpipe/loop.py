@@ -257,7 +257,7 @@ def prune_store(spec: RunSpec, run_root: str, version: int) -> None:
     """After the commit of v(version): move the iteration's buffered rollouts to consumed/ (asynchronous
     runs), delete weight versions past storage.keep_versions (never v0 nor a version the MLflow Model
     Registry points at) and optimizer states older than v(version)'s, the policy's and a critic's."""
-    from rlpipe.store.weights import prune, prune_optimizer_states
+    from rlpipe.store.pruning import prune, prune_optimizer_states
     from rlpipe.tracking.registration import registered_versions
 
     if service_for("generate", spec) == "producer":

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlpipe.store import pruning
 from rlpipe.store import weights as ws
 from rlpipe.store.weight_deltas import DELTA_FILE, apply_delta, content_sha256, encode_delta
 
@@ -163,11 +164,11 @@ def test_pruning_keeps_the_versions_a_kept_delta_is_rebuilt_from(runs, tmp_path:
     _, (_, delta_root, _, _) = runs
     copy = str(tmp_path / "copy")
     shutil.copytree(delta_root, copy)
-    removed = ws.prune(copy, keep=1, current=4)
+    removed = pruning.prune(copy, keep=1, current=4)
     assert removed == [1, 2, 3]  # v4 is whole
     shutil.rmtree(copy)
     shutil.copytree(delta_root, copy)
-    assert ws.prune(copy, keep=1, current=3) == []  # v3 is a delta of v2, a delta of v1: all stay
+    assert pruning.prune(copy, keep=1, current=3) == []  # v3 is a delta of v2, a delta of v1: all stay
     for path in Path(copy, "weights").glob("v00000[4]"):
         shutil.rmtree(path)
     assert ws.local_path(ws.read_weight_ref(copy, 3), tmp_path / "cache")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rlpipe.store import pruning
 from rlpipe.store import weights as ws
 
 
@@ -93,7 +94,7 @@ def test_prune_keeps_v0_and_the_last_versions(tmp_path: Path):
     for version in range(6):
         ws.publish(root, _stage(root, version, 1))
     orphan = _stage(root, 5, 1)  # staged by an attempt killed before it published
-    removed = ws.prune(root, keep=2, current=5)
+    removed = pruning.prune(root, keep=2, current=5)
     assert not Path(orphan["uri"]).exists()
     assert sorted(removed) == [1, 2, 3]
     assert sorted(p.name for p in Path(root, "weights").glob("v*")) == ["v000000", "v000004", "v000005"]
