@@ -58,7 +58,7 @@ from rlpipe.pipelines.trainer_jobset import PORT as TRAINER_PORT
 from rlpipe.pipelines.trainer_jobset import RENDEZVOUS_PORT, trainer_manifests, trainer_name
 from rlpipe.spec import RunSpec, load_spec
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "manifests" / "base"
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "base"
 MLFLOW_PORT, SAMPLER_PORT = 5000, 8000
 
 
