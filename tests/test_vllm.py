@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from rlpipe.engines import generate_rollouts
+from rlpipe import loop
 from rlpipe.environments.tools import calculator
 from rlpipe.spec import RunSpec, parse_spec, spec_to_dict
 
@@ -137,7 +137,7 @@ def test_in_step_vllm_matches_the_torch_policy(run, tmp_path: Path):
     spec, run_root, cache = run
     vllm_spec = service_spec(spec, None, engine="vllm")
     weights = read_weight_ref(run_root, 0)
-    metrics = generate_rollouts(vllm_spec, run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+    metrics = loop.generate(vllm_spec, run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
     rows = rollouts(tmp_path / "a.parquet")
     check_rollout_contract(rows, 0)
     assert metrics["throughput/generate_tokens_per_s"] > 0
@@ -168,7 +168,7 @@ def test_vllm_engines_sample_multi_turn_trajectories_token_in_token_out(run, req
     data["rollout"]["environment"] = {"type": "calculator", "max_turns": 3, "max_tokens": 24}
     multi_turn = parse_spec(data)
     weights = read_weight_ref(run_root, 0)
-    metrics = generate_rollouts(multi_turn, run_root, weights, 1, str(tmp_path / "m.parquet"), cache)
+    metrics = loop.generate(multi_turn, run_root, weights, 1, str(tmp_path / "m.parquet"), cache)
     rows = rollouts(tmp_path / "m.parquet")
     assert len(rows) == PROMPTS * SAMPLES and metrics["rollout/tool_call_rate"] > 0
     model, tokenizer = load_policy(weights["uri"])
@@ -205,7 +205,7 @@ def test_the_update_measures_the_samplers_mismatch_as_recomputed_by_hand(run, fl
     sampler_spec = parse_spec(data)
     weights = read_weight_ref(run_root, 0)
     paths = [str(tmp_path / f"{name}.parquet") for name in ("rollouts", "scored", "batch")]
-    generate_rollouts(sampler_spec, run_root, weights, 1, paths[0], cache)
+    loop.generate(sampler_spec, run_root, weights, 1, paths[0], cache)
     loop.score(sampler_spec, paths[0], paths[1])
     loop.advantages(sampler_spec, paths[1], paths[2])
 
@@ -233,7 +233,7 @@ def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Pa
     spec, run_root, cache = run
     weights = read_weight_ref(run_root, 0)
     served_before = [_served_requests(u) for u in fleet.urls]
-    metrics = generate_rollouts(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+    metrics = loop.generate(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
     rows = rollouts(tmp_path / "a.parquet")
     check_rollout_contract(rows, 0)
     assert metrics["samplers/ready"] == 2 and metrics["samplers/retried_requests"] == 0
@@ -241,7 +241,7 @@ def test_two_replicas_serve_one_batch_deterministically(run, fleet, tmp_path: Pa
     # vLLM counts each of the n samples of a request; both replicas took prompts
     assert all(n > 0 for n in served) and sum(served) == PROMPTS * SAMPLES, served
 
-    generate_rollouts(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
+    loop.generate(service_spec(spec, fleet), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
     again = rollouts(tmp_path / "b.parquet")
     assert [r["completion_token_ids"] for r in again] == [r["completion_token_ids"] for r in rows]  # seeded per prompt
 
@@ -408,11 +408,11 @@ def test_the_sampler_client_step_imports_no_torch(run, fleet, tmp_path: Path):
     spec, run_root, cache = run
     code = (
         "import json, sys\n"
-        "from rlpipe.engines import generate_rollouts\n"
+        "from rlpipe import loop\n"
         "from rlpipe.spec import parse_spec\n"
         "from rlpipe.store.weights import read_weight_ref\n"
         f"spec = parse_spec(json.loads({json.dumps(json.dumps(spec_to_dict(service_spec(spec, fleet))))}))\n"
-        f"generate_rollouts(spec, {run_root!r}, read_weight_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
+        f"loop.generate(spec, {run_root!r}, read_weight_ref({run_root!r}, 0), 2, {str(tmp_path / 'c.parquet')!r}, "
         f"{cache!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
@@ -504,14 +504,14 @@ def test_a_sampler_without_processed_log_probs_is_refused_before_it_samples(run,
         weights = read_weight_ref(run_root, 0)
         data = spec_to_dict(service_spec(spec, fleet))
         data["rollout"]["temperature"] = 0.7
-        generate_rollouts(parse_spec(data), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
+        loop.generate(parse_spec(data), run_root, weights, 1, str(tmp_path / "a.parquet"), cache)
         checked = json.loads((Path(run_root) / "samplers" / "logprobs_checked.json").read_text())
         assert checked == {url: 0.7 for url in fleet.urls}
 
         data["samplers"]["endpoints"] = fleet.urls + raw.urls
         started = time.time()
         with pytest.raises(SamplerError) as raised:
-            generate_rollouts(parse_spec(data), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
+            loop.generate(parse_spec(data), run_root, weights, 1, str(tmp_path / "b.parquet"), cache)
         assert str(raised.value).startswith(
             f"sampler {raw.urls[0]} reports log-probs at temperature 1, not at rollout.temperature 0.7"
         ), raised.value
