@@ -95,7 +95,7 @@ def test_exact_match_reads_the_answer_column_it_is_given():
 
 
 def test_the_checks_old_module_path_is_refused_with_the_new_one():
-    """rlpipe.rewards.verifiers (before 2026-11-29) is rlpipe.rewards.answer_checks: `verifiers` is the PyPI package."""
+    """rlpipe.rewards.verifiers (before 2026-11-28) is rlpipe.rewards.answer_checks: `verifiers` is the PyPI package."""
     new = "write rlpipe.rewards.answer_checks:exact_match instead of 'rlpipe.rewards.verifiers:exact_match'"
     with pytest.raises(RewardError, match=f"reward.verifier: rlpipe.rewards.verifiers is now .*{new}"):
         call_reward("rlpipe.rewards.verifiers:exact_match", ["1"], ["1"], {"reference": ["1"]}, "reward.verifier", 5.0)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 # rlpipe's modules renamed since a spec could name them: refused (at pre-flight) with the path to write instead
 RENAMED_MODULES = {
-    "rlpipe.rewards.verifiers": (  # 2026-11-29: `verifiers` is the PyPI package of environments
+    "rlpipe.rewards.verifiers": (  # 2026-11-28: `verifiers` is the PyPI package of environments
         "rlpipe.rewards.answer_checks",
         "rlpipe's answer checks were renamed so that `verifiers` names only the PyPI package of environments",
     ),

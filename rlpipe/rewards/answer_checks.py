@@ -1,7 +1,7 @@
 """rlpipe's answer checks, the built-in verifiers: reward functions (TRL's batch signature) whose 1.0 means
 correct. As functions ('rlpipe.rewards.answer_checks:exact_match') they read the ground truth from the
 `reference` column; as reward types ({type: exact_match, answer_column: answer}) from the column named.
-(Named rlpipe.rewards.verifiers before 2026-11-29: `verifiers` is the PyPI package of environments that
+(Named rlpipe.rewards.verifiers before 2026-11-28: `verifiers` is the PyPI package of environments that
 rlpipe.rewards.verifiers_tasks and rlpipe.environments.verifiers_env wrap.)"""
 
 from __future__ import annotations
