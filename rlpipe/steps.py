@@ -70,7 +70,8 @@ STEPS: tuple[Step, ...] = (
          "rlpipe.loop:run_iteration", torch=True, run_root=True, outputs=("rollouts", "scored", "batch"),
          reports=("rollout_samples", "time_breakdown", "eval_samples")),
     Step("track", "copy committed metrics, eval samples and registered versions to MLflow (exit handler)", "exit",
-         "rlpipe.tracking.mlflow_runs:flush", torch=False, run_root=True, computes_with=("rlpipe.tracking.mlflow_runs",)),
+         "rlpipe.tracking.mlflow_runs:flush", torch=False, run_root=True,
+         computes_with=("rlpipe.tracking.mlflow_runs",)),
     # offline DPO's own pipeline (pipelines/dpo_pipeline.py): init, these, then sync_weights and evaluate
     Step("preferences", "build the preference pairs once: v0's samples ranked by the verifier, or the data's",
          "dpo", "rlpipe.dpo_loop:build_preferences", torch=True, run_root=True,

@@ -60,8 +60,8 @@ def test_one_iteration_enters_the_weight_store_once_per_need(initialized_run, tm
     need: generate loads v(N)'s files (models.loading), the update's session opens v(N) and writes v(N+1),
     sync_weights publishes it (and learns its size from the same call). The session also opens the frozen
     reference v0 for the KL term (a fifth entry, for another version). At a6f62e0, before the session: the
-    iteration entered 11 times (15 with pruning, then in this module), the trainer 7; one iteration ran 40 rlpipe files (7,786
-    lines); at 3cfd3e5, 40 (7,295)."""
+    iteration entered 11 times (15 with pruning, then in this module), the trainer 7; one iteration ran 40
+    rlpipe files (7,786 lines); at 3cfd3e5, 40 (7,295)."""
     spec, run_root, cache = initialized_run
     entries, files = traced_iteration(spec, run_root, cache, tmp_path / "work")
     # pruning (rlpipe.store.pruning, after the commit) lists the store's folders and never takes the reference

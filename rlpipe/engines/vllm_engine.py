@@ -126,9 +126,7 @@ def sample_prompts(request: SampleRequest) -> Sampled:
     base = adapter_base(weights_dir)
     model_dir = weights_dir if base is None else local_path(base, cache_root)
     llm = load_engine(model_dir, spec.seed, gpu=False)
-    if (
-        base is not None
-    ):  # on CPU the adapter is merged into the base (rlpipe.engines.vllm_settings.serves_adapters)
+    if base is not None:  # on CPU the adapter is merged into the base (rlpipe.engines.vllm_settings.serves_adapters)
         llm.collective_rpc(MERGE_METHOD, kwargs={"base_path": model_dir, "adapter_path": weights_dir})
     # rlpipe's loader, not vLLM's AutoTokenizer: that one reads the tiny model's character tokenizer as
     # Qwen2's, which drops spaces, and observations must be tokenized as the policy's tokenizer does

@@ -52,21 +52,6 @@ if TYPE_CHECKING:
     from rlpipe.store.weights import WeightRef
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def swap_adapter(url: str, weights_dir: str, version: int, timeout_s: float) -> None:
     """Unload the replica's adapters, then load `version`'s (none when it is the base itself).
 
@@ -216,14 +201,6 @@ def reload_samplers(spec: RunSpec, weights: WeightRef) -> dict[str, float]:
     return sync_replicas(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s, adapters)
 
 
-
-
-
-
-
-
-
-
 def serve_version(spec: RunSpec, run_root: str, weights: WeightRef) -> dict[str, float]:
     """Make every ready replica serve `weights` before the sampler engine samples with them: sync_weights
     reloaded the replicas it found; one that restarted since (or whose reload was cut short) catches up."""
@@ -249,5 +226,3 @@ def ensure_version(
         return {"samplers/reloaded_stale": 0.0}
     metrics = sync_replicas(stale, weights_dir, version, timeout_s, adapters)
     return {"samplers/reloaded_stale": float(len(stale)), "time/sampler_catch_up_s": metrics["time/sampler_reload_s"]}
-
-
