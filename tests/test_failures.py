@@ -236,3 +236,21 @@ def test_cuda_builds_beside_cpu_torch_are_named_with_the_uninstall():
     assert cuda_builds_beside_cpu_torch(leftover) == ["torchvision", "triton"]
     assert cuda_builds_beside_cpu_torch({"torch": "2.13.0+cpu", "torchvision": None}) == []
     assert cuda_builds_beside_cpu_torch({"torch": "2.13.0", "torchvision": "0.28.0", "triton": "3.6.0"}) == []  # GPU
+
+
+def test_the_cause_is_found_in_a_traceback_another_process_wrote_into():
+    """A step's traceback in the run's log, with a line of the driver's own (MLflow creating its tables)
+    written into it mid-traceback, as happens on a loaded machine: the cause is still the step's exception."""
+    from pipelines.local_runner.driver import raised
+
+    log = "\n".join(
+        [
+            "    Traceback (most recent call last):",
+            "2026/11/28 16:17:21 INFO mlflow.store.db.utils: Creating initial MLflow database tables...",
+            '      File "/src/rlpipe/services/trainer/client.py", line 37, in wait_for_trainer',
+            '        raise TrainerError(f"the resident trainer {url} stopped: {why}")',
+            "    rlpipe.services.trainer.client.TrainerError: the resident trainer stopped: trainer.device is cuda",
+            "2026/11/28 16:17:21 INFO mlflow.store.db.utils: Updating database tables",
+        ]
+    )
+    assert raised(log) == ["TrainerError: the resident trainer stopped: trainer.device is cuda"]

@@ -379,7 +379,8 @@ def raised(log: str) -> list[str]:
     """The exceptions `log` reports, without their module path (`rlpipe.rewards.RewardError: ...` ->
     `RewardError: ...`): the one each traceback ends with, whatever its name (`EnvironmentFailure: ...`),
     found as the first line after the frames (indented more) back at the indentation of its "Traceback
-    (most recent call last):"; in a log without tracebacks, the lines that read `...Error: ...`."""
+    (most recent call last):", passing over lines indented less (another process's, written into the same log
+    mid-traceback); in a log without tracebacks, the lines that read `...Error: ...`."""
     lines = log.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -387,7 +388,7 @@ def raised(log: str) -> list[str]:
             continue
         indent = len(line) - len(line.lstrip())
         for after in lines[i + 1 :]:
-            if after.strip() and len(after) - len(after.lstrip()) <= indent:
+            if after.strip() and len(after) - len(after.lstrip()) == indent:
                 found.append(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+(?::|$))", "", after.strip()))
                 break
     if not found:
