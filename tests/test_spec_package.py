@@ -27,6 +27,7 @@ ORDER = [
     "training",
     "held_out",
     "placement",
+    "sharing",
     "run_spec",
     "validation",
     "encoding",

@@ -11,6 +11,7 @@ and they import in this order (each only the ones above it):
 - training:   how the update trains and how long the loop runs: trainer, loop
 - held_out:   what the held-out evals measure: sampled metrics, named sets, the evaluation harness
 - placement:  where it runs and stores: storage, tracking, cluster and its pods
+- sharing:    the trainer and samplers taking turns on one accelerator, runs taking turns by a lease
 - run_spec:   RunSpec, the sections together, with the rules across sections
 - validation: `parse_spec` and SpecError: unknown keys, types, bounds, choices, cross-field rules
 - encoding:   YAML (`load_spec`, `with_overrides`), plain dicts and the JSON that crosses KFP; what
@@ -86,6 +87,7 @@ from rlpipe.spec.schema import (
     WarmStartSpec,
 )
 from rlpipe.spec.section import retune, section, setting
+from rlpipe.spec.sharing import DeviceClaimSpec, SharingSpec
 from rlpipe.spec.training import LoopSpec, TrainerSpec
 from rlpipe.spec.validation import SpecError, parse_spec
 
@@ -116,6 +118,8 @@ __all__ = [
     "RewardSpec",
     "RolloutSpec",
     "RunSpec",
+    "SharingSpec",
+    "DeviceClaimSpec",
     "SCHEMA_FILE",
     "SamplersSpec",
     "SecretEnv",

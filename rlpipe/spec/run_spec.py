@@ -7,6 +7,7 @@ from rlpipe.spec.held_out import EvaluationSpec
 from rlpipe.spec.placement import ClusterSpec, StorageSpec, TrackingSpec
 from rlpipe.spec.schema import DataSpec, ModelSpec, PreferencesSpec, RewardSpec, RolloutSpec, SamplersSpec
 from rlpipe.spec.section import section, setting
+from rlpipe.spec.sharing import SharingSpec
 from rlpipe.spec.training import LoopSpec, TrainerSpec
 
 
@@ -48,6 +49,10 @@ class RunSpec:
     storage: StorageSpec = setting(default_factory=StorageSpec)
     tracking: TrackingSpec = setting(default_factory=TrackingSpec)
     cluster: ClusterSpec = setting(default_factory=ClusterSpec)
+    sharing: SharingSpec = setting(
+        default_factory=SharingSpec,
+        doc="The resident trainer and the samplers take turns on one accelerator, and runs naming one lease on it",
+    )
     preferences: PreferencesSpec = setting(default_factory=PreferencesSpec)
 
     @property
@@ -129,7 +134,37 @@ class RunSpec:
                 "loop.fuse_steps runs an iteration's steps in one task, and loop.overlap dag (offline DPO's pipeline) "
                 "runs them as tasks of their own; set loop.fuse_steps: false"
             )
+        self._check_sharing()
         if self.loop.max_staleness and self.algorithm.name == "dpo":
             raise ValueError(
                 "algorithm dpo trains on a fixed preference set, with no rollouts; set loop.max_staleness: 0"
+            )
+
+    def _check_sharing(self) -> None:
+        sharing = self.sharing
+        if sharing.lease and not sharing.enabled:
+            raise ValueError(f"sharing.lease {sharing.lease!r} takes turns on a shared device: set sharing.enabled")
+        if sharing.claim is not None and not sharing.enabled:
+            raise ValueError("sharing.claim is the device the trainer and samplers share: set sharing.enabled: true")
+        if not sharing.enabled:
+            return
+        if not (self.trainer.resident and self.rollout.engine == "sampler"):
+            raise ValueError(
+                "sharing.enabled: the resident trainer and the samplers take turns on the device; set "
+                "trainer.resident: true and rollout.engine: sampler (other engines hold no device between steps)"
+            )
+        if self.loop.max_staleness:
+            raise ValueError(
+                "sharing.enabled: the trainer and the samplers take turns, and loop.max_staleness >= 1 runs them at "
+                "once; set loop.max_staleness: 0"
+            )
+        if sharing.claim is not None and self.trainer.nodes > 1:
+            raise ValueError(
+                "sharing.claim: one ResourceClaim is allocated on one node, and trainer.nodes > 1 spans several; "
+                "set trainer.nodes: 1"
+            )
+        if sharing.claim is not None and sharing.claim.count != self.trainer.gpus:
+            raise ValueError(
+                f"sharing.claim.count ({sharing.claim.count}) must equal trainer.gpus ({self.trainer.gpus}): the "
+                "trainer's processes use every device of the claim"
             )
