@@ -2,7 +2,7 @@
 `--smoke` (tiny sizes, the same code path),
 run as a user runs it (`python benchmarks/X.py --smoke ...` from the repository root), writing its
 results into a temporary directory, never benchmarks/results/; then what it wrote is checked.
-CI's slow step (`pytest -m slow`): a few minutes together on a 2-core CPU."""
+CI's second step (`pytest -n 2 -m "slow or containers"`): a few minutes together on a 2-core CPU."""
 
 from __future__ import annotations
 
