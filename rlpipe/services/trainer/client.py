@@ -4,6 +4,8 @@ request_update    copy the batch into the run root (the trainer may be another p
 request_generate  rollout.engine torch: POST /generate; the trainer samples with the policy it
                   holds and writes the rollouts into the run root; copy them out
 request_evaluate  POST /evaluate: greedy held-out accuracy of the policy it holds
+request_offload   POST /offload, request_onload POST /onload: its device memory given back between its
+                  turns on a shared device, and taken again (sharing.enabled: rlpipe.sharing.handover)
 
 A trainer that dies mid-request is waited for (the local driver or Kubernetes restarts it) and
 asked again: nothing is published before sync_weights, and it reloads v(N) from storage.
@@ -129,6 +131,17 @@ def request_evaluate(
     """Held-out greedy accuracy of `weights`, evaluated by the resident trainer (it records it)."""
     payload = {"weights": as_weight_ref(weights), "cache_root": cache_root}
     return post(spec, run_root, "/evaluate", payload, iteration)["metrics"]
+
+
+def request_offload(spec: RunSpec, run_root: str, iteration: int, weights: bool) -> dict[str, float]:
+    """The trainer's optimizer state (and, with `weights`, its weights) to host memory, its gradients dropped:
+    {seconds, bytes} (the bytes its device gave back)."""
+    return post(spec, run_root, "/offload", {"weights": weights}, iteration)
+
+
+def request_onload(spec: RunSpec, run_root: str, iteration: int) -> dict[str, float]:
+    """What /offload moved, back on the trainer's device: {seconds, bytes}."""
+    return post(spec, run_root, "/onload", {}, iteration)
 
 
 def request_update(

@@ -17,7 +17,13 @@ failed batch may have applied some of its optimizer steps.
     POST /evaluate {spec, run_root, weights, iteration, cache_root} -> {metrics}
     POST /update   {spec, run_root, weights, batch_uri, iteration, cache_root} -> {staged, metrics}
                    4xx/5xx -> {error, message}
+    POST /offload  {weights: bool, ...} -> {seconds, bytes}   (sharing.enabled: the device given back between
+    POST /onload   {...} -> {seconds, bytes}                   its turns, rlpipe.training.offload; each rank its own)
     GET  /health  -> {weights: WeightRef | null}
+
+Each POST it serves is appended to <run root>/logs/trainer-requests.jsonl: {path, iteration, status, began,
+ended} (wall-clock seconds: while one process holds the request lock; several, from the request's arrival), the
+record the samplers' request logs are laid beside (rlpipe.services.samplers.request_log).
 
 Several processes (trainer.gpus x trainer.nodes > 1) run under torchrun, one per GPU (gloo
 processes on CPU), FSDP2 sharding policy, gradients and optimizer state. Rank 0 serves HTTP and
@@ -98,6 +104,7 @@ class Resident:
         if opened:
             session = TrainerSession.open(spec, run_root, weights, request["cache_root"])
         assert session is not None  # opened, or the kept one (not opened: self.session was there)
+        session.onload()  # offloaded between turns (sharing) and asked without /onload first: back on the device
         return session, opened
 
     def keep(self, session: TrainerSession) -> None:
@@ -150,6 +157,30 @@ def serve_update(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
         "metrics": metrics
         | {UPDATE_LOAD: loaded - started, UPDATE_TIME: time.time() - loaded, "trainer/reloaded": float(opened)},
     }
+
+
+def serve_offload(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """The kept session's device memory given back (optimizer state, gradients; its weights with
+    request["weights"]); nothing to do without one."""
+    session = resident.session
+    return session.offload(bool(request.get("weights"))) if session else {"seconds": 0.0, "bytes": 0.0}
+
+
+def serve_onload(request: dict[str, Any], resident: Resident) -> dict[str, Any]:
+    """What /offload moved, back on the device; nothing to do without a session."""
+    session = resident.session
+    return session.onload() if session else {"seconds": 0.0, "bytes": 0.0}
+
+
+def log_request(path: str, request: dict[str, Any], status: int, began: float) -> None:
+    """One line of <run root>/logs/trainer-requests.jsonl for a request served (a run root this process sees)."""
+    run_root = request.get("run_root", "")
+    if not run_root or "://" in run_root or not os.path.isdir(run_root):
+        return
+    line = {"path": path, "iteration": request.get("iteration"), "status": status, "began": began}
+    os.makedirs(os.path.join(run_root, "logs"), exist_ok=True)
+    with open(os.path.join(run_root, "logs", "trainer-requests.jsonl"), "a") as f:
+        f.write(json.dumps(line | {"ended": time.time()}) + "\n")
 
 
 PREFETCH_ROWS = 256  # per forward pass ahead: a request arriving meanwhile waits for one at most
@@ -210,7 +241,14 @@ def prefetch_proximal_logprobs(resident: Resident, lock: threading.Lock, iterati
     return computed_ahead()
 
 
-ROUTES = {"/generate": serve_generate, "/values": serve_values, "/evaluate": serve_evaluate, "/update": serve_update}
+ROUTES = {
+    "/generate": serve_generate,
+    "/values": serve_values,
+    "/evaluate": serve_evaluate,
+    "/update": serve_update,
+    "/offload": serve_offload,
+    "/onload": serve_onload,
+}
 INPUT_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, NaN loss: 422
 
 
@@ -269,14 +307,17 @@ def make_server(
                 kept.waiting += 1
                 with lock:
                     kept.waiting -= 1
+                    began = time.time()
                     status, body = answer(self.path, request, kept)
+                    log_request(self.path, request, status, began)
                 self._reply(status, body)
                 if self.path == "/update" and status == 200:
                     prefetch_proximal_logprobs(kept, lock, int(request["iteration"]))
                 return None
-            job = Job(self.path, request)
+            job, began = Job(self.path, request), time.time()
             jobs.put(job)
             job.done.wait()
+            log_request(self.path, request, job.answer[0], began)
             try:
                 self._reply(*job.answer)
             finally:
