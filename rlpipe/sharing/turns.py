@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from typing import Literal
 
+from rlpipe.sharing.kubernetes_lease import kubernetes_lease_turn
+from rlpipe.sharing.lease import file_lease_turn, lease_backend, lease_directory
 from rlpipe.spec import RunSpec
 from rlpipe.store.run_root import join, write_json
 
@@ -43,5 +45,13 @@ def device_turn(spec: RunSpec, run_root: str, phase: Phase, iteration: int) -> I
 
 
 def _lease(spec: RunSpec, run_root: str) -> contextlib.AbstractContextManager[None]:
-    """The lease that orders this run's turns among the runs that name it (sharing.lease); none of its own."""
-    return contextlib.nullcontext()
+    """The lease that orders this run's turns among the runs that name it (sharing.lease): a Kubernetes Lease in a
+    pod, a lock file under sharing.lease_root elsewhere (lease.lease_backend); none without sharing.lease. The
+    holder is this process, the owner whose turns least_recently_served evens out is the run."""
+    sharing = spec.sharing
+    if not sharing.lease:
+        return contextlib.nullcontext()
+    identity = holder_identity(run_root)
+    if lease_backend() == "kubernetes":
+        return kubernetes_lease_turn(sharing.lease, identity, run_root, sharing.policy, sharing.lease_duration_s)
+    return file_lease_turn(lease_directory(spec), identity, run_root, sharing.policy, sharing.lease_duration_s)
