@@ -5,6 +5,11 @@ security settings come from `security_context`, on every path: KFP tasks, Argo t
 
 KFP's own task settings land in the PipelineSpec; kfp-kubernetes settings in the PlatformSpec.
 The local runner ignores both, so `rlpipe run` builds the pipeline with cluster=None.
+
+With sharing.enabled no task requests the accelerator (task_gpus): the device is the one ResourceClaim the resident
+trainer and the samplers share (pipelines/shared_device.py), and KFP cannot give a task a pre-made claim. KFP 2.17
+has no call for DRA claims at all; kfp-kubernetes' add_resource_claim (kubeflow/pipelines#14243, after 2.17) takes
+ResourceClaimTemplates only, one claim per pod. So no task here ever needs that call, and none is made.
 """
 
 from typing import Any
@@ -14,6 +19,7 @@ from kfp import dsl, kubernetes
 from rlpipe.spec import ClusterSpec, RunSpec
 from rlpipe.steps import BY_NAME, gpus_for, sandboxed, task_steps, uses_trainer_image
 
+NAMESPACE = "rlpipe"  # manifests/base/namespace.yaml: the trainer's and the shared device's manifests
 SANDBOX_LABEL = "rlpipe.dev/sandbox"  # selected by manifests/base/sandbox.yaml's NetworkPolicies
 RUNTIME_CLASS_ANNOTATION = "rlpipe.dev/runtime-class"
 
@@ -34,6 +40,12 @@ def security_context(cluster: ClusterSpec) -> tuple[dict[str, Any], dict[str, An
     return pod, container
 
 
+def task_gpus(step: str, spec: RunSpec) -> int:
+    """GPUs the step's KFP task requests: gpus_for's, none with sharing.enabled (the trainer and the samplers
+    share the device; a task could not reference their claim)."""
+    return 0 if spec.sharing.enabled else gpus_for(step, spec)
+
+
 def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.PipelineTask:
     """Configure `task` (the `step` component) for the cluster `spec` describes (None: the local
     runner); results are never cached: every step reads or changes run state."""
@@ -48,7 +60,7 @@ def place(task: dsl.PipelineTask, step: str, spec: RunSpec | None) -> dsl.Pipeli
         task.set_cpu_limit(pod.cpu_limit)
     if pod.memory_limit:
         task.set_memory_limit(pod.memory_limit)
-    if gpus := gpus_for(step, spec):
+    if gpus := task_gpus(step, spec):
         task.set_accelerator_type(pod.accelerator).set_accelerator_limit(gpus)
     for label, value in pod.node_selector.items():
         kubernetes.add_node_selector(task, label, value)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from kfp import compiler
 
+from rlpipe.pipelines.shared_device import check_cluster_sharing
 from rlpipe.pipelines.trainer_jobset import trainer_url
 from rlpipe.spec import RunSpec, spec_to_json
 from rlpipe.steps import check_secret_steps
@@ -26,6 +27,7 @@ def default_cluster_run_root(spec: RunSpec) -> str:
 def cluster_spec_and_root(spec: RunSpec, run_root: str | None) -> tuple[RunSpec, str]:
     """The spec as cluster steps must see it (storage paths on the cluster) and the run root."""
     check_secret_steps(spec)  # a secret for no step would reach no pod
+    check_cluster_sharing(spec)  # sharing.enabled: its claim, a CEL selector, no KFP task needing the device
     run_root = run_root or default_cluster_run_root(spec)
     if spec.rollout.engine == "sampler" and not spec.samplers.endpoints:
         raise ValueError(

@@ -11,7 +11,8 @@ global rank 0 is always pod 0, which the Service selects. Every pod of the Job r
 (a torchrun job cannot take back one lost node): a pod that fails fails the Job, and the JobSet's
 failure policy recreates all of them, as `rlpipe run` restarts the local trainer; the restarted
 trainer reloads from the weight store. Why JobSet and not Kubeflow Trainer's TrainJob:
-manifests/README.md ("The resident trainer on several GPUs and nodes").
+manifests/README.md ("The resident trainer on several GPUs and nodes"). With sharing.claim its pods reference the
+ResourceClaim the samplers share instead of requesting GPUs (pipelines/shared_device.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any
 
 import yaml
 
-from rlpipe.pipelines.cluster_settings import security_context
+from rlpipe.pipelines.cluster_settings import NAMESPACE, security_context
+from rlpipe.pipelines.shared_device import container_resources, pod_claims
 from rlpipe.services.local_servers import MAX_RESTARTS
 from rlpipe.spec import RunSpec
 from rlpipe.steps import STEP_NAMES, service_for
 
-NAMESPACE = "rlpipe"  # manifests/base/namespace.yaml
 PORT = 8001
 RENDEZVOUS_PORT = 29500
 NODE_JOB = "node"  # the replicated Job's name, part of each pod's host name
@@ -77,12 +78,9 @@ def trainer_container(spec: RunSpec) -> dict[str, Any]:
     name, cluster, trainer = trainer_name(spec), spec.cluster, spec.trainer
     pod = cluster.trainer
     gpus = 0 if trainer.device == "cpu" else trainer.gpus  # per node; on CPU, trainer.gpus gloo processes
-    requests: dict[str, Any] = {"cpu": pod.cpu, "memory": pod.memory}
-    limits: dict[str, Any] = {
-        key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value
-    }
-    if gpus:
-        requests[pod.accelerator] = limits[pod.accelerator] = gpus
+    limits = {key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value}
+    # gpus of cluster.trainer.accelerator, or with sharing.claim the claim the samplers share
+    resources = container_resources(spec, {"cpu": pod.cpu, "memory": pod.memory}, limits, gpus)
     torchrun = ["python3", "-m", "torch.distributed.run", f"--nnodes={trainer.nodes}"]
     torchrun += [f"--nproc-per-node={trainer.gpus}", f"--master-addr={name}-{NODE_JOB}-0-0.{node_hosts(spec)}"]
     torchrun += [f"--master-port={RENDEZVOUS_PORT}", "--max-restarts=0"]  # restarts: the JobSet's, all nodes at once
@@ -103,7 +101,7 @@ def trainer_container(spec: RunSpec) -> dict[str, Any]:
             {"name": "http", "containerPort": PORT},
             {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
         ],
-        "resources": {"requests": requests} | ({"limits": limits} if limits else {}),
+        "resources": resources,
         "securityContext": container_security | {"readOnlyRootFilesystem": True},
         "volumeMounts": mounts,
     }
@@ -121,15 +119,16 @@ def trainer_pod_spec(spec: RunSpec) -> dict[str, Any]:
     if cluster.pvc:
         volumes.append({"name": "weights", "persistentVolumeClaim": {"claimName": cluster.pvc}})
     pod_security, _ = security_context(cluster)
+    containers = [trainer_container(spec)]
     pod_spec = {
         "restartPolicy": "Never",  # a failed pod fails the Job; the JobSet then restarts every node
         "serviceAccountName": "rlpipe-trainer",
         "automountServiceAccountToken": False,  # the trainer never calls the Kubernetes API
         "terminationGracePeriodSeconds": 30,
         "securityContext": pod_security | {"fsGroup": cluster.run_as_user, "fsGroupChangePolicy": "OnRootMismatch"},
-        "containers": [trainer_container(spec)],
+        "containers": containers,
         "volumes": volumes,
-    }
+    } | pod_claims(spec, containers)
     if pod.node_selector:
         pod_spec["nodeSelector"] = dict(pod.node_selector)
     if pod.tolerations:

@@ -20,14 +20,22 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 NAMESPACE = "rlpipe"
 K8S_VERSION = "1.32.0"  # kubernetes-validate bundles v1.32.0 schemas (see test_core_kinds_match_k8s_schema)
+DRA_K8S_VERSION = "1.34.0"  # resource.k8s.io/v1 (the shared-device overlay's ResourceClaim) is GA from 1.34
 
 BUILDS = {
     "base": "base",
     "dev": "overlays/dev",
     "gke": "overlays/gke",
     "gke-lustre": "overlays/gke-lustre",
+    "shared-device": "overlays/shared-device",
 }
-WEIGHTS_STORAGE_CLASS = {"base": None, "dev": "nfs-client", "gke": "standard-rwx", "gke-lustre": "lustre"}
+WEIGHTS_STORAGE_CLASS = {
+    "base": None,
+    "dev": "nfs-client",
+    "gke": "standard-rwx",
+    "gke-lustre": "lustre",
+    "shared-device": None,
+}
 GKE_BUILDS = ("gke", "gke-lustre")
 
 # API groups validated against the bundled Kubernetes schemas; everything else must be a CRD group
@@ -43,6 +51,7 @@ CORE_GROUPS = {
     "networking.k8s.io",
     "node.k8s.io",  # RuntimeClass (gVisor for sandboxed scoring)
     "scheduling.k8s.io",
+    "resource.k8s.io",  # ResourceClaim (the shared-device overlay), validated at DRA_K8S_VERSION
 }
 CRD_GROUPS = {"kueue.x-k8s.io"}
 CLUSTER_SCOPED = {
@@ -179,14 +188,16 @@ def test_core_kinds_match_k8s_schema(build):
         if group in CRD_GROUPS:
             continue  # CRDs: no bundled schema; their shape is checked by the Kueue test below
         assert group in CORE_GROUPS, f"{ident}: API group {group!r} is neither a core group nor a known CRD group"
+        version = DRA_K8S_VERSION if group == "resource.k8s.io" else K8S_VERSION
         try:
-            validated = kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            validated = kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as err:
             path = ".".join(str(p) for p in err.path)
-            pytest.fail(f"{ident} is not a valid {K8S_VERSION} object at {path}: {err.message}")
+            pytest.fail(f"{ident} is not a valid {version} object at {path}: {err.message}")
         except kubernetes_validate.SchemaNotFoundError as err:
             pytest.fail(f"{ident}: {err.message}")
-        assert validated == "1.32", f"{ident} validated against {validated}, not the bundled 1.32 schemas"
+        minor = version.rsplit(".", 1)[0]
+        assert validated == minor, f"{ident} validated against {validated}, not the bundled {minor} schemas"
 
 
 def test_names_namespaces_and_common_labels(build):
@@ -387,6 +398,10 @@ def test_sampler(build):
     if name == "dev":
         assert gpu_req is None and gpu_lim is None, "the dev overlay is CPU-only"
         assert dep["spec"]["replicas"] == 1
+    elif name == "shared-device":  # the claim instead of a GPU: tests/test_shared_device.py resolves it
+        assert gpu_req is None and gpu_lim is None and c["resources"]["claims"] == [{"name": "device"}]
+        (reference,) = pod["resourceClaims"]
+        assert _find(docs, "ResourceClaim", reference["resourceClaimName"])["metadata"]["namespace"] == NAMESPACE
     else:
         assert int(gpu_req) == 1 and int(gpu_lim) == 1
     if name in GKE_BUILDS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlpipe.pipelines.commands.arguments import spec_from_args
-from rlpipe.spec import RunSpec
+from rlpipe.spec import DeviceClaimSpec, RunSpec
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -16,6 +16,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         if is_offline_dpo(spec):
             raise ValueError("algorithm.name dpo compiles to KFP only (its own pipeline); drop --target argo")
+        if spec.sharing.enabled:  # its templates still request cluster.trainer.accelerator, a device of their own
+            raise ValueError("sharing.enabled compiles to KFP only (the shared claim's pods); drop --target argo")
 
         path = export_argo(spec, args.output, run_root=args.run_root)
         print(f"wrote {path}: a WorkflowTemplate and a CronWorkflow; `kubectl apply -n rlpipe -f {path}`")
@@ -32,7 +34,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
             f"wrote {trainer}: the resident trainer ({spec.trainer.nodes} node(s) x {spec.trainer.gpus} processes, "
             f"a JobSet) and its Service {spec.trainer.endpoint or trainer_url(spec)}; `kubectl apply -f {trainer}`"
         )
+    if spec.sharing.claim is not None:
+        _write_shared_device(spec, spec.sharing.claim, args)
     return 0
+
+
+def _write_shared_device(spec: RunSpec, claim: DeviceClaimSpec, args: argparse.Namespace) -> None:
+    """sharing.claim: the ResourceClaim and the samplers on it, beside the pipeline; which tasks lose the device."""
+    from rlpipe.pipelines.compile import cluster_spec_and_root
+    from rlpipe.pipelines.shared_device import steps_without_the_device, write_shared_device
+
+    _, run_root = cluster_spec_and_root(spec, args.run_root)
+    path = write_shared_device(spec, args.output, run_root)
+    print(
+        f"wrote {path}: ResourceClaim {claim.name} ({claim.count} x {claim.device_class}) and the samplers' Deployment "
+        f"({spec.samplers.replicas} replica(s)) on it; `kubectl apply -f {path}` before the trainer"
+    )
+    if steps := steps_without_the_device(spec):
+        print(
+            "note: sharing.enabled: no KFP task can use the shared claim, so these steps compute on the CPU: "
+            f"{', '.join(steps)} (docs/sharing-accelerators.md)"
+        )
 
 
 def _say_how_to_start_the_trainer(spec: RunSpec, args: argparse.Namespace) -> None:
@@ -43,6 +65,11 @@ def _say_how_to_start_the_trainer(spec: RunSpec, args: argparse.Namespace) -> No
         print(
             f"trainer.resident: the steps call {trainer_url(spec)}; start it first: `rlpipe compile {args.spec} "
             "-o rl.yaml` writes it as rl.trainer.yaml, then `kubectl apply -f rl.trainer.yaml`"
+        )
+    if spec.sharing.claim is not None:
+        print(
+            f"sharing.claim: the trainer and the samplers share ResourceClaim {spec.sharing.claim.name}; `rlpipe "
+            f"compile {args.spec} -o rl.yaml` writes it with the samplers as rl.shared-device.yaml: apply it first"
         )
 
 
