@@ -39,7 +39,7 @@ def device_turn(spec: RunSpec, run_root: str, phase: Phase, iteration: int) -> I
         try:
             yield metrics
         finally:
-            record = {"phase": phase, "iteration": iteration, "holder": holder_identity(run_root)}
+            record: dict[str, object] = {"phase": phase, "iteration": iteration, "holder": holder_identity(run_root)}
             record |= {"waited_s": began - asked, "began": began, "ended": time.time()}
             write_json(join(run_root, "sharing", "turns", f"{iteration:06d}-{phase}.json"), record)
 
