@@ -195,6 +195,23 @@ def test_the_overlay_claim_is_the_default_one(tmp_path: Path):
     assert overlay["spec"] == ours["spec"]
 
 
+def test_the_overlay_lets_the_pipeline_pods_take_the_lease():
+    """What rlpipe/sharing/kubernetes_lease.py calls (read, create, replace a Lease) is what the overlay's Role
+    grants the pipeline pods' ServiceAccount, and nothing more."""
+    import re
+
+    path = REPO / "manifests" / "overlays" / "shared-device" / "lease-role.yaml"
+    role, binding = yaml.safe_load_all(path.read_text())
+    calls = set(re.findall(r"api\.(\w+)_namespaced_lease", (REPO / "rlpipe/sharing/kubernetes_lease.py").read_text()))
+    verbs = {"read": "get", "create": "create", "replace": "update"}
+    (rule,) = role["rules"]
+    assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
+    assert calls == set(verbs) and set(rule["verbs"]) == {verbs[c] for c in calls}
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == "rlpipe-pipeline-runner"  # the KFP pods' (manifests/base/rbac.yaml)
+    assert "lease-role.yaml" in (path.parent / "kustomization.yaml").read_text()
+
+
 BAD = {
     "a selector that is not CEL": (
         {"sharing": {"enabled": True, "claim": {"device_class": "gpu.nvidia.com", "selector": "device.attributes["}}},
