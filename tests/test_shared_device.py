@@ -131,6 +131,19 @@ def test_the_pods_validate_and_every_claim_resolves(compiled):
     assert claims["metadata"]["name"] == "rlpipe-shared-device"
 
 
+def test_podman_play_drops_the_claim(compiled):
+    """`rlpipe podman-play` (pipelines/local_runner/podman_play.py) plays the samplers of a spec with sharing.claim:
+    podman has no DRA, so the pod and its containers lose the claim and keep everything else."""
+    from rlpipe.pipelines.local_runner.podman_play import play_pod
+
+    _claims, deployment = compiled["rl.shared-device.yaml"]
+    pod = play_pod("sampler-0", deployment["spec"]["template"], "Always", [], {}, {"nvidia.com/gpu"})
+    assert "resourceClaims" not in pod["spec"]
+    for container in pod["spec"]["containers"]:
+        assert "claims" not in container.get("resources", {}), container["resources"]
+    assert pod["spec"]["containers"][0]["args"] == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_no_kfp_task_requests_the_accelerator(compiled):
     """The device users are the trainer and the samplers: KFP cannot give a task the pre-made claim."""
     from google.protobuf import json_format

