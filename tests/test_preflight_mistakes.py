@@ -396,3 +396,25 @@ def test_a_secret_for_a_step_that_is_not_one_is_named_before_any_step(tmp_path: 
     assert not (tmp_path / "runs" / "tiny" / "state.json").exists()
     secrets[0]["steps"] = ["track"]
     assert "cluster.secrets: 1" in check_secrets(parse_spec(tiny_spec_dict(tmp_path, cluster={"secrets": secrets})))
+
+
+# --- a lease on storage other runs sharing the device cannot lock -------------------------------------------------
+
+
+def test_a_lease_on_an_object_store_is_named_at_preflight(tmp_path: Path):
+    """sharing.lease on a gs:// run root (no lock file there): the pre-flight names the key and the way out; on a
+    local path it says where the turns are kept."""
+    from rlpipe.preflight import CheckFailed, check_lease
+
+    sections = {
+        "trainer": {"resident": True},
+        "rollout": {"engine": "sampler"},
+        "samplers": {"endpoints": ["http://127.0.0.1:8000"]},
+    }
+    sharing = {"enabled": True, "lease": "gpu-0"}
+    remote = tiny_spec_dict(tmp_path, **sections, sharing=sharing, storage={"root": "gs://rlpipe-test/runs"})
+    with pytest.raises(CheckFailed, match=r"storage.root \(sharing.lease_root is not set\).*sharing.lease_root"):
+        check_lease(parse_spec(remote))
+    shared = sharing | {"lease_root": str(tmp_path / "shared")}
+    said = check_lease(parse_spec(tiny_spec_dict(tmp_path, **sections, sharing=shared)))
+    assert said == f"sharing.lease gpu-0: turns under {tmp_path / 'shared' / 'leases' / 'gpu-0'} (fifo)"

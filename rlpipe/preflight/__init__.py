@@ -5,8 +5,8 @@ Each check returns one line saying what it found, or raises CheckFailed saying w
 `preflight` runs them all and reports every failure at once, so one edit fixes them all.
 
     machine     the packages and the device (check_installed, check_device)
-    storage     the run root, the cache, the tracking store and a Kubeflow Model Registry (check_run_root,
-                check_tracking, check_model_registry)
+    storage     the run root, the cache, the tracking store, a Kubeflow Model Registry and the lease runs
+                share (check_run_root, check_tracking, check_model_registry, check_lease)
     inputs      the model and the data's prompts, and how they tokenize (check_model, check_data)
     behaviour   the algorithm, rewards, environment and evaluation (check_algorithm, check_rewards,
                 check_environment, check_evaluation), and the steps cluster.secrets names (check_secrets)
@@ -29,7 +29,13 @@ from rlpipe.preflight.behaviour import (
 from rlpipe.preflight.inputs import check_data, check_model
 from rlpipe.preflight.machine import check_device, check_installed, cuda_builds_beside_cpu_torch, gpus_problem
 from rlpipe.preflight.probe import CheckFailed
-from rlpipe.preflight.storage import check_model_registry, check_run_root, check_tracking, tracking_store_problem
+from rlpipe.preflight.storage import (
+    check_lease,
+    check_model_registry,
+    check_run_root,
+    check_tracking,
+    tracking_store_problem,
+)
 from rlpipe.spec import RunSpec
 
 
@@ -53,6 +59,7 @@ def preflight(spec: RunSpec, run_root: str, say: Callable[[str], None] = lambda 
         lambda: check_tracking(spec, run_root),
         *([lambda: check_model_registry(spec)] if spec.tracking.model_registry else []),
         *([lambda: check_secrets(spec)] if spec.cluster.secrets else []),
+        *([lambda: check_lease(spec)] if spec.sharing.lease else []),
     ]
     failures = []
     log_path = Path(spec.cache_root) / "logs" / "preflight.log"
@@ -107,6 +114,7 @@ __all__ = [
     "check_environment",
     "check_evaluation",
     "check_installed",
+    "check_lease",
     "check_model",
     "check_model_registry",
     "check_rewards",

@@ -1,4 +1,4 @@
-"""Where the run writes: the run root and the cache, and the MLflow tracking store."""
+"""Where the run writes: the run root and the cache, the MLflow tracking store, and the lease runs share."""
 
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def check_run_root(spec: RunSpec, run_root: str) -> str:
     except OSError as err:
         raise CheckFailed(f"storage.cache: cannot write {cache} ({err}); set storage.cache to a writable dir") from None
     return f"run root {run_root} and cache {cache} are writable"
+
+
+def check_lease(spec: RunSpec) -> str:
+    """sharing.lease's directory can be locked: a local or mounted path every run sharing it sees (or, in a pod,
+    the Kubernetes Lease)."""
+    from rlpipe.sharing.lease import check_lease_root, lease_backend, lease_directory
+
+    if problem := check_lease_root(spec):
+        raise CheckFailed(problem)
+    if lease_backend() == "kubernetes":
+        return f"sharing.lease {spec.sharing.lease}: a coordination.k8s.io/v1 Lease"
+    directory = lease_directory(spec)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckFailed(f"sharing.lease_root: cannot create {directory} ({err}); name a writable mount") from None
+    return f"sharing.lease {spec.sharing.lease}: turns under {directory} ({spec.sharing.policy})"
 
 
 def check_tracking(spec: RunSpec, run_root: str) -> str:
