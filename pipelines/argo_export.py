@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 from hera.workflows import models as m
 
-from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL, security_context
+from rlpipe.pipelines.cluster_settings import SANDBOX_LABEL, security_context, task_gpus
 from rlpipe.pipelines.compile import cluster_spec_and_root
 from rlpipe.spec import PodSpec, RunSpec, spec_to_json
-from rlpipe.steps import FUSED, gpus_for, iteration_steps, sandboxed, task_steps, uses_trainer_image
+from rlpipe.steps import FUSED, iteration_steps, sandboxed, task_steps, uses_trainer_image
 
 API_VERSION = "argoproj.io/v1alpha1"
 VOLUME = "run-root"
@@ -29,7 +29,7 @@ def _template(name: str, step: str, spec: RunSpec) -> m.Template:
     pod: PodSpec = cluster.trainer if uses_trainer_image(computes, spec) else cluster.step
     requests = {"cpu": pod.cpu, "memory": pod.memory}
     limits = {key: value for key, value in (("cpu", pod.cpu_limit), ("memory", pod.memory_limit)) if value}
-    if gpus := gpus_for(computes, spec):
+    if gpus := task_gpus(computes, spec):  # none with sharing: the trainer and samplers share the claim
         requests[pod.accelerator] = limits[pod.accelerator] = str(gpus)
     env = [
         m.EnvVar(name=s.env, value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=s.secret, key=s.key)))

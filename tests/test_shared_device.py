@@ -241,8 +241,18 @@ BAD = {
         (),
         "sharing.enabled: algorithm.name dpo trains in the pipeline's own KFP tasks",
     ),
-    "the Argo target": ({}, ("--target", "argo"), "sharing.enabled compiles to KFP only"),
 }
+
+
+def test_no_argo_template_requests_the_accelerator(tmp_path: Path):
+    """`rlpipe compile --target argo` with sharing: like the KFP tasks, no step template requests a device."""
+    out = tmp_path / "rl.yaml"
+    done = _compile(_spec_file(tmp_path), out, "--target", "argo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    templates = [t for doc in yaml.safe_load_all(out.read_text()) for t in doc["spec"].get("templates", [])]
+    requested = {key for t in templates if "container" in t for key in t["container"]["resources"]["requests"]}
+    assert templates and requested == {"cpu", "memory"}, requested
+    assert (tmp_path / "rl.shared-device.yaml").exists() and (tmp_path / "rl.trainer.yaml").exists()
 
 
 @pytest.mark.parametrize("case", list(BAD))

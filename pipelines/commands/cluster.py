@@ -16,9 +16,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         if is_offline_dpo(spec):
             raise ValueError("algorithm.name dpo compiles to KFP only (its own pipeline); drop --target argo")
-        if spec.sharing.enabled:  # its templates still request cluster.trainer.accelerator, a device of their own
-            raise ValueError("sharing.enabled compiles to KFP only (the shared claim's pods); drop --target argo")
-
         path = export_argo(spec, args.output, run_root=args.run_root)
         print(f"wrote {path}: a WorkflowTemplate and a CronWorkflow; `kubectl apply -n rlpipe -f {path}`")
     else:
