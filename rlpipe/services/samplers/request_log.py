@@ -1,7 +1,7 @@
 """The sampler servers' own record of the requests they served: an ASGI middleware vLLM's server loads
 (`--middleware rlpipe.services.samplers.request_log.RequestLog`) that appends one JSON line per POST request,
-{path, status, began, ended} (wall-clock seconds), to the file $RLPIPE_SAMPLER_REQUEST_LOG; without it, nothing.
-The local fleet sets it to <run root>/logs/sampler-<i>-requests.jsonl, so that the samplers' generate requests
+{path, query, status, began, ended} (wall-clock seconds), to the file $RLPIPE_SAMPLER_REQUEST_LOG; without it,
+nothing. The local fleet sets it to <run root>/logs/sampler-<i>-requests.jsonl, so that the samplers' generate requests
 can be laid beside the resident trainer's (<run root>/logs/trainer-requests.jsonl) on one clock: with
 sharing.enabled, none overlaps an update (tests/test_sharing_protocol.py).
 
@@ -47,5 +47,6 @@ class RequestLog:
         try:
             await self.app(scope, receive, sending)
         finally:  # after the last byte of the body (a streamed one too): the request's end
-            line = {"path": scope["path"], "status": status, "began": began, "ended": time.time()}
+            line = {"path": scope["path"], "query": scope["query_string"].decode(errors="replace")}
+            line |= {"status": status, "began": began, "ended": time.time()}
             os.write(self.fd, (json.dumps(line) + "\n").encode())
