@@ -280,7 +280,8 @@ def test_device_turn_takes_the_file_lease(tmp_path):
         assert record["holderIdentity"] == turns.holder_identity(run_root)
     record = _record(tmp_path / "shared" / "leases" / "gpu0")
     assert (record["holderIdentity"], record["leaseTransitions"], list(record["lastServed"])) == ("", 1, [run_root])
-    assert json.loads((tmp_path / "runs" / "x" / "sharing" / "turns" / "000003-train.json").read_text())["phase"]
+    (turn,) = (tmp_path / "runs" / "x" / "sharing" / "turns").glob("000003-train-*.json")
+    assert json.loads(turn.read_text())["phase"] == "train"
 
 
 # --- the Kubernetes Lease ---

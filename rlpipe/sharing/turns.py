@@ -1,7 +1,8 @@
 """One phase's turn on the shared device: the trainer's ("train": its update, its evals) or the samplers'
 ("sample": wake, serve the new version, generate). Each turn is recorded in the run root,
-<run_root>/sharing/turns/<iteration>-<phase>.json: {phase, iteration, holder, waited_s, began, ended} (wall-clock
-seconds), so that tests and the docs can show that no two phases overlapped."""
+<run_root>/sharing/turns/<iteration>-<phase>-<began>.json (an iteration's evaluate and update are both the
+trainer's): {phase, iteration, holder, waited_s, began, ended} (wall-clock seconds), so that tests and the docs can
+show that no two phases overlapped."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def device_turn(spec: RunSpec, run_root: str, phase: Phase, iteration: int) -> I
         finally:
             record: dict[str, object] = {"phase": phase, "iteration": iteration, "holder": holder_identity(run_root)}
             record |= {"waited_s": began - asked, "began": began, "ended": time.time()}
-            write_json(join(run_root, "sharing", "turns", f"{iteration:06d}-{phase}.json"), record)
+            write_json(join(run_root, "sharing", "turns", f"{iteration:06d}-{phase}-{began:.3f}.json"), record)
 
 
 def _lease(spec: RunSpec, run_root: str) -> contextlib.AbstractContextManager[None]:
