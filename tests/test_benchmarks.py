@@ -176,6 +176,22 @@ def test_samplers(tmp_path: Path):
     assert "| sampler x2 |" in (tmp_path / "samplers.md").read_text()
 
 
+
+def test_sharing(tmp_path: Path):
+    """Two runs side by side (issue 60): one after the other, both at once, and both at once taking turns by one
+    lease. With the lease, by the servers' own request logs and by both runs' turn records, neither run used the
+    device while the other did; every configuration ends on each run's solo weights, byte for byte."""
+    bench("sharing.py", "--smoke", "--runs", tmp_path / "runs", "--results-dir", tmp_path, timeout=1200)
+    record = json.loads((tmp_path / "sharing.json").read_text())
+    rows = {row["config"]: row for row in record["runs"]}
+    assert list(rows) == ["one after the other", "both at once", "both at once, one lease"] and record["smoke"]
+    shared = rows["both at once, one lease"]
+    assert shared["device_overlaps"] == 0 and shared["turn_overlaps"] == 0, shared
+    assert min(shared["turns"].values()) >= 2 * 2  # each run: a train and a sample turn an iteration, and evals
+    assert all(row["weights_equal_solo"] for row in rows.values()), rows
+    assert all(row["wall_s"] > 0 and 0 < row["peak_rss_gb"] < 64 for row in rows.values()), rows
+    assert "| both at once, one lease |" in (tmp_path / "sharing.md").read_text()
+
 def test_vs_trl(tmp_path: Path):
     """Both systems from the same warm-started model: rlpipe's pipeline and TRL's GRPOTrainer, twice."""
     bench("vs_trl.py", "--smoke", "--work", tmp_path / "work", "--results-dir", tmp_path)
