@@ -152,7 +152,8 @@ def sampler_container(spec: RunSpec, run_root: str) -> dict[str, Any]:
         "name": "sampler",
         "image": cluster.sampler_image,
         "command": ["python", "-m", "rlpipe.services.samplers.fleet"],
-        "args": ["--host=0.0.0.0", f"--port={SAMPLER_PORT}"],
+        # /sleep frees the device only with sleep mode on (docs/sharing-accelerators.md, "vLLM on a CPU and on a GPU")
+        "args": ["--host=0.0.0.0", f"--port={SAMPLER_PORT}", "--enable-sleep-mode"],
         "env": sampler_env(run_root),
         "ports": [{"name": "http", "containerPort": SAMPLER_PORT}],
         "readinessProbe": {  # no livenessProbe: /health fails while the fleet waits for the run's first weights

@@ -402,6 +402,7 @@ def test_sampler(build):
         assert gpu_req is None and gpu_lim is None and c["resources"]["claims"] == [{"name": "device"}]
         (reference,) = pod["resourceClaims"]
         assert _find(docs, "ResourceClaim", reference["resourceClaimName"])["metadata"]["namespace"] == NAMESPACE
+        assert c["args"] == ["--host=0.0.0.0", "--port=8000", "--enable-sleep-mode"]  # /sleep frees the device
     else:
         assert int(gpu_req) == 1 and int(gpu_lim) == 1
     if name in GKE_BUILDS:

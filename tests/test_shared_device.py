@@ -160,7 +160,7 @@ def test_no_kfp_task_requests_the_accelerator(compiled):
 
 def test_samplers_are_the_base_manifest_on_the_claim(tmp_path: Path):
     """The Deployment compile writes is manifests/base/sampler.yaml's but for what the spec sets (image, replicas,
-    run root, PVC) and the device: the base's Services select it, its ServiceAccount runs it. Its pods go where
+    run root, PVC), the device and vLLM's sleep mode: the base's Services select it, its ServiceAccount runs it. Its pods go where
     the trainer's do (the claim's node is the one node both run on)."""
     from rlpipe.pipelines.shared_device import sampler_deployment
     from rlpipe.spec import load_spec
@@ -180,8 +180,9 @@ def test_samplers_are_the_base_manifest_on_the_claim(tmp_path: Path):
     assert pod["securityContext"] == base_pod["securityContext"]
     (c,), (b,) = pod["containers"], base_pod["containers"]
     assert c["image"] == spec.cluster.sampler_image
-    for key in ("name", "command", "args", "ports", "readinessProbe", "securityContext", "volumeMounts"):
+    for key in ("name", "command", "ports", "readinessProbe", "securityContext", "volumeMounts"):
         assert c[key] == b[key], key
+    assert c["args"] == [*b["args"], "--enable-sleep-mode"]  # /sleep frees the device only with it
     run_root = {"name": "RLPIPE_RUN_ROOT", "value": "/mnt/rlpipe/runs/addition-demo-x"}
     assert c["env"] == [run_root if e["name"] == "RLPIPE_RUN_ROOT" else e for e in b["env"]]
     gpu = spec.cluster.trainer.accelerator
