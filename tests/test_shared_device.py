@@ -160,8 +160,8 @@ def test_no_kfp_task_requests_the_accelerator(compiled):
 
 def test_samplers_are_the_base_manifest_on_the_claim(tmp_path: Path):
     """The Deployment compile writes is manifests/base/sampler.yaml's but for what the spec sets (image, replicas,
-    run root, PVC), the device and vLLM's sleep mode: the base's Services select it, its ServiceAccount runs it. Its pods go where
-    the trainer's do (the claim's node is the one node both run on)."""
+    run root, PVC), the device and vLLM's sleep mode: the base's Services select it, its ServiceAccount runs it.
+    Its pods go where the trainer's do (the claim's node is the one node both run on)."""
     from rlpipe.pipelines.shared_device import sampler_deployment
     from rlpipe.spec import load_spec
 
