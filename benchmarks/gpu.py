@@ -22,7 +22,14 @@ functions (rlpipe.training.trainer.train_on_batch, rlpipe.engines.torch_engine.h
   - generation: the torch engine's decode (rlpipe.engines.decode: each step a CUDA graph on a GPU)
     tokens/s, `--gen-rows` rows of `--new-tokens`, and beside it on a GPU the same decode with eager
     steps (LoRA samples merged, so its generation is the full model's: measured once per shape);
-  - the iteration's compute: generate + update wall.
+  - the iteration's compute: generate + update wall;
+  - sharing the device (full only, after the generation; benchmarks/gpu_offload.py): the trainer's offload between
+    its turns (rlpipe.training.offload, as the trainer server runs it for sharing.enabled) on the state the update
+    left (weights, gradients, AdamW state), with and without the weights: offload and onload seconds and bytes;
+    beside a sampler's copy of the weights on the same device, the trainer resident, offloaded, and offloaded with
+    the weights: on a GPU the device memory held before the decode of `--gen-rows` rows and its peak during it,
+    and the largest batch of `--new-tokens` rows that fits (doubling, then bisection, catching OOM; at most
+    `--fit-max-rows`). On a CPU nothing moves (the device is the host): the bytes are those that would move.
 Writes benchmarks/results/gpu_<device>.{json,md} (--smoke: under runs/smoke/ unless --results-dir
 says). A whole iteration through the step functions, with weight sync, is benchmarks/iteration_at_scale.py.
 """
@@ -40,7 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from machine import describe_machine  # benchmarks/ is on sys.path when run as a script
+from gpu_offload import measure_offload, offload_table  # benchmarks/ is on sys.path when run as a script
+from machine import describe_machine
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -224,7 +232,8 @@ def measure(shape: str, lora: bool, args: argparse.Namespace, device: torch.devi
     }
     if lora:  # LoRA samples merged: its generation is the full model's
         return result
-    return result | measure_generation(model, args, device, vocab, update_s)
+    result |= measure_generation(model, args, device, vocab, update_s)
+    return result | {"offload": measure_offload(trainer, args, device)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -241,6 +250,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
     parser.add_argument("--gen-rows", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--fit-max-rows", type=int, default=8192, help="a GPU: the largest batch searched (0: none)")
     parser.add_argument("--smoke", action="store_true", help="the CPU path at tiny batches (any --device): seconds")
     parser.add_argument("--results-dir", type=Path, help="default benchmarks/results (--smoke: runs/smoke)")
     parser.add_argument("--tag", default=None, help="results file suffix (default: the device)")
@@ -280,7 +290,7 @@ def markdown_lines(args: argparse.Namespace, results: list[dict], machine: str, 
             f"{r['iteration_compute_s']:.1f} s" if "generate_s" in r else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    return lines + offload_table(results, args.fit_max_rows)
 
 
 # a GPU: RL-sized batches; a CPU: small enough for minutes
@@ -321,7 +331,7 @@ def main() -> None:
             if gpu:
                 torch.cuda.empty_cache()
     machine = describe_machine()
-    settings = {k: getattr(args, k) for k in [*defaults, "lora_rank"]}
+    settings = {k: getattr(args, k) for k in [*defaults, "lora_rank", "fit_max_rows"]}
     lines = markdown_lines(args, results, machine, settings)
     print("\n".join(lines))
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -141,7 +141,33 @@ def test_gpu(tmp_path: Path):
         assert row["peak_memory_gib"] >= 0 and row["trained_parameters"] <= row["parameters"]
     assert lora["trained_parameters"] < full["trained_parameters"]
     assert full["generate_tokens_per_s"] > 0 and full["iteration_compute_s"] > 0
-    assert "| small | lora |" in (tmp_path / "gpu_cpu.md").read_text()
+    offload = full["offload"]  # the trainer's offload on a shared device: full only
+    assert "offload" not in lora and "nothing moves" in offload["note"]
+    state, weights = offload["offloaded"], offload["offloaded_weights"]
+    for moved in (state, weights):
+        assert moved["offload_s"] >= 0 and moved["onload_s"] >= 0 and moved["onload_bytes"] > 0
+        assert moved["offload_bytes"] > moved["onload_bytes"]  # the gradients are dropped, not moved back
+    assert state["onload_bytes"] >= 8 * full["trained_parameters"]  # AdamW's two fp32 moments
+    assert weights["onload_bytes"] - state["onload_bytes"] >= 4 * full["parameters"]  # and the fp32 weights
+    for row in (offload["resident"], state, weights):
+        assert row["peak_gib"] is None and row["largest_rows"] is None  # no device memory on a CPU
+    markdown = (tmp_path / "gpu_cpu.md").read_text()
+    assert "| small | lora |" in markdown and "Sharing the device: the trainer's offload" in markdown
+    assert "On a CPU nothing moves" in markdown and "n/a: no device memory limit on a CPU" in markdown
+
+
+def test_gpu_largest_fit():
+    """benchmarks/gpu_offload.py's search for the largest generation batch that fits (it runs on a GPU only):
+    within 1/32 of the limit, never above its cap, in at most 12 decodes."""
+    spec = importlib.util.spec_from_file_location("gpu_offload", REPO / "benchmarks" / "gpu_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for limit in (0, 1, 100, 255, 256, 3000, 8191, 10000):
+        tried: list[int] = []
+        fit, tries = module.largest_fit(lambda rows: tried.append(rows) or rows <= limit, 256, 8192)
+        best = min(limit, 8192)
+        assert fit <= best and best - fit <= max(1, fit // 32), (limit, fit, tried)
+        assert tries == len(tried) <= 12 and max(tried) <= 8192, (limit, tried)
 
 
 def test_iteration_at_scale(tmp_path: Path):
