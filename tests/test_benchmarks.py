@@ -202,7 +202,6 @@ def test_samplers(tmp_path: Path):
     assert "| sampler x2 |" in (tmp_path / "samplers.md").read_text()
 
 
-
 def test_sharing(tmp_path: Path):
     """Two runs side by side (issue 60): one after the other, both at once, and both at once taking turns by one
     lease. With the lease, by the servers' own request logs and by both runs' turn records, neither run used the
@@ -217,6 +216,7 @@ def test_sharing(tmp_path: Path):
     assert all(row["weights_equal_solo"] for row in rows.values()), rows
     assert all(row["wall_s"] > 0 and 0 < row["peak_rss_gb"] < 64 for row in rows.values()), rows
     assert "| both at once, one lease |" in (tmp_path / "sharing.md").read_text()
+
 
 def test_vs_trl(tmp_path: Path):
     """Both systems from the same warm-started model: rlpipe's pipeline and TRL's GRPOTrainer, twice."""
