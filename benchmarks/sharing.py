@@ -20,7 +20,6 @@ benchmarks/results/sharing.{json,md} (--smoke: under runs/smoke/ unless --result
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -91,11 +90,10 @@ def wait_measuring(drivers: list[subprocess.Popen]) -> float:
 
 
 def weights_sha256(run_dir: Path) -> str:
-    version = run_dir / "weights" / (run_dir / "weights" / "LATEST").read_text().strip()
-    digest = hashlib.sha256()
-    for path in sorted(version.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """The seal of the run's last version: the sha256 of its files' bytes (rlpipe.store.weights)."""
+    from rlpipe.store.weights import latest_version, read_weight_ref
+
+    return read_weight_ref(str(run_dir), latest_version(str(run_dir)) or 0)["sha256"]
 
 
 def device_use(run_dir: Path) -> list[tuple[float, float, str]]:
