@@ -41,6 +41,10 @@ CHOSEN = {
     "model.tiny.num_kv_heads": 1,
     "cluster.secrets": [{"secret": "hf", "key": "token", "env": "HF_TOKEN", "steps": ["track", "score"]}],
     "evaluation.harness.every": 10,
+    "sharing.lease": "gpu-0",
+    "sharing.claim.name": "shared-gpu",
+    "sharing.claim.device_class": "gpu.nvidia.com",
+    "sharing.claim.selector": 'device.attributes["gpu.nvidia.com"].productName == "NVIDIA H100 80GB HBM3"',
     "evaluation.sets": [  # every field, as spec_to_dict writes them
         {
             "name": "long",
@@ -64,6 +68,7 @@ CHOSEN = {
         },
     ],  # fmt: skip
 }
+SHARING = {"sharing.enabled": True, "trainer.resident": True, "rollout.engine": "sampler"}
 # Settings a field needs beside it (rules across fields, __post_init__).
 COMPANIONS = {
     "data.path": {"data.generator": None},
@@ -83,6 +88,15 @@ COMPANIONS = {
         f"evaluation.harness{key}": {"evaluation.harness.tasks": ["local_task"]}
         for key in ("", ".include_path", ".every", ".limit", ".num_fewshot", ".batch_size", ".max_gen_toks")
     },
+    **{  # sharing: the resident trainer and the samplers take turns; a claim needs its device class
+        key: SHARING | ({"sharing.claim.device_class": "gpu.nvidia.com"} if key.startswith("sharing.claim") else {})
+        for key in (
+            *(f"sharing.{k}" for k in ("enabled", "sleep_level", "offload_weights", "lease", "lease_root", "policy")),
+            *(f"sharing.{k}" for k in ("lease_duration_s", "claim", "claim.name", "claim.device_class")),
+            "sharing.claim.selector",
+        )
+    },
+    "sharing.claim.count": SHARING | {"sharing.claim.device_class": "gpu.nvidia.com", "trainer.gpus": 2},
     **{  # the Kubeflow Model Registry section needs its address
         f"tracking.model_registry{key}": {"tracking.model_registry.server_address": "https://model-registry.example"}
         for key in ("", ".port", ".is_secure", ".author", ".token_env")

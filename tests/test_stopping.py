@@ -224,7 +224,9 @@ def test_a_resident_trainer_that_cannot_start_fails_the_run_in_seconds(tmp_path:
     assert result.returncode == 1, output
     assert "trainer.device is cuda but torch sees no GPU" in result.stderr and "trainer-0.log" in result.stderr
     assert "Traceback" not in output, output
-    assert took < 60, f"took {took:.0f} s"
+    # seconds, not the 600 s a step waits for a trainer that never answers (READY_TIMEOUT_S): the bound leaves room
+    # for a loaded 2-core machine (71 s seen beside a benchmark), far below the hang
+    assert took < 180, f"took {took:.0f} s"
 
 
 # --- the loop's stop: one record, one function, called at the commit's and the eval's boundary ---------
