@@ -256,6 +256,18 @@ def test_no_argo_template_requests_the_accelerator(tmp_path: Path):
     assert (tmp_path / "rl.shared-device.yaml").exists() and (tmp_path / "rl.trainer.yaml").exists()
 
 
+def test_per_step_device_steps_are_refused_naming_what_kfp_offers(tmp_path: Path):
+    """Sharing with the update as a KFP task of its own (trainer.resident false): refused when the spec is read,
+    naming why no KFP version can give a task the shared claim."""
+    from rlpipe.spec import SpecError, load_spec
+
+    with pytest.raises(SpecError) as refused:
+        load_spec(_spec_file(tmp_path), {"trainer.resident": False})
+    said = str(refused.value)
+    assert "sharing.enabled needs trainer.resident: true" in said and "KFP 2.17, installed, has no DRA call" in said
+    assert "kfp.kubernetes.add_resource_claim takes claim templates only" in said
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_is_refused_in_one_line(tmp_path: Path, case: str):
     changes, args, message = BAD[case]

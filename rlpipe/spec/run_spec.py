@@ -148,10 +148,16 @@ class RunSpec:
             raise ValueError("sharing.claim is the device the trainer and samplers share: set sharing.enabled: true")
         if not sharing.enabled:
             return
-        if not (self.trainer.resident and self.rollout.engine == "sampler"):
+        if not self.trainer.resident:  # per-step mode: the update is a KFP task of its own
+            raise ValueError(
+                "sharing.enabled needs trainer.resident: true: a KFP task cannot reference a shared device claim "
+                "(KFP 2.17, installed, has no DRA call; KFP 2.18's kfp.kubernetes.add_resource_claim takes claim "
+                "templates only, one claim per pod), while the resident trainer and the samplers can"
+            )
+        if self.rollout.engine != "sampler":
             raise ValueError(
                 "sharing.enabled: the resident trainer and the samplers take turns on the device; set "
-                "trainer.resident: true and rollout.engine: sampler (other engines hold no device between steps)"
+                "rollout.engine: sampler (other engines hold no device between steps)"
             )
         if self.loop.max_staleness:
             raise ValueError(
